@@ -1,0 +1,149 @@
+"""Small config dataclasses grouped by concern, validated on construction."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+
+# Hugging Face `architectures[0]` / `model_type` -> our architecture name.
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer; field names follow Hugging Face."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown architecture {self.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model config field {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.architecture == "qwen3"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in data and f.default is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"model config is missing {', '.join(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face `config.json` dict."""
+        archs = hf.get("architectures") or []
+        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "qwen3": "qwen3"}.get(hf.get("model_type", ""))
+        if arch is None:
+            raise ConfigError(
+                f"unknown architecture {archs or hf.get('model_type')!r} (supported: "
+                + ", ".join(HF_ARCHITECTURES) + ")"
+            )
+        heads = hf["num_attention_heads"]
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        rope_parameters = hf.get("rope_parameters")  # transformers >= 5 folds theta in here
+        if isinstance(rope_parameters, dict):
+            rope_theta = rope_parameters.get("rope_theta", rope_theta)
+            if rope_parameters.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+        )
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Paged KV cache geometry."""
+
+    page_size: int = 64
+    num_pages: int = 0  # 0: derive from kv capacity
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ConfigError("page_size must be positive")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Admission and batching knobs; names and defaults follow the spec's server options."""
+
+    max_concurrency: int = 1
+    max_pending_requests: int = 64
+    pending_timeout_ms: int = 0  # 0: wait forever
+    prefill_chunk: int = 1024
+    decode_rounds_per_prefill: int | None = None  # None: prefill_chunk // 64
+    concurrent_prefill: bool = False
+    max_context: int = 0  # 0: model's native context
+    default_max_tokens: int | None = None
+    prefix_reuse: bool = True
+    max_private_continuations: int | None = None  # None: 2 * max_concurrency
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_concurrency <= 8:
+            raise ConfigError("--max-concurrency must be in 1..8")
+        if self.max_pending_requests < 0:
+            raise ConfigError("--max-pending-requests must be >= 0")
+        if self.pending_timeout_ms < 0:
+            raise ConfigError("--pending-timeout-ms must be >= 0")
+        if self.prefill_chunk < 1:
+            raise ConfigError("--prefill-chunk must be >= 1")
+        if self.decode_rounds_per_prefill is not None and self.decode_rounds_per_prefill < 0:
+            raise ConfigError("--decode-rounds-per-prefill must be >= 0")

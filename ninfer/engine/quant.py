@@ -1,0 +1,136 @@
+"""Groupwise weight formats and their exact (de)quantization in torch.
+
+Storage of a weight NAME with logical shape [out, in] and group size g:
+  int8:            NAME [out, in] int8,      NAME.scales [out, in/g] f16;   w = q * s
+  int4 symmetric:  NAME [out, in/2] uint8,   NAME.scales [out, in/g] f16;   w = (q - 8) * s     (GGUF Q4_0)
+  int4 asymmetric: NAME [out, in/2] uint8,   NAME.scales, NAME.mins f16;    w = q * s + m       (GGUF Q4_1)
+int4 packs element 2j in the low nibble and 2j+1 in the high nibble of byte j.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.errors import ArtifactError
+
+FLOAT_FORMATS = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+QUANT_FORMATS = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 32
+
+
+@dataclass(slots=True, frozen=True)
+class TensorFormat:
+    format: str  # f32 | f16 | bf16 | int8 | int4
+    group_size: int | None = None
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.format not in FLOAT_FORMATS and self.format not in QUANT_FORMATS:
+            raise ArtifactError(f"unknown tensor format {self.format!r}")
+        if self.format in QUANT_FORMATS and (not isinstance(self.group_size, int) or self.group_size <= 0):
+            raise ArtifactError(f"{self.format} tensor needs a positive group_size")
+
+    @property
+    def quantized(self) -> bool:
+        return self.format in QUANT_FORMATS
+
+    def to_dict(self) -> dict:
+        d: dict = {"format": self.format}
+        if self.quantized:
+            d["group_size"] = self.group_size
+            d["symmetric"] = self.symmetric
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TensorFormat:
+        if not isinstance(d, dict) or "format" not in d:
+            raise ArtifactError(f"bad tensor format entry {d!r}")
+        return cls(d["format"], d.get("group_size"), bool(d.get("symmetric", True)))
+
+    def stored_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Suffix ('' for the main tensor) -> stored shape, for a logical shape."""
+        if not self.quantized:
+            return {"": shape}
+        if len(shape) != 2:
+            raise ArtifactError(f"{self.format} needs a 2-D tensor, got shape {list(shape)}")
+        out, inp = shape
+        g = self.group_size
+        if inp % g or (self.format == "int4" and inp % 2):
+            raise ArtifactError(f"input width {inp} is not a multiple of group size {g}")
+        shapes = {"": (out, inp if self.format == "int8" else inp // 2), ".scales": (out, inp // g)}
+        if self.format == "int4" and not self.symmetric:
+            shapes[".mins"] = (out, inp // g)
+        return shapes
+
+    def stored_dtypes(self) -> dict[str, torch.dtype]:
+        if not self.quantized:
+            return {"": FLOAT_FORMATS[self.format]}
+        dtypes = {"": torch.int8 if self.format == "int8" else torch.uint8, ".scales": torch.float16}
+        if self.format == "int4" and not self.symmetric:
+            dtypes[".mins"] = torch.float16
+        return dtypes
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[out, in] values 0..15 -> [out, in/2] uint8."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[out, in/2] uint8 -> [out, in] uint8 values 0..15."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], packed.shape[1] * 2)
+
+
+def dequantize(fmt: TensorFormat, parts: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rebuild the logical tensor from its stored parts (keys '', '.scales', '.mins')."""
+    main = parts[""]
+    if not fmt.quantized:
+        return main.to(dtype)
+    g = fmt.group_size
+    scales = parts[".scales"].to(torch.float32)
+    if fmt.format == "int8":
+        q = main.to(torch.float32)
+    else:
+        q = unpack_int4(main).to(torch.float32)
+        if fmt.symmetric:
+            q = q - 8.0
+    out, inp = q.shape
+    w = q.view(out, inp // g, g) * scales.unsqueeze(-1)
+    if fmt.format == "int4" and not fmt.symmetric:
+        w = w + parts[".mins"].to(torch.float32).unsqueeze(-1)
+    return w.reshape(out, inp).to(dtype)
+
+
+def quantize(w: torch.Tensor, fmt: TensorFormat) -> dict[str, torch.Tensor]:
+    """Quantize a logical [out, in] float tensor into stored parts (round to nearest)."""
+    if not fmt.quantized:
+        return {"": w.to(FLOAT_FORMATS[fmt.format]).contiguous()}
+    g = fmt.group_size
+    out, inp = w.shape
+    x = w.to(torch.float32).reshape(out, inp // g, g)
+    if fmt.format == "int8":
+        amax = x.abs().amax(dim=-1)
+        scales = (amax / 127.0).to(torch.float16)
+        s = scales.to(torch.float32).unsqueeze(-1)
+        q = torch.where(s > 0, torch.round(x / torch.where(s > 0, s, 1.0)), 0.0).clamp(-127, 127)
+        return {"": q.reshape(out, inp).to(torch.int8).contiguous(), ".scales": scales.contiguous()}
+    if fmt.symmetric:
+        # Q4_0: the value of largest magnitude maps to -8.
+        idx = x.abs().argmax(dim=-1, keepdim=True)
+        vmax = torch.gather(x, -1, idx).squeeze(-1)
+        scales = (vmax / -8.0).to(torch.float16)
+        s = scales.to(torch.float32).unsqueeze(-1)
+        q = torch.where(s != 0, torch.round(x / torch.where(s != 0, s, 1.0)) + 8.0, 8.0).clamp(0, 15)
+        return {"": pack_int4(q.reshape(out, inp)).contiguous(), ".scales": scales.contiguous()}
+    lo = x.amin(dim=-1)
+    hi = x.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).to(torch.float16)
+    mins = lo.to(torch.float16)
+    s = scales.to(torch.float32).unsqueeze(-1)
+    m = mins.to(torch.float32).unsqueeze(-1)
+    q = torch.where(s > 0, torch.round((x - m) / torch.where(s > 0, s, 1.0)), 0.0).clamp(0, 15)
+    return {"": pack_int4(q.reshape(out, inp)).contiguous(), ".scales": scales.contiguous(), ".mins": mins.contiguous()}

@@ -1,0 +1,139 @@
+"""The one internal request type, its sampling parameters, and the events the engine emits.
+
+A protocol adapter builds a `PreparedRequest` (token ids, sampling, stops, budget); the engine
+never sees JSON. The engine answers with `OutputEvent`s, in order, the last one with
+`finish_reason` set.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer.errors import RequestError
+
+TOP_K_CAP = 20  # the sampler's candidate domain (spec: top_k above 20 is clamped to 20)
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampler settings. temperature <= 0 selects greedy argmax."""
+
+    temperature: float = 1.0
+    top_k: int = TOP_K_CAP  # 0 or below: the widest set, 20; above 20: clamped to 20
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None  # None or negative: a random seed
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per position, 0..20
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RequestError(f"{name} must be a finite number", param=name)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise RequestError("top_k must be an integer", param="top_k")
+        self.top_k = TOP_K_CAP if self.top_k <= 0 else min(self.top_k, TOP_K_CAP)
+        if not 0.0 <= self.top_p <= 1.0:
+            raise RequestError("top_p must be in [0, 1]", param="top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("min_p must be in [0, 1]", param="min_p")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
+        if self.seed is not None and self.seed < 0:
+            self.seed = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """What the engine runs. `max_tokens` None means the default output limit."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, withheld from output
+    stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (model's EOS added by the engine)
+    ignore_eos: bool = False
+    cache_prompt: bool = True  # False keeps the request out of the context cache
+    raw_prompt: bool = False  # a raw (non-chat) prompt: long ones keep a one-short checkpoint
+    hints: dict[str, Any] = field(default_factory=dict)  # protocol hints the engine passes through
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise RequestError("max_tokens must be >= 0", param="max_tokens")
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(slots=True, frozen=True)
+class Timings:
+    """The spec's `timings` object (llama.cpp's names)."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+    @property
+    def prompt_per_second(self) -> float:
+        return self.prompt_n / (self.prompt_ms / 1e3) if self.prompt_ms > 0 else 0.0
+
+    @property
+    def predicted_per_second(self) -> float:
+        return self.predicted_n / (self.predicted_ms / 1e3) if self.predicted_ms > 0 else 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_second": self.prompt_per_second,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_second": self.predicted_per_second,
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class OutputEvent:
+    """One step of a request's output. `text` is the newly committed text (stop strings withheld).
+
+    finish_reason: None while running; "stop" (EOS, stop token or stop string), "length"
+    (output budget or context capacity), "cancelled", or "error".
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the matched stop string or stop token id
+    usage: Usage | None = None  # on the final event
+    timings: Timings | None = None  # on the final event (and per token when asked)
+    error: str | None = None

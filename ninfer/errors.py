@@ -1,0 +1,32 @@
+"""Typed errors. Each carries a one-line message a user can act on; the CLI prints it
+without a traceback, the server maps the HTTP-facing ones to the protocol's envelope."""
+from __future__ import annotations
+
+
+class NInferError(Exception):
+    """Base of every error ninfer raises on purpose."""
+
+
+class ConfigError(NInferError):
+    """A bad option or config value."""
+
+
+class ArtifactError(NInferError):
+    """A .ninfer file (or a conversion source) that cannot be used."""
+
+
+class ModelNotFoundError(NInferError):
+    """A model argument that names nothing usable."""
+
+
+class RequestError(NInferError):
+    """Invalid client input, with the HTTP status, OpenAI error type, code and param."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int = 400, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+        self.type = type
