@@ -1,0 +1,31 @@
+"""Pieces several commands share: the [MODEL] TEXT argument pair, sampler flags, backend flags."""
+from __future__ import annotations
+
+from ninfer.engine.request import SamplingParams
+from ninfer.errors import ConfigError, RequestError
+
+
+def split_model_and_text(args: list[str], what: str) -> tuple[str | None, str]:
+    """`[MODEL] TEXT`: one argument is the text (default model), two are model and text."""
+    if len(args) == 1:
+        return None, args[0]
+    if len(args) == 2:
+        return args[0], args[1]
+    raise ConfigError(f"expected [MODEL] {what}, got {len(args)} arguments (quote the {what.lower()})")
+
+
+def sampling_from_flags(*, temperature: float | None, top_k: int | None, top_p: float | None,
+                        min_p: float | None, presence_penalty: float | None,
+                        frequency_penalty: float | None, seed: int | None,
+                        preset: dict | None = None) -> SamplingParams:
+    """Flags over the model's preset over SamplingParams' defaults; bad values name the flag."""
+    values = dict(preset or {})
+    flags = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+             "presence_penalty": presence_penalty, "frequency_penalty": frequency_penalty, "seed": seed}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    known = set(SamplingParams.__slots__)
+    try:
+        return SamplingParams(**{k: v for k, v in values.items() if k in known})
+    except RequestError as e:
+        flag = "--" + (e.param or "").replace("_", "-")
+        raise ConfigError(f"{flag}: {e.message}") from None

@@ -1,0 +1,89 @@
+"""The `ninfer` command: one Typer app, one module per command."""
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from ninfer.version import version_string
+
+app = typer.Typer(
+    name="ninfer",
+    help="Local LLM inference: serve, run, tokenize, convert and benchmark models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_state = {"debug": False}
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(version_string())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                           help="Print <VERSION>+<build id> and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+) -> None:
+    _state["debug"] = debug
+
+
+def _register() -> None:
+    from ninfer.cli.convert import convert
+    from ninfer.cli.run import run
+    from ninfer.cli.tokenize import tokenize
+
+    app.command("run", help="Generate from a prompt (chat template applied unless --raw).")(run)
+    app.command("tokenize", help="Print the token ids of a text.")(tokenize)
+    app.command("convert", help="Convert a GGUF file or Hugging Face folder into a .ninfer artifact.")(convert)
+    try:
+        from ninfer.cli.serve import serve
+    except ImportError:
+        pass
+    else:
+        app.command("serve", help="Serve a model over OpenAI-, Anthropic- and llama.cpp-compatible HTTP APIs.")(serve)
+    try:
+        from ninfer.cli.bench import bench
+    except ImportError:
+        pass
+    else:
+        app.command("bench", help="Benchmark prompt processing and generation (llama-bench style).")(bench)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; errors print one line (a traceback only with --debug)."""
+    from ninfer.errors import NInferError
+
+    _register()
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    try:
+        app(args=args, standalone_mode=False, prog_name="ninfer")
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        print("ninfer: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if debug:
+            raise
+        if isinstance(e, NInferError):
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""`ninfer run [MODEL] PROMPT`: one generation, streamed to the terminal."""
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from typing import List, Optional
+
+import typer
+
+from ninfer.cli.common import sampling_from_flags, split_model_and_text
+from ninfer.errors import ConfigError
+
+
+def run(
+    args: List[str] = typer.Argument(..., metavar="[MODEL] PROMPT", help="Optional model (.ninfer, .gguf or HF folder), then the prompt."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", "-n", help="Output limit (default: the engine's default output limit)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="<= 0 is greedy."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="0 or above 20 means 20."),
+    top_p: Optional[float] = typer.Option(None, "--top-p"),
+    min_p: Optional[float] = typer.Option(None, "--min-p"),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty"),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Same seed, same output."),
+    stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    system: Optional[str] = typer.Option(None, "--system", help="System message."),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, token ids, finish reason, timings."),
+    backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
+    device: int = typer.Option(0, "--device", help="CUDA device index."),
+) -> None:
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.loader import load_engine
+    from ninfer.engine.request import PreparedRequest
+
+    model, prompt = split_model_and_text(args, "PROMPT")
+    if not prompt.strip():
+        raise ConfigError("the prompt is empty")
+    if max_tokens is not None and max_tokens < 1:
+        raise ConfigError("--max-tokens must be >= 1")
+    if system is not None and raw:
+        raise ConfigError("--system applies to the chat template; it cannot be combined with --raw")
+    loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
+                         announce=not json_out)
+    sampling = sampling_from_flags(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                   seed=seed, preset=loaded.meta.sampler_presets.get("default"))
+    tok = loaded.tokenizer
+    try:
+        if raw:
+            ids = tok.encode(prompt, add_special_tokens=True)
+        else:
+            messages = ([{"role": "system", "content": system}] if system is not None else [])
+            messages.append({"role": "user", "content": prompt})
+            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+        req = PreparedRequest(request_id=f"run-{uuid.uuid4().hex[:12]}", prompt_token_ids=ids, sampling=sampling,
+                              max_tokens=max_tokens, stop=list(stop), raw_prompt=raw)
+        text, token_ids, final = [], [], None
+        for event in loaded.engine.submit(req):
+            token_ids.extend(event.token_ids)
+            text.append(event.text)
+            if not json_out and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            if event.finish_reason is not None:
+                final = event
+    finally:
+        loaded.engine.shutdown()
+    if final is not None and final.finish_reason == "error":
+        raise ConfigError(f"generation failed: {final.error}")
+    timings = final.timings if final is not None else None
+    if json_out:
+        print(json.dumps({
+            "model": loaded.model_id,
+            "text": "".join(text),
+            "token_ids": token_ids,
+            "prompt_tokens": len(ids),
+            "finish_reason": final.finish_reason if final else None,
+            "timings": timings.to_dict() if timings else None,
+        }, ensure_ascii=False))
+        return
+    sys.stdout.write("\n")
+    if timings is not None:
+        print(f"[prompt: {timings.prompt_n} tokens, {timings.prompt_per_second:.1f} tok/s | "
+              f"decode: {timings.predicted_n} tokens, {timings.predicted_per_second:.1f} tok/s | "
+              f"finish: {final.finish_reason}]", file=sys.stderr)

@@ -1,0 +1,122 @@
+"""From a MODEL argument to a running Engine: resolve the artifact, pick the backend, size the
+KV pool, build runner + tokenizer + engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ninfer.engine.artifact import Artifact, ArtifactMetadata
+from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.model_store import resolve_model
+from ninfer.errors import ConfigError
+
+PAGE_SIZE = 64
+BACKENDS = ("auto", "torch", "cuda")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    engine: object  # ninfer.engine.engine.Engine (started)
+    tokenizer: object  # ninfer.engine.tokenizer.Tokenizer
+    meta: ArtifactMetadata
+    path: Path
+    model_id: str
+    max_context: int
+    backend: str
+    device: str
+
+
+def resolve_backend(backend: str, device: int) -> tuple[str, str]:
+    """(backend, torch device string). auto: cuda when a CUDA device is present, else torch on CPU."""
+    import torch
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    has_cuda = torch.cuda.is_available()
+    if backend == "cuda" and not has_cuda:
+        raise ConfigError("--backend cuda needs a CUDA device, and none is visible")
+    if has_cuda and not 0 <= device < torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: there are {torch.cuda.device_count()} CUDA devices")
+    if backend == "cuda":
+        from ninfer.engine.backends import cuda_available
+        if not cuda_available():
+            raise ConfigError("--backend cuda is not supported by this build yet; use --backend torch")
+    if backend == "auto":
+        from ninfer.engine.backends import cuda_available
+        backend = "cuda" if has_cuda and cuda_available() else "torch"
+    return backend, (f"cuda:{device}" if has_cuda else "cpu")
+
+
+def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_per_token: int,
+                     device: str) -> int:
+    """Pages in the shared KV pool. None: follow --max-context; "auto": device memory (CUDA: free
+    memory less 1 GiB headroom; CPU: a quarter of available RAM), capped at 8 lanes x max_context."""
+    if kv_capacity is None:
+        tokens = max_context
+    elif kv_capacity == "auto":
+        import torch
+
+        if device.startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            budget = free - (1 << 30)
+        else:
+            import os
+            budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+        tokens = min(max(budget, 0) // max(kv_bytes_per_token, 1), 8 * max_context)
+    elif isinstance(kv_capacity, int) and not isinstance(kv_capacity, bool) and kv_capacity > 0:
+        tokens = kv_capacity
+    else:
+        raise ConfigError(f"--kv-capacity must be a positive integer or auto, got {kv_capacity!r}")
+    pages = -(-tokens // PAGE_SIZE)
+    if pages * PAGE_SIZE < PAGE_SIZE:
+        raise ConfigError("--kv-capacity leaves no room for a single KV page")
+    return pages
+
+
+def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
+                kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
+                cache_dir: Path | None = None, announce: bool = True) -> LoadedModel:
+    """Load `model` (None: the default model) and start an Engine over it."""
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.tokenizer import Tokenizer
+
+    if cache_dir is None:
+        from ninfer.paths import cache_dir as default_cache_dir
+        cache_dir = default_cache_dir()
+    scheduler = scheduler or SchedulerConfig()
+    backend, torch_device = resolve_backend(backend, device)
+    path = resolve_model(model, cache_dir, announce=announce)
+    artifact = Artifact.open(path)
+    meta = artifact.meta
+    if chat_template is not None:
+        meta = replace(meta, chat_template=_read_template(chat_template))
+    native = meta.config.max_position_embeddings
+    max_context = scheduler.max_context or native
+    if max_context < 1:
+        raise ConfigError("--max-context must be positive")
+    scheduler = replace(scheduler, max_context=max_context)
+    tokenizer = Tokenizer.from_metadata(meta)
+
+    if backend == "cuda":
+        from ninfer.engine.backends.cuda_runner import CudaModelRunner as Runner
+    else:
+        Runner = TorchModelRunner
+    c = meta.config  # K and V, every layer; f32 on CPU, bf16 on CUDA
+    bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (2 if torch_device != "cpu" else 4)
+    num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
+    runner = Runner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device)
+    engine = Engine(runner, tokenizer, scheduler, model_max_context=max_context)
+    engine.start()
+    return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=path, model_id=meta.model_id,
+                       max_context=max_context, backend=backend, device=torch_device)
+
+
+def _read_template(value: str) -> str:
+    """--chat-template takes a file path or the template text itself."""
+    p = Path(value).expanduser()
+    if "{" not in value and p.is_file():
+        return p.read_text()
+    if "{" not in value:
+        raise ConfigError(f"--chat-template {value!r}: no such file")
+    return value

