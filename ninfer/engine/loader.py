@@ -77,38 +77,42 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it."""
-    from ninfer.engine.backends.torch_runner import TorchModelRunner
-    from ninfer.engine.engine import Engine
-    from ninfer.engine.tokenizer import Tokenizer
-
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
         cache_dir = default_cache_dir()
-    scheduler = scheduler or SchedulerConfig()
     backend, torch_device = resolve_backend(backend, device)
     path = resolve_model(model, cache_dir, announce=announce)
     artifact = Artifact.open(path)
-    meta = artifact.meta
     if chat_template is not None:
-        meta = replace(meta, chat_template=_read_template(chat_template))
+        artifact.meta = replace(artifact.meta, chat_template=_read_template(chat_template))
+    return start_engine(artifact, backend=backend, torch_device=torch_device,
+                        scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity)
+
+
+def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
+                 kv_capacity: int | str | None) -> LoadedModel:
+    """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it."""
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.tokenizer import Tokenizer
+
+    meta = artifact.meta
     native = meta.config.max_position_embeddings
     max_context = scheduler.max_context or native
     if max_context < 1:
         raise ConfigError("--max-context must be positive")
     scheduler = replace(scheduler, max_context=max_context)
     tokenizer = Tokenizer.from_metadata(meta)
-
     if backend == "cuda":
         from ninfer.engine.backends.cuda_runner import CudaModelRunner as Runner
     else:
-        Runner = TorchModelRunner
+        from ninfer.engine.backends.torch_runner import TorchModelRunner as Runner
     c = meta.config  # K and V, every layer; f32 on CPU, bf16 on CUDA
     bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (2 if torch_device != "cpu" else 4)
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
     runner = Runner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device)
     engine = Engine(runner, tokenizer, scheduler, model_max_context=max_context)
     engine.start()
-    return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=path, model_id=meta.model_id,
+    return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device)
 
 

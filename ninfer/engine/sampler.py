@@ -35,7 +35,7 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
     temps = [s.sampling.temperature if not s.sampling.greedy else 1.0 for s in seqs]
     temp = torch.tensor(temps, dtype=torch.float32, device=logits.device).unsqueeze(1)  # [n, 1]
     k_dom = min(TOP_K_CAP, vocab)
-    top_vals, top_ids = torch.topk(logits, k_dom, dim=-1)  # [n, K], most likely first; ties: lowest id
+    top_vals, top_ids = torch.topk(logits, k_dom, dim=-1)  # [n, K], most likely first
     scaled = top_vals / temp  # [n, K]
 
     # Candidate filtering on the [n, K] slice: top_k, then top_p and min_p over the renormalized
@@ -46,9 +46,9 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
     probs = torch.softmax(scaled, dim=-1)  # [n, K]; -inf (masked or filtered) columns get 0
     top_p = torch.tensor([s.sampling.top_p for s in seqs], dtype=torch.float32, device=logits.device).unsqueeze(1)
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each column
-    keep = before < top_p
     min_p = torch.tensor([s.sampling.min_p for s in seqs], dtype=torch.float32, device=logits.device).unsqueeze(1)
-    keep &= probs >= min_p * probs[:, :1]
+    # Each condition holds on a prefix of the columns (probs are sorted), so `keep` is a prefix.
+    keep = (before < top_p) & (probs >= min_p * probs[:, :1]) & (probs > 0)
     keep[:, 0] = True
     probs = probs * keep
 
@@ -59,9 +59,12 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
     col = (cdf <= u * cdf[:, -1:]).sum(dim=-1)  # [n]
     # u*total can round up to total; never step past the last candidate with mass.
     col = torch.minimum(col, keep.sum(dim=-1) - 1)
-    greedy = torch.tensor([s.sampling.greedy for s in seqs], device=logits.device)
-    col = torch.where(greedy, torch.zeros_like(col), col)
     chosen = top_ids.gather(1, col.unsqueeze(1)).squeeze(1)  # [n]
+    # Greedy rows take argmax, which (unlike topk) promises the lowest id among ties.
+    greedy_rows = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+    if greedy_rows:
+        rows = torch.tensor(greedy_rows, device=logits.device)
+        chosen[rows] = logits[rows].argmax(dim=-1)
 
     token_ids = chosen.tolist()
     records: list[TokenLogprob | None] = [None] * n

@@ -1,0 +1,219 @@
+"""`ninfer bench [MODEL]`: llama-bench's shape over the Engine.
+
+pp<N>: prompt processing of N random tokens (prompt_ms from the engine's timings).
+tg<N>: N generated tokens from a one-token prompt; with --concurrency C, C requests at once and
+the aggregate decode rate (tokens after each request's first / wall time once all are decoding).
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from typing import List, Optional
+
+import typer
+
+from ninfer.errors import ConfigError
+
+
+def _int_list(values: List[str], flag: str) -> list[int]:
+    out: list[int] = []
+    for v in values:
+        for part in str(v).split(","):
+            try:
+                n = int(part)
+            except ValueError:
+                raise ConfigError(f"{flag}: {part!r} is not an integer") from None
+            if n < 0:
+                raise ConfigError(f"{flag}: {n} must be >= 0")
+            out.append(n)
+    return out
+
+
+def _run_requests(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int, list]:
+    """Submit all prompts at once; return (t_all_first, t_end, tokens after first, final events)."""
+    from ninfer.engine.request import PreparedRequest, SamplingParams
+
+    finals: list = [None] * len(prompts)
+    firsts: list[float] = [math.inf] * len(prompts)
+    counts = [0] * len(prompts)
+    handles = [engine.submit(PreparedRequest(
+        request_id=f"bench-{i}-{random.getrandbits(32):08x}", prompt_token_ids=p,
+        sampling=SamplingParams(temperature=0.0), max_tokens=max_tokens, ignore_eos=True, cache_prompt=False,
+        raw_prompt=True)) for i, p in enumerate(prompts)]
+
+    def drain(i: int) -> None:
+        for ev in handles[i]:
+            if ev.token_ids and firsts[i] == math.inf:
+                firsts[i] = time.perf_counter()
+                counts[i] += len(ev.token_ids) - 1
+            else:
+                counts[i] += len(ev.token_ids)
+            if ev.finish_reason is not None:
+                finals[i] = ev
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for f in finals:
+        if f is None or f.finish_reason == "error":
+            raise ConfigError(f"benchmark request failed: {getattr(f, 'error', 'no final event')}")
+    return max(firsts), time.perf_counter(), sum(counts), finals
+
+
+def _model_stats(artifact) -> tuple[int, int]:
+    """(size in bytes of the stored weights, parameter count)."""
+    from ninfer.engine.models import expected_weights
+
+    shapes = expected_weights(artifact.meta.config)
+    n_params = sum(math.prod(s) for s in shapes.values())
+    size = 0
+    for name, shape in shapes.items():
+        fmt = artifact.meta.tensor_formats[name]
+        for suffix, stored in fmt.stored_shapes(shape).items():
+            size += math.prod(stored) * fmt.stored_dtypes()[suffix].itemsize
+    return size, n_params
+
+
+def bench(
+    model: Optional[str] = typer.Argument(None, help="Model (.ninfer, .gguf or HF folder); default: the default model."),
+    n_prompt: List[str] = typer.Option(["512"], "-p", "--n-prompt", help="Prompt sizes (comma list or repeated; 0 skips)."),
+    n_gen: List[str] = typer.Option(["128"], "-n", "--n-gen", help="Generation lengths (comma list or repeated; 0 skips)."),
+    repetitions: int = typer.Option(5, "-r", "--repetitions", help="Runs per test (after one warm-up)."),
+    concurrency: List[str] = typer.Option(["1"], "--concurrency", "-c", help="Concurrent requests for tg tests (1..8)."),
+    output: str = typer.Option("md", "-o", "--output", help="md, json or jsonl."),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic", help="Random weights of a named shape (e.g. smollm2-135m, llama-8b, qwen3-8b)."),
+    weights: str = typer.Option("bf16", "--weights", help="Synthetic weight format: bf16, f32, int8, int4."),
+    backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
+    device: int = typer.Option(0, "--device", help="CUDA device index."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+) -> None:
+    from rich.progress import Progress
+
+    from ninfer.engine.artifact import Artifact
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.loader import resolve_backend, start_engine
+    from ninfer.engine.model_store import resolve_model
+    from ninfer.paths import cache_dir
+    from ninfer.version import build_id, version_string
+
+    prompts = _int_list(n_prompt, "-p")
+    gens = _int_list(n_gen, "-n")
+    concs = _int_list(concurrency, "--concurrency")
+    if output not in ("md", "json", "jsonl"):
+        raise ConfigError(f"-o must be md, json or jsonl, got {output!r}")
+    if repetitions < 1:
+        raise ConfigError("-r must be >= 1")
+    if any(not 1 <= c <= 8 for c in concs):
+        raise ConfigError("--concurrency values must be in 1..8")
+    if synthetic is not None and model is not None:
+        raise ConfigError("give either MODEL or --synthetic, not both")
+    tests = [(p, 0, 1) for p in prompts if p > 0] + [(0, n, c) for n in gens if n > 0 for c in concs]
+    if not tests:
+        raise ConfigError("nothing to run: every -p and -n value is 0")
+
+    backend, torch_device = resolve_backend(backend, device)
+    if synthetic is not None:
+        from ninfer.engine.synthetic import SyntheticArtifact
+        artifact = SyntheticArtifact(synthetic, weights)
+    else:
+        artifact = Artifact.open(resolve_model(model, cache_dir(), announce=output == "md"))
+    max_c = max(c for _, _, c in tests)
+    span = max(p for p, _, _ in tests) + max(n for _, n, _ in tests) + 2
+    scheduler = SchedulerConfig(max_concurrency=max_c, max_pending_requests=8, max_context=span,
+                                prefix_reuse=False)
+    loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
+                          kv_capacity=max_c * (span + 64))
+    rng = random.Random(seed)
+    excluded = set(loaded.tokenizer.special_token_ids) | set(loaded.tokenizer.stop_token_ids)
+    vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]
+    size, n_params = _model_stats(artifact)
+    threads = torch_threads()
+    results = []
+    try:
+        with Progress(transient=True, console=_stderr_console()) as progress:
+            task = progress.add_task("bench", total=len(tests) * (repetitions + 1))
+            for p, n, c in tests:
+                name = f"pp{p}" if p else f"tg{n}"
+                progress.update(task, description=f"{name} x{c}" if c > 1 else name)
+                samples_ns = []
+                for rep in range(repetitions + 1):  # rep 0 is the warm-up
+                    if p:
+                        _, _, _, finals = _run_requests(loaded.engine, [rng.choices(vocab, k=p)], 1)
+                        ns = finals[0].timings.prompt_ms * 1e6
+                        tokens = p
+                    else:
+                        first, end, after_first, _ = _run_requests(
+                            loaded.engine, [[rng.choice(vocab)] for _ in range(c)], n)
+                        ns = (end - first) * 1e9
+                        tokens = after_first
+                    if rep:
+                        samples_ns.append((ns, tokens))
+                    progress.advance(task)
+                ts = [t / (ns / 1e9) for ns, t in samples_ns]
+                results.append({
+                    "build_commit": build_id(), "build_number": version_string(),
+                    "cpu_info": platform.processor() or platform.machine(),
+                    "gpu_info": _gpu_info(torch_device), "backends": loaded.backend,
+                    "model_filename": str(artifact.path), "model_type": f"{artifact.meta.architecture} {artifact.meta.name}",
+                    "model_size": size, "model_n_params": n_params, "n_threads": threads,
+                    "n_prompt": p, "n_gen": n, "n_concurrency": c,
+                    "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "avg_ns": int(statistics.fmean(ns for ns, _ in samples_ns)),
+                    "stddev_ns": int(statistics.stdev([ns for ns, _ in samples_ns])) if len(samples_ns) > 1 else 0,
+                    "avg_ts": statistics.fmean(ts),
+                    "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0,
+                    "samples_ns": [int(ns) for ns, _ in samples_ns], "samples_ts": ts,
+                })
+    finally:
+        loaded.engine.shutdown()
+    _print(results, output)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _gpu_info(device: str) -> str:
+    if not device.startswith("cuda"):
+        return ""
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+def _stderr_console():
+    from rich.console import Console
+
+    return Console(file=sys.stderr)
+
+
+def _print(results: list[dict], output: str) -> None:
+    if output == "json":
+        print(json.dumps(results, indent=2))
+        return
+    if output == "jsonl":
+        for r in results:
+            print(json.dumps(r))
+        return
+    show_c = any(r["n_concurrency"] != 1 for r in results)
+    header = ["model", "size", "params", "backend", "threads"] + (["conc"] if show_c else []) + ["test", "t/s"]
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join("---:" if h in ("size", "params", "threads", "conc", "t/s") else "---" for h in header) + " |")
+    for r in results:
+        test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        row = [r["model_type"], f"{r['model_size'] / 2**20:.2f} MiB", f"{r['model_n_params'] / 1e6:.2f} M",
+               r["backends"], str(r["n_threads"])] + ([str(r["n_concurrency"])] if show_c else []) + \
+              [test, f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"]
+        print("| " + " | ".join(row) + " |")
+    print(f"\nbuild: {results[0]['build_number']}", file=sys.stderr)

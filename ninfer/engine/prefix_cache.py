@@ -1,0 +1,159 @@
+"""The context cache: retained finished conversations whose KV pages a new prompt can reuse.
+
+Each entry is a private continuation: the token ids whose KV its pages hold (positions 0..n-1)
+and those pages, one reference each. With paged attention every prefix of an entry is a valid
+checkpoint, so a prompt that extends a retained conversation (the next turn), or repeats a raw
+prompt (a regenerated completion), reuses the longest common prefix. The catalog is small
+(--max-private-continuations, 2 x concurrency by default), so lookup is a scan comparing one
+page of tokens at a time. Eviction is least recently used first, and only releases the entry's
+references: a page an active request also holds stays allocated until that request ends.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from ninfer.engine.kv_cache import PagePool, pages_for_tokens
+
+LONG_RAW_PROMPT = 512  # raw prompts this long resume one token short of their end (spec)
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    entry_id: int
+    token_ids: list[int]  # tokens whose KV the pages hold
+    pages: list[int]  # pages_for_tokens(len(token_ids)) pages; this entry holds one ref on each
+    last_used: int  # LRU clock value of the last insert or hit
+
+
+@dataclass(slots=True, frozen=True)
+class PrefixMatch:
+    entry_id: int
+    num_tokens: int  # tokens of the prompt matched by the entry (already capped by max_tokens)
+    entry_tokens: int  # the entry's length (its KV frontier)
+
+
+def reuse_path(match_tokens: int, entry_tokens: int, prompt_len: int, raw_prompt: bool) -> str:
+    """The spec's reuse path name for an admission that reused `match_tokens` tokens."""
+    if match_tokens <= 0:
+        return "root"
+    if match_tokens >= entry_tokens:
+        return "private_endpoint"  # the prompt continues the retained conversation
+    if raw_prompt and prompt_len >= LONG_RAW_PROMPT and match_tokens == prompt_len - 1:
+        return "private_long_anchor"  # the same long raw prompt sent again
+    return "shared_stable_prefix"
+
+
+def common_prefix_len(a: list[int], b: list[int], step: int = 64) -> int:
+    """Length of the longest common prefix of `a` and `b` (compares `step` tokens at a time)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n:
+        j = min(i + step, n)
+        if a[i:j] != b[i:j]:
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i = j
+    return n
+
+
+class PrefixCache:
+    """Retained continuations over a PagePool, at most `max_entries` of them."""
+
+    __slots__ = ("pool", "max_entries", "_entries", "_clock", "_next_id")
+
+    def __init__(self, pool: PagePool, max_entries: int) -> None:
+        self.pool = pool
+        self.max_entries = max_entries
+        self._entries: dict[int, CacheEntry] = {}
+        self._clock = 0
+        self._next_id = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entries(self) -> list[CacheEntry]:
+        """Entries, least recently used first."""
+        return sorted(self._entries.values(), key=lambda e: e.last_used)
+
+    def pages_held(self) -> set[int]:
+        return {p for e in self._entries.values() for p in e.pages}
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def match(self, token_ids: list[int], max_tokens: int) -> PrefixMatch | None:
+        """The entry sharing the longest prefix with `token_ids`, capped at `max_tokens`
+        (ties go to the most recently used). None when nothing matches."""
+        best: PrefixMatch | None = None
+        for e in sorted(self._entries.values(), key=lambda e: -e.last_used):
+            n = min(common_prefix_len(token_ids, e.token_ids, self.pool.page_size), max_tokens)
+            if n > 0 and (best is None or n > best.num_tokens):
+                best = PrefixMatch(e.entry_id, n, len(e.token_ids))
+        return best
+
+    def share(self, entry_id: int, num_pages: int) -> list[int]:
+        """Take a reference on the entry's first `num_pages` pages for a new sequence and mark
+        the entry used; returns those page ids."""
+        e = self._entries[entry_id]
+        assert num_pages <= len(e.pages)
+        pages = e.pages[:num_pages]
+        self.pool.incref(pages)
+        e.last_used = self._tick()
+        return pages
+
+    def page_at(self, entry_id: int, index: int) -> int:
+        return self._entries[entry_id].pages[index]
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
+        """Retain a finished sequence: the caller hands over one reference on each page.
+
+        Entries whose tokens are a prefix of the new one are dropped (the new entry serves
+        every prompt they could); then the least recently used go while over `max_entries`.
+        Returns the ids of the entries removed, in order."""
+        assert len(pages) == pages_for_tokens(len(token_ids), self.pool.page_size)
+        removed = [e.entry_id for e in self.entries()
+                   if len(e.token_ids) <= len(token_ids) and token_ids[:len(e.token_ids)] == e.token_ids]
+        for entry_id in removed:
+            self.drop(entry_id)
+        entry = CacheEntry(self._next_id, list(token_ids), list(pages), self._tick())
+        self._next_id += 1
+        self._entries[entry.entry_id] = entry
+        while len(self._entries) > self.max_entries:
+            victim = self.entries()[0]
+            self.drop(victim.entry_id)
+            removed.append(victim.entry_id)
+        return removed
+
+    def drop(self, entry_id: int) -> list[int]:
+        """Remove one entry and release its page references; returns the pages freed."""
+        e = self._entries.pop(entry_id)
+        return self.pool.decref(e.pages)
+
+    def _freeable(self, entry: CacheEntry) -> int:
+        # pages this entry is the last holder of
+        return sum(1 for p in entry.pages if self.pool.refcount(p) == 1)
+
+    def freeable_pages(self) -> int:
+        """Pages that evicting every entry would return to the pool (pages an active request
+        also holds are not counted)."""
+        holders = Counter(p for e in self._entries.values() for p in e.pages)
+        return sum(1 for p, n in holders.items() if self.pool.refcount(p) == n)
+
+    def evict(self, need_free: int) -> list[int]:
+        """Evict least recently used entries until the pool has `need_free` free pages, skipping
+        entries whose eviction would free nothing now. Returns the evicted entry ids in order."""
+        evicted: list[int] = []
+        while self.pool.num_free < need_free:
+            victim = next((e for e in self.entries() if self._freeable(e) > 0), None)
+            if victim is None:
+                break
+            self.drop(victim.entry_id)
+            evicted.append(victim.entry_id)
+        return evicted
+
+    def clear(self) -> None:
+        for entry_id in list(self._entries):
+            self.drop(entry_id)

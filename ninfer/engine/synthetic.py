@@ -1,0 +1,99 @@
+"""Random-weight models of named real shapes, for speed work without weights (`--synthetic NAME`).
+
+`SyntheticArtifact` quacks like `Artifact` (meta, load_parts, load_dequantized) but makes its
+tensors on the target device instead of reading a file.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ninfer.engine.artifact import ArtifactMetadata, SpecialTokens
+from ninfer.engine.config import ModelConfig
+from ninfer.engine.models import expected_weights, is_quantizable
+from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat, quantize
+from ninfer.errors import ConfigError
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# name -> Hugging Face config fields of the real model with that shape.
+SHAPES: dict[str, dict] = {
+    "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                         rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-1b": dict(architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=True,
+                     rope_scaling=dict(_LLAMA3_SCALING, factor=32.0)),
+    "llama-8b": dict(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=500000.0, max_position_embeddings=131072, rope_scaling=_LLAMA3_SCALING),
+    "qwen3-0.6b": dict(architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
+                       rms_norm_eps=1e-6),
+    "qwen3-8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6),
+}
+
+
+def _word_level_tokenizer(vocab_size: int) -> str:
+    """A tokenizer whose token i is the text "<i>" so any id decodes (benchmarks feed ids)."""
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
+        "normalizer": None, "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+        "decoder": None, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<0>"},
+    })
+
+
+class SyntheticArtifact:
+    """Random weights (normal, std 0.02; norms 1) of a named shape, in `weights` format."""
+
+    def __init__(self, name: str, weights: str = "bf16", seed: int = 0) -> None:
+        if name not in SHAPES:
+            raise ConfigError(f"--synthetic {name!r}: known shapes are {', '.join(SHAPES)}")
+        if weights not in ("bf16", "f32", "int8", "int4"):
+            raise ConfigError(f"synthetic weights must be bf16, f32, int8 or int4, got {weights!r}")
+        config = ModelConfig(**SHAPES[name])
+        self.path = Path(f"synthetic:{name}")
+        self.seed = seed
+        shapes = expected_weights(config)
+        formats = {}
+        for wname, shape in shapes.items():
+            if len(shape) == 2 and is_quantizable(wname) and weights in ("int8", "int4"):
+                formats[wname] = TensorFormat(weights, DEFAULT_GROUP_SIZE, symmetric=False)
+            elif len(shape) == 2:
+                formats[wname] = TensorFormat("f32" if weights == "f32" else "bf16")
+            else:
+                formats[wname] = TensorFormat("f32")
+        self._shapes = shapes
+        self.meta = ArtifactMetadata(
+            name=f"synthetic-{name}", model_id=f"synthetic-{name}", config=config, tensor_formats=formats,
+            tokenizer_json=_word_level_tokenizer(config.vocab_size), chat_template=None,
+            special_tokens=SpecialTokens(eos_token_id=None, stop_token_ids=[]),
+            source={"kind": "synthetic", "sha256": None, "path": name, "weights": weights},
+        )
+
+    def _tensor(self, name: str, gen: torch.Generator, device: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        if len(shape) == 1:
+            return torch.ones(shape, dtype=torch.float32, device=device)
+        return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * 0.02
+
+    def load_parts(self, device: str | torch.device = "cpu") -> dict[str, dict[str, torch.Tensor]]:
+        device = str(device)
+        gen = torch.Generator(device=device).manual_seed(self.seed)
+        return {name: quantize(self._tensor(name, gen, device), fmt)
+                for name, fmt in self.meta.tensor_formats.items()}
+
+    def load_dequantized(self, dtype: torch.dtype = torch.float32,
+                         device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        from ninfer.engine.quant import dequantize
+
+        return {name: dequantize(self.meta.tensor_formats[name], parts, dtype)
+                for name, parts in self.load_parts(device).items()}
