@@ -113,9 +113,18 @@ def qwen_style_template() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """transformers' tokenizer loaded from the SmolLM2 GGUF, saved with save_pretrained."""
+    """transformers' tokenizer loaded from the SmolLM2 GGUF (pre-tokenizer as SmolLM2 publishes it),
+    saved with save_pretrained: tokenizer.json, tokenizer_config.json, chat_template.jinja."""
     transformers = pytest.importorskip("transformers")
+    from tokenizers import pre_tokenizers
+
     tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    # transformers gives every gpt2-type GGUF GPT-2's pre-tokenizer; SmolLM2's own tokenizer.json (and
+    # llama.cpp's "smollm" pre-tokenizer) first isolates each digit. Restore that, as our converter does.
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
     out = tmp_path_factory.mktemp("smollm2_tokenizer")
     tok.save_pretrained(str(out))
     return out

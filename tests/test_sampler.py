@@ -7,7 +7,7 @@ import torch
 
 from ninfer.engine.batch import SequenceWork
 from ninfer.engine.request import SamplingParams
-from ninfer.engine.sampler import OUTSIDE_TOP_LOGPROB, sample
+from ninfer.engine.sampler import OUTSIDE_TOP_LOGPROB, _logprob_records, sample
 
 VOCAB = 1000
 
@@ -64,13 +64,20 @@ def test_top_k_one_and_tiny_top_p_equal_greedy() -> None:
 
 def test_min_p_filters_relative_to_max() -> None:
     logits = torch.full((1, VOCAB), -20.0)
-    logits[0, 10] = 0.0
-    logits[0, 11] = math.log(0.5)   # p/p_max = 0.5
-    logits[0, 12] = math.log(0.05)  # p/p_max = 0.05
-    drawn = {sample(logits, [_seq(s, min_p=0.1)])[0][0] for s in range(200)}
-    assert drawn == {10, 11}
-    drawn_all = {sample(logits, [_seq(s, min_p=0.0)])[0][0] for s in range(400)}
-    assert 12 in drawn_all
+    # Relative to the most likely: 1, 0.5, 0.15, 0.05 (absolute probs ~0.59, 0.29, 0.088, 0.029).
+    logits[0, 10:14] = torch.tensor([1.0, 0.5, 0.15, 0.05]).log()
+    drawn = {sample(logits, [_seq(s, min_p=0.1)])[0][0] for s in range(300)}
+    assert drawn == {10, 11, 12}
+    drawn_all = {sample(logits, [_seq(s, min_p=0.0)])[0][0] for s in range(300)}
+    assert drawn_all == {10, 11, 12, 13}
+
+
+def test_top_p_keeps_smallest_set_reaching_p() -> None:
+    logits = torch.full((1, VOCAB), -30.0)
+    logits[0, 20:23] = torch.tensor([0.5, 0.3, 0.2]).log()
+    for top_p, expected in ((0.45, {20}), (0.7, {20, 21}), (0.85, {20, 21, 22})):
+        drawn = {sample(logits, [_seq(s, top_p=top_p)])[0][0] for s in range(200)}
+        assert drawn == expected, top_p
 
 
 def test_penalties_change_argmax() -> None:
@@ -128,7 +135,6 @@ def test_masked_tokens_never_listed_and_outside_top_reports_sentinel() -> None:
     assert [t for t, _ in records[0].top] == [5, 6, 7]
     assert sum(math.exp(lp) for _, lp in records[0].top) == pytest.approx(1.0)
     # A token outside the 20 most likely (possible with a caller-forced id) reports -9999.
-    from ninfer.engine.sampler import _logprob_records
     wide = _logits(1)
     top_vals, top_ids = torch.topk(wide, 20)
     outsider = int(torch.argmin(wide))

@@ -32,6 +32,10 @@ class SequenceWork:
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[SequenceWork]
+    # (src page, dst page): copy src's K/V into dst, every layer, before computing the batch;
+    # a prefix hit that ends inside a page gets a private copy of it (copy-on-write). Only
+    # emitted when the runner has `copy_pages`.
+    page_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -94,18 +94,15 @@ class PrefixCache:
                 best = PrefixMatch(e.entry_id, n, len(e.token_ids))
         return best
 
-    def share(self, entry_id: int, num_pages: int) -> list[int]:
-        """Take a reference on the entry's first `num_pages` pages for a new sequence and mark
-        the entry used; returns those page ids."""
-        e = self._entries[entry_id]
-        assert num_pages <= len(e.pages)
-        pages = e.pages[:num_pages]
-        self.pool.incref(pages)
-        e.last_used = self._tick()
-        return pages
+    def entry_pages(self, entry_id: int) -> list[int]:
+        """The entry's pages (a copy); a sequence that shares some of them increfs them."""
+        return list(self._entries[entry_id].pages)
 
-    def page_at(self, entry_id: int, index: int) -> int:
-        return self._entries[entry_id].pages[index]
+    def touch(self, entry_id: int) -> None:
+        """Mark an entry most recently used (a prompt reused it); a no-op if it is gone."""
+        e = self._entries.get(entry_id)
+        if e is not None:
+            e.last_used = self._tick()
 
     def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
         """Retain a finished sequence: the caller hands over one reference on each page.

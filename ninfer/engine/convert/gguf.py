@@ -1,0 +1,296 @@
+"""GGUF (llama.cpp) -> .ninfer: config from the `{arch}.*` keys, tokenizer rebuilt from
+`tokenizer.ggml.*`, weights renamed to Hugging Face names and repacked without loss.
+
+GGUF blocks of 32 elements (row-major along the input dimension):
+  Q8_0: f16 d, 32 x int8 q                          w = q * d
+  Q4_0: f16 d, 16 bytes: byte j = q[j] | q[j+16]<<4  w = (q - 8) * d
+  Q4_1: f16 d, f16 m, 16 bytes as Q4_0               w = q * d + m
+They map onto quant.py's int8 / int4 symmetric / int4 asymmetric group-32 layouts; only the nibble
+order differs (ours: byte j = q[2j] | q[2j+1]<<4).
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ninfer.engine.artifact import ArtifactMetadata, SpecialTokens, write_artifact
+from ninfer.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ninfer.engine.convert.common import (check_weights_mode, encode_weight, float_format, progress_bar,
+                                          sha256_file, stop_token_ids)
+from ninfer.engine.convert.gguf_reader import GGUF_MAGIC, GGUFFile, GGUFTensor
+from ninfer.engine.convert.gguf_tokenizer import GGUFVocab, build_tokenizer_json
+from ninfer.engine.models import expected_weights
+from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat
+from ninfer.errors import ArtifactError, NInferError
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_IGNORED = {"rope_freqs.weight"}  # folded into the config (llama3 rope scaling)
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# File-name suffixes that name a quantization, e.g. ".Q4_1", "-Q4_K_M", "-f16".
+_QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d[A-Za-z0-9_]*|[Bb]?[Ff]16|[Ff]32)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Hugging Face name of a GGUF tensor name (None when unknown)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def read_config(src: Path, fields: dict[str, Any], tensor_names: set[str], rope_freqs: np.ndarray | None) -> ModelConfig:
+    """ModelConfig from the `{arch}.*` keys."""
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ArtifactError(f"{src}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def key(name: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ArtifactError(f"{src}: missing GGUF key {arch}.{name}")
+        return value
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = fields.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ArtifactError(f"{src}: cannot tell the vocabulary size (no {arch}.vocab_size, no tokens)")
+    context = int(key("context_length", 4096))
+    rope_scaling = _rope_scaling(src, fields, arch, context, rope_freqs)
+    try:
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_hidden_layers=int(key("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=int(key("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=context,
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+        )
+    except NInferError as e:
+        raise ArtifactError(f"{src}: {e}") from None
+
+
+def _rope_scaling(src: Path, fields: dict[str, Any], arch: str, context: int,
+                  rope_freqs: np.ndarray | None) -> dict[str, Any] | None:
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
+    factor = float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+    if kind not in ("none", None) and factor != 1.0:
+        raise ArtifactError(f"{src}: unsupported rope scaling {kind!r} (factor {factor})")
+    if rope_freqs is None:
+        return None
+    return _infer_llama3_scaling(src, np.asarray(rope_freqs, dtype=np.float64),
+                                 float(fields.get(f"{arch}.rope.freq_base", 10000.0)), context)
+
+
+def llama3_rope_divisors(head_dim: int, theta: float, factor: float, low: float, high: float,
+                         original: int) -> np.ndarray:
+    """Per-frequency divisors [head_dim/2] as llama.cpp's `rope_freqs.weight` stores them."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    out = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < original / high, 1.0, out)
+    return np.where(wavelen > original / low, factor, out)
+
+
+def _infer_llama3_scaling(src: Path, divisors: np.ndarray, theta: float, context: int) -> dict[str, Any]:
+    # llama.cpp stores the llama3 scaling as precomputed divisors; find the parameters that give them.
+    head_dim = 2 * divisors.shape[0]
+    factor = float(divisors.max())
+    for original in sorted({8192, 4096, 2048, 1024, 16384, 32768, context}):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
+            guess = llama3_rope_divisors(head_dim, theta, factor, low, high, original)
+            if np.allclose(guess, divisors, rtol=1e-4, atol=1e-6):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                        "high_freq_factor": high, "original_max_position_embeddings": original}
+    raise ArtifactError(f"{src}: rope_freqs.weight does not match llama3 rope scaling")
+
+
+# ---- weights -------------------------------------------------------------------------------------
+
+def _float_tensor(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    raw = np.array(data)  # copy out of the read-only memmap
+    if type_name == "BF16":
+        return torch.from_numpy(raw.view(np.int16).reshape(shape)).view(torch.bfloat16)
+    dtype = np.float32 if type_name == "F32" else np.float16
+    return torch.from_numpy(raw.view(dtype).reshape(shape))
+
+
+def _quant_parts(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[TensorFormat, dict[str, torch.Tensor]]:
+    rows, cols = shape
+    nblocks = cols // 32
+    block_bytes = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name]
+    blocks = np.asarray(data).view(np.uint8).reshape(rows, nblocks, block_bytes)
+    scales = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(rows, nblocks))
+    if type_name == "Q8_0":
+        q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, cols))
+        return TensorFormat("int8", DEFAULT_GROUP_SIZE), {"": q, ".scales": scales}
+    # GGUF byte j holds elements j (low) and j+16 (high); ours byte k holds 2k (low) and 2k+1 (high):
+    # out[k<8] = lo(b[2k]) | lo(b[2k+1])<<4,  out[k>=8] = hi(b[2k-16]) | hi(b[2k-15])<<4
+    qs = blocks[..., -16:]
+    even, odd = qs[..., 0::2], qs[..., 1::2]  # [rows, nblocks, 8]
+    packed = np.concatenate(((even & 0x0F) | ((odd & 0x0F) << 4), (even >> 4) | (odd & 0xF0)), axis=-1)
+    parts = {"": torch.from_numpy(packed.reshape(rows, cols // 2)), ".scales": scales}
+    if type_name == "Q4_0":
+        return TensorFormat("int4", DEFAULT_GROUP_SIZE, symmetric=True), parts
+    parts[".mins"] = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(rows, nblocks))
+    return TensorFormat("int4", DEFAULT_GROUP_SIZE, symmetric=False), parts
+
+
+def _unpermute_rows(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp interleaves the two rotary halves of each head: HF row h*hd + j*hd/2 + i sits at
+    # GGUF row h*hd + 2i + j. Rows move whole, so this applies to packed parts and scales alike.
+    rows = t.shape[0]
+    return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def read_tensor(src: Path, tensor: GGUFTensor, weights: str) -> tuple[TensorFormat, dict[str, torch.Tensor], tuple[int, ...]]:
+    """(format, stored parts, logical shape) of one GGUF tensor, as stored or dequantized."""
+    type_name, shape = tensor.type_name, tensor.shape
+    if type_name in ("F32", "F16", "BF16"):
+        t = _float_tensor(tensor.data, type_name, shape)
+        return float_format(t.dtype), {"": t}, shape
+    if type_name in ("Q8_0", "Q4_0", "Q4_1") and len(shape) == 2:
+        fmt, parts = _quant_parts(tensor.data, type_name, shape)
+        return fmt, parts, shape
+    if weights == "keep":
+        raise ArtifactError(f"{src}: tensor {tensor.name} has type {type_name}, which cannot be kept as is "
+                            "(convert with weights bf16, int8 or int4)")
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        values = gguf_dequantize(np.array(tensor.data).reshape(shape[0], -1), tensor.tensor_type)
+    except (NotImplementedError, KeyError):
+        raise ArtifactError(f"{src}: tensor {tensor.name} has unsupported GGUF type {type_name}") from None
+    return TensorFormat("f32"), {"": torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))}, shape
+
+
+def _model_name(src: Path, general_name: str | None) -> str:
+    stem = _QUANT_SUFFIX.sub("", src.stem)
+    if stem.lower() in ("", "model", "ggml-model", "ggml_model") and general_name:
+        return general_name
+    return stem or (general_name or "model")
+
+
+def read_vocab(fields: dict[str, Any]) -> GGUFVocab:
+    tokens = list(fields.get("tokenizer.ggml.tokens") or [])
+    types = fields.get("tokenizer.ggml.token_type")
+    scores = fields.get("tokenizer.ggml.scores")
+    merges = fields.get("tokenizer.ggml.merges")
+    model = fields.get("tokenizer.ggml.model")
+    return GGUFVocab(
+        model=model,
+        pre=fields.get("tokenizer.ggml.pre"),
+        tokens=tokens,
+        token_types=list(types) if types is not None else [1] * len(tokens),
+        scores=list(scores) if scores is not None else None,
+        merges=list(merges) if merges is not None else None,
+        add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", model == "llama")),
+        unk_token_id=fields.get("tokenizer.ggml.unknown_token_id"),
+    )
+
+
+def _special_tokens(fields: dict[str, Any], vocab: GGUFVocab) -> SpecialTokens:
+    def tid(key: str) -> int | None:
+        value = fields.get(f"tokenizer.ggml.{key}")
+        return int(value) if value is not None and 0 <= int(value) < len(vocab.tokens) else None
+
+    bos, eos = tid("bos_token_id"), tid("eos_token_id")
+    lookup = {t: i for i, (t, k) in enumerate(zip(vocab.tokens, vocab.token_types)) if k in (3, 4)}
+    stops = stop_token_ids(lookup, [eos, tid("eot_token_id"), tid("eom_token_id")])
+    return SpecialTokens(
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=tid("padding_token_id"), stop_token_ids=stops,
+        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", vocab.model == "llama")),
+        bos_token=vocab.tokens[bos] if bos is not None else None,
+        eos_token=vocab.tokens[eos] if eos is not None else None,
+    )
+
+
+def convert_gguf(src: str | Path, out: str | Path, weights: str = "keep", progress: bool = True) -> Path:
+    """Convert a llama/qwen3 GGUF file to a .ninfer artifact at `out`; raises ArtifactError."""
+    src, out = Path(src), Path(out)
+    check_weights_mode(weights)
+    gguf = GGUFFile(src)
+    fields = gguf.fields
+    by_name = {t.name: t for t in gguf.tensors}
+    rope_freqs = np.array(by_name["rope_freqs.weight"].data).view(np.float32) if "rope_freqs.weight" in by_name else None
+    config = read_config(src, fields, set(by_name), rope_freqs)
+    vocab = read_vocab(fields)
+    if not vocab.tokens:
+        raise ArtifactError(f"{src}: no tokenizer (tokenizer.ggml.tokens is missing)")
+
+    expected = expected_weights(config)
+    tensors: dict[str, torch.Tensor] = {}
+    formats: dict[str, TensorFormat] = {}
+    permute = {"self_attn.q_proj.weight": config.num_attention_heads,
+               "self_attn.k_proj.weight": config.num_key_value_heads} if config.architecture == "llama" else {}
+    for tensor in progress_bar(gguf.tensors, len(gguf.tensors), f"converting {src.name}", progress):
+        if tensor.name in _IGNORED:
+            continue
+        name = hf_name(tensor.name)
+        if name is None or name not in expected:
+            raise ArtifactError(f"{src}: unexpected tensor {tensor.name} for architecture {config.architecture}")
+        fmt, parts, shape = read_tensor(src, tensor, weights)
+        if shape != expected[name]:
+            raise ArtifactError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(expected[name])}")
+        n_head = next((n for suffix, n in permute.items() if name.endswith(suffix)), None)
+        if n_head is not None:
+            parts = {s: _unpermute_rows(p, n_head) for s, p in parts.items()}
+        fmt, parts = encode_weight(name, fmt, parts, shape, weights)
+        formats[name] = fmt
+        tensors.update({name + s: p for s, p in parts.items()})
+    missing = [n for n in expected if n not in formats]
+    if missing:
+        raise ArtifactError(f"{src}: missing tensor {missing[0]}")
+
+    general_name = fields.get("general.name")
+    name = _model_name(src, general_name)
+    meta = ArtifactMetadata(
+        name=name,
+        model_id=name,
+        config=config,
+        tensor_formats=formats,
+        tokenizer_json=build_tokenizer_json(vocab, str(src)),
+        chat_template=fields.get("tokenizer.chat_template"),
+        special_tokens=_special_tokens(fields, vocab),
+        source={"kind": "gguf", "sha256": sha256_file(src), "path": str(src.resolve()),
+                "general_name": general_name, "weights": weights},
+    )
+    return write_artifact(out, tensors, meta)
+

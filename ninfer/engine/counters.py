@@ -1,0 +1,104 @@
+"""Engine counters: a mutable accumulator the worker thread owns, and the immutable snapshot it
+publishes at every step boundary (one reference swap). /v1/load, /stats, /metrics, /slots and
+the panel read snapshots only, so they never wait on the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True, frozen=True)
+class LaneInfo:
+    """One occupied execution lane."""
+
+    lane: int
+    request_id: str
+    prefilling: bool
+    n_prompt_tokens: int
+    n_cached_tokens: int  # prompt tokens reused from the context cache
+    n_computed_tokens: int
+    n_output_tokens: int
+    reuse_path: str
+
+
+@dataclass(slots=True, frozen=True)
+class ContinuationInfo:
+    """One retained private continuation (a /slots cell)."""
+
+    entry_id: int
+    n_tokens: int  # tokens whose KV it holds (its executed frontier)
+    n_pages: int
+
+
+@dataclass(slots=True, frozen=True)
+class QueueEntry:
+    request_id: str
+    position: int
+    submitted_at: float  # time.monotonic() at submit; wait = now - submitted_at
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSnapshot:
+    """Everything the ops endpoints report, as of one step boundary. Counters are monotonic
+    since the engine started; derive rates by differencing two snapshots."""
+
+    published_at: float  # time.monotonic()
+    # capacity (fixed)
+    max_concurrency: int
+    max_pending_requests: int
+    max_context: int
+    kv_capacity_tokens: int
+    kv_capacity_pages: int
+    kv_page_tokens: int
+    max_private_continuations: int
+    # requests
+    admitted: int  # submitted, final event not yet emitted
+    peak_admitted: int
+    running: int
+    prefilling: int
+    decode_ready: int
+    waiting: int
+    # occupancy (retained continuations included)
+    kv_pages_used: int
+    kv_tokens_used: int
+    retained_continuations: int
+    # counters
+    computed_prefill_tokens: int = 0  # prefix-reused tokens excluded
+    committed_decode_tokens: int = 0  # tokens sampled by decode rounds (first tokens excluded)
+    reused_prompt_tokens: int = 0
+    decode_rounds: int = 0
+    decode_row_rounds: int = 0
+    prefill_units: int = 0
+    prompt_tokens_total: int = 0  # llamacpp:prompt_tokens_total
+    prompt_seconds_total: float = 0.0
+    predicted_tokens_total: int = 0  # llamacpp:tokens_predicted_total
+    predicted_seconds_total: float = 0.0
+    requests_finished: int = 0  # ended with stop or length
+    requests_cancelled: int = 0
+    requests_failed: int = 0  # ended with an error (queue timeout included)
+    requests_rejected: int = 0  # refused at submit: overload or a prompt over the context
+    waiting_expired: int = 0  # reached --pending-timeout-ms before admission
+    prefix_cache_hit_tokens: int = 0  # cached tokens of completed requests
+    context_selections: dict[str, int] = field(default_factory=dict)  # reuse path -> admissions
+    lanes: tuple[LaneInfo, ...] = ()
+    continuations: tuple[ContinuationInfo, ...] = ()
+    queue: tuple[QueueEntry, ...] = ()  # the first 16 waiting, in submission order
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """The worker thread's running totals (mutated only on that thread)."""
+
+    computed_prefill_tokens: int = 0
+    committed_decode_tokens: int = 0
+    reused_prompt_tokens: int = 0
+    decode_rounds: int = 0
+    decode_row_rounds: int = 0
+    prefill_units: int = 0
+    prompt_seconds_total: float = 0.0
+    predicted_seconds_total: float = 0.0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    waiting_expired: int = 0
+    prefix_cache_hit_tokens: int = 0
+    context_selections: dict[str, int] = field(default_factory=dict)

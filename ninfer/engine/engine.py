@@ -1,0 +1,447 @@
+"""The Engine: one worker thread per model that owns the runner, the scheduler and the pages.
+
+submit() and cancel() are safe from any thread: they hand work to the worker through a locked
+inbox and return at once. The worker loop is schedule -> runner.run -> scheduler.update ->
+output processing; each request's events go to its sink (a blocking RequestHandle, or an
+asyncio queue fed with loop.call_soon_threadsafe). Counters are published as an immutable
+EngineSnapshot at every step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import count
+
+from ninfer.engine.batch import ModelRunner, ScheduledBatch
+from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnapshot, LaneInfo,
+                                    QueueEntry)
+from ninfer.engine.kv_cache import PagePool
+from ninfer.engine.output import OutputProcessor
+from ninfer.engine.request import OutputEvent, PreparedRequest, Timings, TokenLogprob, Usage
+from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
+from ninfer.errors import NInferError, RequestError
+
+Sink = Callable[[OutputEvent], None]
+QUEUE_REPORT = 16  # waiting requests listed in a snapshot
+
+
+@dataclass(slots=True, eq=False)
+class _Live:
+    """Engine-side state of one submitted request (touched only by the worker after submit)."""
+
+    req: PreparedRequest
+    seq: Sequence
+    proc: OutputProcessor
+    sink: Sink
+    submitted_at: float
+    deadline: float | None
+    prefill_started: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per published-able token
+    logprobs_sent: int = 0
+
+
+class RequestHandle:
+    """A submitted request. Iterating blocks and yields its OutputEvents, the last one with
+    `finish_reason` set."""
+
+    __slots__ = ("request_id", "_engine", "_events", "_done")
+
+    def __init__(self, request_id: str, engine: Engine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._events: queue.SimpleQueue[OutputEvent] = queue.SimpleQueue()
+        self._done = False
+
+    def _put(self, event: OutputEvent) -> None:
+        self._events.put(event)
+
+    def __iter__(self) -> Iterator[OutputEvent]:
+        while not self._done:
+            event = self._events.get()
+            if event.finish_reason is not None:
+                self._done = True
+            yield event
+
+    def cancel(self) -> None:
+        """Cancel this request (its final event has finish_reason "cancelled")."""
+        self._engine.cancel(self.request_id)
+
+
+class Engine:
+    """Continuous batching over `runner` with 1..8 lanes, a paged KV pool and a prefix cache."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: object, config: SchedulerConfig, *,
+                 model_max_context: int) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.max_context = config.max_context or model_max_context
+        self.pool = PagePool(runner.num_pages, runner.page_size)
+        self.kv_capacity_tokens = runner.num_pages * runner.page_size
+        # a sequence can never hold more tokens than the pool
+        self.context_limit = min(self.max_context, self.kv_capacity_tokens)
+        self._copy_pages = getattr(runner, "copy_pages", None)
+        self.scheduler = Scheduler(config, self.pool, copy_on_write=callable(self._copy_pages))
+        self._cv = threading.Condition()
+        self._inbox: deque[_Live] = deque()
+        self._cancels: list[str] = []
+        self._live: dict[str, _Live] = {}  # request_id -> submitted and not finished (under _cv)
+        self._by_seq: dict[int, _Live] = {}  # worker thread only
+        self._seq_ids = count()
+        self._admitted = 0
+        self._peak_admitted = 0
+        self._rejected = 0
+        self._counters = EngineCounters()
+        self._rng = random.SystemRandom()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._failed: str | None = None
+        self._snapshot = self._make_snapshot()
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the worker; requests still in flight end with finish_reason "error"."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        for live in list(self._live.values()):
+            self._finalize(live, "error", error="engine_shutdown")
+
+    # ---- submission (any thread) -----------------------------------------------------------
+
+    def derived_max_tokens(self, prompt_len: int) -> int:
+        """The output limit derived from the prompt and the lane share (ignores --default-max-tokens)."""
+        limit = derive_output_limit(prompt_len, max_context=self.max_context, num_pages=self.pool.num_pages,
+                                    page_size=self.pool.page_size, max_concurrency=self.config.max_concurrency)
+        return max(0, min(limit, self.context_limit - prompt_len))
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """The spec's default output limit for a request that omits one: --default-max-tokens
+        when set, else the derived budget; never past the remaining context."""
+        if self.config.default_max_tokens is not None:
+            return max(0, min(self.config.default_max_tokens, self.context_limit - prompt_len))
+        return self.derived_max_tokens(prompt_len)
+
+    def submit(self, req: PreparedRequest, sink: Sink | None = None) -> RequestHandle:
+        """Queue a request. Events go to `sink` when given (called on the engine thread; it must
+        not block), else to the returned handle. Raises RequestError: context_length_exceeded
+        (400) for a prompt the context cannot hold, server_overloaded (429) at capacity."""
+        prompt_len = len(req.prompt_token_ids)
+        if prompt_len >= self.context_limit:
+            with self._cv:
+                self._rejected += 1
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens, but the context holds {self.context_limit} "
+                "(prompt plus at least one output token)", param="prompt", code="context_length_exceeded")
+        max_out = self.default_max_tokens(prompt_len) if req.max_tokens is None \
+            else min(req.max_tokens, self.context_limit - prompt_len)
+        proc = OutputProcessor(self.tokenizer, req.stop, frozenset(req.stop_token_ids), req.ignore_eos,
+                               skip_special_tokens=bool(req.hints.get("skip_special_tokens", False)))
+        seed = req.sampling.seed if req.sampling.seed is not None else self._rng.randrange(1 << 63)
+        seq = Sequence(seq_id=-1, request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+                       max_output_tokens=max_out, sampling=req.sampling, seed=seed,
+                       stop_token_ids=proc.stop_token_ids, cache_prompt=req.cache_prompt,
+                       raw_prompt=req.raw_prompt)
+        handle = RequestHandle(req.request_id, self)
+        now = time.monotonic()
+        timeout = self.config.pending_timeout_ms
+        live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None)
+        with self._cv:
+            if self._stopping or self._thread is None:
+                raise NInferError("the engine is not running" + (f" ({self._failed})" if self._failed else ""))
+            if self._admitted >= self.config.max_concurrency + self.config.max_pending_requests:
+                self._rejected += 1
+                raise RequestError("the server is at capacity; retry shortly", code="server_overloaded",
+                                   status=429, type="server_error")
+            if req.request_id in self._live:
+                raise RequestError(f"request id {req.request_id!r} is already in flight", param="request_id")
+            seq.seq_id = next(self._seq_ids)
+            self._admitted += 1
+            self._peak_admitted = max(self._peak_admitted, self._admitted)
+            self._live[req.request_id] = live
+            self._inbox.append(live)
+            self._cv.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request at the next step boundary; unknown or finished ids are ignored."""
+        with self._cv:
+            self._cancels.append(request_id)
+            self._cv.notify_all()
+
+    async def stream(self, req: PreparedRequest) -> AsyncIterator[OutputEvent]:
+        """Submit and yield events on the running asyncio loop; closing the iterator early
+        cancels the request. Submission errors raise at the first iteration."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[OutputEvent] = asyncio.Queue()
+
+        def sink(event: OutputEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self.cancel(req.request_id)
+
+        self.submit(req, sink)
+        done = False
+        try:
+            while not done:
+                event = await events.get()
+                done = event.finish_reason is not None
+                yield event
+        finally:
+            if not done:
+                self.cancel(req.request_id)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The counters as of the last step boundary."""
+        return self._snapshot
+
+    # ---- the worker -----------------------------------------------------------------------
+
+    @property
+    def failed(self) -> str | None:
+        """Why the worker stopped on an unexpected error (then /health should report it), else None."""
+        return self._failed
+
+    def _loop(self) -> None:
+        try:
+            self._run_loop()
+        except Exception as exc:  # a broken invariant: fail what is in flight, refuse new work
+            self._failed = f"{type(exc).__name__}: {exc}"
+            with self._cv:
+                self._stopping = True
+            for live in list(self._live.values()):
+                self._counters.requests_failed += 1
+                self._finalize(live, "error", error=f"engine failure: {self._failed}")
+            self._publish()
+            raise
+
+    def _run_loop(self) -> None:
+        while True:
+            with self._cv:
+                if self._stopping:
+                    return
+                arrived = list(self._inbox)
+                self._inbox.clear()
+                cancels, self._cancels = self._cancels, []
+            for live in arrived:
+                self._by_seq[live.seq.seq_id] = live
+                if live.seq.max_output_tokens <= 0:
+                    live.seq.status = SeqStatus.FINISHED
+                    self._finish(live, "length", None, "")
+                else:
+                    self.scheduler.add(live.seq)
+            for request_id in cancels:
+                self._cancel_now(request_id)
+            self._expire_waiting()
+            batch = self.scheduler.schedule()
+            for seq in self.scheduler.newly_admitted:
+                c = self._counters
+                c.reused_prompt_tokens += seq.num_cached_tokens
+                c.context_selections[seq.reuse_path] = c.context_selections.get(seq.reuse_path, 0) + 1
+            if batch is None:
+                self._publish()
+                with self._cv:
+                    if not self._inbox and not self._cancels and not self._stopping:
+                        self._cv.wait(self._idle_wait())
+                continue
+            self._step(batch)
+            self._publish()
+
+    def _idle_wait(self) -> float | None:
+        deadlines = [self._by_seq[s.seq_id].deadline for s in self.scheduler.waiting]
+        deadlines = [d for d in deadlines if d is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _step(self, batch: ScheduledBatch) -> None:
+        first = self._by_seq[batch.seqs[0].seq_id].seq
+        is_prefill = first.status is SeqStatus.PREFILLING
+        t0 = time.monotonic()
+        if is_prefill and self._by_seq[first.seq_id].prefill_started is None:
+            self._by_seq[first.seq_id].prefill_started = t0
+        try:
+            if batch.page_copies:
+                self._copy_pages(batch.page_copies)
+            output = self.runner.run(batch)
+        except Exception as exc:  # fail the lanes, keep serving the queue
+            for seq in list(self.scheduler.running):
+                self.scheduler.abort(seq)
+                live = self._by_seq[seq.seq_id]
+                self._counters.requests_failed += 1
+                self._finalize(live, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        dt = time.monotonic() - t0
+        c = self._counters
+        if is_prefill:
+            c.prefill_units += 1
+            c.computed_prefill_tokens += batch.num_tokens
+            c.prompt_seconds_total += dt
+        else:
+            c.decode_rounds += 1
+            c.decode_row_rounds += len(batch.seqs)
+            c.committed_decode_tokens += len(batch.seqs)
+            c.predicted_seconds_total += dt
+        now = time.monotonic()
+        for seq, token in self.scheduler.update(batch, output):
+            self._on_token(self._by_seq[seq.seq_id], token, output.logprobs.get(seq.seq_id), now)
+
+    def _on_token(self, live: _Live, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        seq, proc = live.seq, live.proc
+        if live.first_token_at is None:
+            live.first_token_at = now
+        live.last_token_at = now
+        step = proc.append(token)
+        text = step.text
+        if token not in proc.stop_token_ids:
+            live.logprobs.append(logprob)
+        if step.finished:  # a stop token or a stop string
+            self.scheduler.finish(seq, "stop", step.stop_reason)
+            self._finish(live, "stop", step.stop_reason, text, token)
+        elif seq.finished:  # the output budget (which the context bounds)
+            text += proc.finish()
+            if proc.stop_reason is not None:  # the final flush completed a stop string
+                self._finish(live, "stop", proc.stop_reason, text, token)
+            else:
+                self._finish(live, "length", None, text, token)
+        else:
+            self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=(token,), text=text,
+                                         logprobs=self._take_logprobs(live, proc.tokens_published)))
+
+    def _take_logprobs(self, live: _Live, published: int) -> tuple[TokenLogprob, ...]:
+        records = live.logprobs[live.logprobs_sent:published]
+        live.logprobs_sent = max(live.logprobs_sent, published)
+        return tuple(r for r in records if r is not None)
+
+    def _finish(self, live: _Live, reason: str, stop_reason: str | int | None, text: str,
+                token: int | None = None) -> None:
+        c = self._counters
+        c.requests_finished += 1
+        c.prefix_cache_hit_tokens += live.seq.num_cached_tokens
+        self._finalize(live, reason, stop_reason=stop_reason, text=text,
+                       token_ids=(token,) if token is not None else (),
+                       logprobs=self._take_logprobs(live, live.proc.tokens_published))
+
+    def _cancel_now(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None or live.seq.seq_id not in self._by_seq:
+            return
+        self.scheduler.abort(live.seq)
+        self._counters.requests_cancelled += 1
+        self._finalize(live, "cancelled")
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        for seq in list(self.scheduler.waiting):
+            live = self._by_seq[seq.seq_id]
+            if live.deadline is not None and now >= live.deadline:
+                self.scheduler.abort(seq)
+                self._counters.requests_failed += 1
+                self._counters.waiting_expired += 1
+                self._finalize(live, "error", error="request_queue_timeout")
+
+    def _finalize(self, live: _Live, reason: str, *, stop_reason: str | int | None = None, text: str = "",
+                  token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] = (),
+                  error: str | None = None) -> None:
+        seq = live.seq
+        self._by_seq.pop(seq.seq_id, None)
+        with self._cv:
+            if self._live.get(seq.request_id) is not live:
+                return  # already finalized
+            del self._live[seq.request_id]
+            self._admitted -= 1
+        usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_token_ids),
+                      cached_tokens=seq.num_cached_tokens)
+        self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, logprobs=logprobs,
+                                     finish_reason=reason, stop_reason=stop_reason, usage=usage,
+                                     timings=self._timings(live), error=error))
+
+    def _emit(self, live: _Live, event: OutputEvent) -> None:
+        try:
+            live.sink(event)
+        except Exception:  # a broken consumer must not stop the engine: drop its request
+            if event.finish_reason is None:
+                self.cancel(live.seq.request_id)
+
+    def _timings(self, live: _Live) -> Timings:
+        seq = live.seq
+        prompt_ms = predicted_ms = 0.0
+        if live.prefill_started is not None and live.first_token_at is not None:
+            prompt_ms = (live.first_token_at - live.prefill_started) * 1e3
+        if live.first_token_at is not None and live.last_token_at is not None:
+            predicted_ms = (live.last_token_at - live.first_token_at) * 1e3
+        return Timings(cache_n=seq.num_cached_tokens, prompt_n=seq.prompt_len - seq.num_cached_tokens,
+                       prompt_ms=prompt_ms, predicted_n=len(seq.output_token_ids), predicted_ms=predicted_ms)
+
+    # ---- snapshots ------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        self._snapshot = self._make_snapshot()
+
+    def _make_snapshot(self) -> EngineSnapshot:
+        s, c, pool = self.scheduler, self._counters, self.pool
+        cache = s.prefix_cache
+        continuations = tuple(ContinuationInfo(e.entry_id, len(e.token_ids), len(e.pages))
+                              for e in cache.entries()) if cache else ()
+        lanes = tuple(LaneInfo(q.lane, q.request_id, q.status is SeqStatus.PREFILLING, q.prompt_len,
+                               q.num_cached_tokens, q.num_computed_tokens, len(q.output_token_ids),
+                               q.reuse_path) for q in s.running)
+        waiting = list(s.waiting)
+        queue_entries = tuple(QueueEntry(q.request_id, i, self._by_seq[q.seq_id].submitted_at)
+                              for i, q in enumerate(waiting[:QUEUE_REPORT]) if q.seq_id in self._by_seq)
+        return EngineSnapshot(
+            published_at=time.monotonic(),
+            max_concurrency=self.config.max_concurrency,
+            max_pending_requests=self.config.max_pending_requests,
+            max_context=self.max_context,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            kv_capacity_pages=pool.num_pages,
+            kv_page_tokens=pool.page_size,
+            max_private_continuations=cache.max_entries if cache else 0,
+            admitted=self._admitted,
+            peak_admitted=self._peak_admitted,
+            running=len(s.running),
+            prefilling=s.num_prefilling,
+            decode_ready=s.num_decode_ready,
+            waiting=len(waiting) + len(self._inbox),
+            kv_pages_used=pool.num_used,
+            kv_tokens_used=pool.num_used * pool.page_size,
+            retained_continuations=len(cache) if cache else 0,
+            computed_prefill_tokens=c.computed_prefill_tokens,
+            committed_decode_tokens=c.committed_decode_tokens,
+            reused_prompt_tokens=c.reused_prompt_tokens,
+            decode_rounds=c.decode_rounds,
+            decode_row_rounds=c.decode_row_rounds,
+            prefill_units=c.prefill_units,
+            prompt_tokens_total=c.computed_prefill_tokens,
+            prompt_seconds_total=c.prompt_seconds_total,
+            predicted_tokens_total=c.committed_decode_tokens,
+            predicted_seconds_total=c.predicted_seconds_total,
+            requests_finished=c.requests_finished,
+            requests_cancelled=c.requests_cancelled,
+            requests_failed=c.requests_failed,
+            requests_rejected=self._rejected,
+            waiting_expired=c.waiting_expired,
+            prefix_cache_hit_tokens=c.prefix_cache_hit_tokens,
+            context_selections=dict(c.context_selections),
+            lanes=lanes,
+            continuations=continuations,
+            queue=queue_entries,
+        )

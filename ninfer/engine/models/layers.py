@@ -1,0 +1,221 @@
+"""Building blocks shared by the torch model code: RMSNorm, RoPE, linear weights, paged attention.
+
+Numerics follow Hugging Face transformers (the reference the fidelity tests compare against):
+RMSNorm in float32 then cast back, RoPE with the rotate_half convention and float32 angles,
+attention through `scaled_dot_product_attention` with the default 1/sqrt(head_dim) scale.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.engine.config import ModelConfig
+from ninfer.engine.quant import TensorFormat, unpack_int4
+
+# At most this many rows take the packed int4 kernel (decode); more rows (prefill) take the
+# dense matmul, which is ~4x faster than the packed kernel at 128 rows on CPU.
+PACKED_MAX_ROWS = 8
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., d] -> same shape and dtype; the reduction runs in float32 as in transformers."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim/2] float32 inverse frequencies; `llama3` scaling as transformers computes it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are divided by `factor`, short ones kept, the band between interpolated
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding:
+    """cos/sin tables [positions, head_dim] in the compute dtype, grown by doubling on demand."""
+
+    __slots__ = ("inv_freq", "dtype", "device", "cos", "sin")
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = rope_inv_freq(config).to(device)
+        self.dtype = dtype
+        self.device = device
+        self.cos = torch.empty(0, config.head_dim, dtype=dtype, device=device)
+        self.sin = self.cos
+        self._build(min(config.max_position_embeddings, 4096))
+
+    def _build(self, n: int) -> None:
+        # angles in float32 (position * inv_freq), exactly transformers' product, then cast
+        freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(self.dtype)
+        self.sin = emb.sin().to(self.dtype)
+
+    def lookup(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads)."""
+        if max_pos >= self.cos.shape[0]:
+            n = self.cos.shape[0]
+            while n <= max_pos:
+                n *= 2
+            self._build(n)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; HF rotate_half convention (first half / second half pairs)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Linear:
+    """y = x @ W^T (+ b). W dense in the compute dtype; optionally also int4-packed for the CPU
+    kernel `_weight_int4pack_mm_for_cpu`, used when few rows come in (decode), where reading
+    4-bit weights instead of 16-bit ones is what decides speed."""
+
+    __slots__ = ("weight", "bias", "packed", "scales_zeros", "group_size")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias
+        self.packed: torch.Tensor | None = None
+        self.scales_zeros: torch.Tensor | None = None
+        self.group_size = 0
+
+    def attach_int4(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
+        """Keep an int4-packed copy of this weight from the artifact's int4 parts (the weights
+        fused into this Linear, in order of their rows). Exact up to bf16 scales."""
+        q = torch.cat([unpack_int4(p[""]) for p in parts_list]).to(torch.int32)  # [out, in] 0..15
+        scales = torch.cat([p[".scales"] for p in parts_list]).to(torch.float32)  # [out, in/g]
+        if fmt.symmetric:
+            zeros = torch.zeros_like(scales)  # w = (q - 8) * s
+        else:
+            mins = torch.cat([p[".mins"] for p in parts_list]).to(torch.float32)
+            zeros = mins + 8.0 * scales  # w = q * s + m = (q - 8) * s + (m + 8 s)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # qScaleAndZeros: [in/g, out, 2] bf16, the layout the CPU kernel wants
+        self.scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
+        self.group_size = fmt.group_size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass(slots=True)
+class SeqSpan:
+    """One sequence's share of a flat token batch."""
+
+    offset: int  # first row of this sequence in the flat batch
+    num_tokens: int
+    start_pos: int  # position of its first token (tokens before it are already in the cache)
+    block_table: torch.Tensor  # [pages covering start_pos + num_tokens] int64 page ids
+    contiguous_from: int  # first page id if the pages are consecutive ids, else -1
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What attention needs besides q/k/v: where each token's K/V goes and each sequence's pages."""
+
+    slot_mapping: torch.Tensor  # [T] int64: page * page_size + pos % page_size
+    seqs: list[SeqSpan]
+    page_size: int
+    max_pos: int  # largest position in the batch (RoPE table size)
+
+    @classmethod
+    def build(cls, spans: list[tuple[int, int, list[int]]], page_size: int,
+              device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
+        """spans: (start_pos, num_tokens, block_table) per sequence, in batch order.
+        Returns the metadata and positions [T] int64."""
+        seqs: list[SeqSpan] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        offset = 0
+        for start_pos, n, block_table in spans:
+            end = start_pos + n
+            num_pages = -(-end // page_size)
+            assert len(block_table) >= num_pages, "block table does not cover the batch's positions"
+            pages = block_table[:num_pages]
+            for pos in range(start_pos, end):
+                slots.append(pages[pos // page_size] * page_size + pos % page_size)
+            positions.extend(range(start_pos, end))
+            first = pages[0]
+            contiguous = first if all(p == first + i for i, p in enumerate(pages)) else -1
+            seqs.append(SeqSpan(offset, n, start_pos, torch.tensor(pages, dtype=torch.int64, device=device),
+                                contiguous))
+            offset += n
+        meta = cls(torch.tensor(slots, dtype=torch.int64, device=device), seqs, page_size,
+                   max(positions) if positions else 0)
+        return meta, torch.tensor(positions, dtype=torch.int64, device=device)
+
+
+class KVCache:
+    """Physical paged KV tensors: per layer K and V of [num_pages, page_size, kv_heads, head_dim]."""
+
+    __slots__ = ("k", "v", "page_size", "num_pages")
+
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.page_size = page_size
+        self.num_pages = num_pages
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Store the batch's K/V in their slots, then attend each sequence over its cached positions.
+
+    q: [T, heads, d]; k, v: [T, kv_heads, d]; caches: [pages, page_size, kv_heads, d].
+    Returns [T, heads * d].
+    """
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k.index_copy_(0, meta.slot_mapping, k)
+    flat_v.index_copy_(0, meta.slot_mapping, v)
+    ps = meta.page_size
+    out = torch.empty_like(q)
+    for s in meta.seqs:
+        ctx = s.start_pos + s.num_tokens
+        if s.contiguous_from >= 0:  # a view, no copy
+            base = s.contiguous_from * ps
+            keys, values = flat_k[base:base + ctx], flat_v[base:base + ctx]
+        else:  # gather the sequence's pages: [pages * page_size, kv_heads, d]
+            keys = k_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
+            values = v_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
+        qs = q[s.offset:s.offset + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, d]
+        values = values.transpose(0, 1).unsqueeze(0)
+        if s.num_tokens == 1:  # decode: the one query sees every cached position
+            o = F.scaled_dot_product_attention(qs, keys, values, enable_gqa=True)
+        elif s.start_pos == 0:  # fresh prefill: plain causal
+            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
+        else:  # chunk after cached tokens: query i sees keys 0..start_pos + i
+            rows = torch.arange(s.num_tokens, device=q.device)[:, None] + s.start_pos
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
+        out[s.offset:s.offset + s.num_tokens] = o.squeeze(0).transpose(0, 1)
+    return out.reshape(q.shape[0], -1)

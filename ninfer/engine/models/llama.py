@@ -1,0 +1,134 @@
+"""Llama (SmolLM2, Llama 3) in plain torch, over a flat token batch and a paged KV cache.
+
+Weights come from a .ninfer artifact in Hugging Face layout. At load, q/k/v and gate/up are
+fused into one matmul each; quantized weights are expanded to the compute dtype (and, for int4
+on CPU in bf16, also kept packed for the decode kernel, see layers.Linear).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ninfer.engine.artifact import Artifact
+from ninfer.engine.config import ModelConfig
+from ninfer.engine.models.layers import (AttentionMetadata, KVCache, Linear, RotaryEmbedding, apply_rotary,
+                                         paged_attention, rms_norm)
+from ninfer.engine.quant import TensorFormat, dequantize
+
+
+class DecoderLayer:
+    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down")
+
+    def __init__(self, input_norm: torch.Tensor, qkv: Linear, o_proj: Linear, post_norm: torch.Tensor,
+                 gate_up: Linear, down: Linear, q_norm: torch.Tensor | None = None,
+                 k_norm: torch.Tensor | None = None) -> None:
+        self.input_norm = input_norm  # [hidden]
+        self.qkv = qkv  # [(heads + 2 * kv_heads) * head_dim, hidden]
+        self.q_norm = q_norm  # [head_dim] (qwen3)
+        self.k_norm = k_norm
+        self.o_proj = o_proj  # [hidden, heads * head_dim]
+        self.post_norm = post_norm
+        self.gate_up = gate_up  # [2 * intermediate, hidden]
+        self.down = down  # [hidden, intermediate]
+
+
+class _WeightLoader:
+    """Reads an artifact's stored parts and builds compute-dtype tensors and Linears."""
+
+    def __init__(self, artifact: Artifact, dtype: torch.dtype, device: torch.device, pack_int4: bool) -> None:
+        self.parts = artifact.load_parts("cpu")
+        self.formats = artifact.meta.tensor_formats
+        self.dtype = dtype
+        self.device = device
+        self.pack_int4 = pack_int4
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return dequantize(self.formats[name], self.parts[name], self.dtype).to(self.device)
+
+    def linear(self, names: list[str], bias_names: list[str] | None = None) -> Linear:
+        """One Linear whose rows are the named weights stacked in order (a fused projection)."""
+        weight = torch.cat([dequantize(self.formats[n], self.parts[n], self.dtype) for n in names]).to(self.device)
+        bias = None
+        if bias_names:
+            bias = torch.cat([self.tensor(n) for n in bias_names])
+        lin = Linear(weight.contiguous(), bias)
+        fmts = {self.formats[n] for n in names}
+        if self.pack_int4 and len(fmts) == 1:
+            fmt: TensorFormat = next(iter(fmts))
+            if fmt.format == "int4" and fmt.group_size in (32, 64, 128, 256):
+                lin.attach_int4(fmt, [self.parts[n] for n in names])
+        return lin
+
+
+class LlamaModel:
+    """forward(input_ids [T], positions [T], meta, kv) -> hidden [T, hidden]; compute_logits."""
+
+    qk_norm = False  # qwen3 adds per-head RMSNorm on q and k before RoPE
+
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head  # [vocab, hidden]; shares `embed` when tied
+        self.dtype = dtype
+        self.device = device
+        self.rope = RotaryEmbedding(config, dtype, device)
+
+    @classmethod
+    def from_artifact(cls, artifact: Artifact, dtype: torch.dtype, device: torch.device,
+                      pack_int4: bool = False) -> LlamaModel:
+        """Build from a validated artifact; `pack_int4` keeps int4 weights packed too (CPU, bf16)."""
+        c = artifact.meta.config
+        w = _WeightLoader(artifact, dtype, device, pack_int4)
+        layers = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            bias = [p + f"self_attn.{x}_proj.bias" for x in "qkv"] if c.attention_bias else None
+            layers.append(DecoderLayer(
+                input_norm=w.tensor(p + "input_layernorm.weight"),
+                qkv=w.linear(attn, bias),
+                o_proj=w.linear([p + "self_attn.o_proj.weight"]),
+                post_norm=w.tensor(p + "post_attention_layernorm.weight"),
+                gate_up=w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=w.linear([p + "mlp.down_proj.weight"]),
+                q_norm=w.tensor(p + "self_attn.q_norm.weight") if cls.qk_norm else None,
+                k_norm=w.tensor(p + "self_attn.k_norm.weight") if cls.qk_norm else None,
+            ))
+        lm_head = w.linear(["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"])
+        embed = lm_head.weight if c.tie_word_embeddings else w.tensor("model.embed_tokens.weight")
+        return cls(c, embed, layers, w.tensor("model.norm.weight"), lm_head, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVCache) -> torch.Tensor:
+        """Run all layers over the flat batch, writing its K/V into the cache. -> [T, hidden]."""
+        c = self.config
+        eps = c.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        q_size = c.num_attention_heads * c.head_dim
+        kv_size = c.num_key_value_heads * c.head_dim
+        cos, sin = self.rope.lookup(positions, meta.max_pos)  # [T, 1, head_dim]
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.input_norm, eps)
+            q, k, v = layer.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
+            q = q.view(num_tokens, c.num_attention_heads, c.head_dim)
+            k = k.view(num_tokens, c.num_key_value_heads, c.head_dim)
+            v = v.view(num_tokens, c.num_key_value_heads, c.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, eps)
+                k = rms_norm(k, layer.k_norm, eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta)  # [T, heads * head_dim]
+            h = h + layer.o_proj(attn)
+            x = rms_norm(h, layer.post_norm, eps)
+            gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        return rms_norm(h, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] float32."""
+        return self.lm_head(hidden).float()

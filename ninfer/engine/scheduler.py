@@ -1,0 +1,302 @@
+"""Admission, lanes, staged prefill and the decode batch; scheduling by tokens (no torch).
+
+One step is either a prefill unit (one chunk of one staged lane) or a decode round (every
+decode-ready lane, one token each, in one forward). A request carries `num_computed_tokens`;
+a prefix hit, a chunked prefill and a decode step are just different token counts.
+
+Admission is FIFO and reserves the request's whole page entitlement (prompt + effective output)
+through completion; pages are allocated lazily as tokens are computed, and the reservation
+counts against later admissions, so a running request never runs out of pages.
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
+from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.kv_cache import PagePool, pages_for_tokens
+from ninfer.engine.prefix_cache import PrefixCache, reuse_path
+from ninfer.engine.request import SamplingParams
+
+MAX_PASSED_OVER = 8  # a staged lane passed over this many times runs next (spec)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Scheduling state of one request. Tokens are prompt + output; positions [0,
+    num_computed_tokens) have KV in the pages of `block_table`."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    max_output_tokens: int  # effective output budget (>= 1), already clamped to the context
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    cache_prompt: bool = True
+    raw_prompt: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    entitlement_pages: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (exact)
+    reuse_path: str = "root"
+    status: SeqStatus = SeqStatus.WAITING
+    lane: int = -1
+    passed_over: int = 0
+    copy_src: int | None = None  # a page we hold a ref on until its copy has run
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def remaining_prompt(self) -> int:
+        return max(0, self.prompt_len - self.num_computed_tokens)
+
+    def token_at(self, pos: int) -> int:
+        n = self.prompt_len
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+def derive_output_limit(prompt_len: int, *, max_context: int, num_pages: int, page_size: int,
+                        max_concurrency: int) -> int:
+    """The spec's default output limit: the largest output whose prompt+output pages fit one
+    lane's share of the pool, clamped to the remaining context. A prompt that alone overruns
+    a lane's share keeps the whole remaining context."""
+    remaining = max(0, max_context - prompt_len)
+    share_tokens = (num_pages // max_concurrency) * page_size
+    if share_tokens <= prompt_len:
+        return remaining
+    return min(remaining, share_tokens - prompt_len)
+
+
+class Scheduler:
+    """Lanes over a page pool and an optional prefix cache.
+
+    copy_on_write: the runner can copy a page (ScheduledBatch.page_copies), so a prefix hit
+    that ends inside a page reuses it exactly; without it the partial page is recomputed."""
+
+    def __init__(self, config: SchedulerConfig, pool: PagePool, *, copy_on_write: bool = False) -> None:
+        self.config = config
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.copy_on_write = copy_on_write
+        max_entries = config.max_private_continuations
+        if max_entries is None:
+            max_entries = 2 * config.max_concurrency
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(pool, max_entries) if config.prefix_reuse and max_entries > 0 else None)
+        rounds = config.decode_rounds_per_prefill or 0
+        self.decode_rounds_per_prefill = rounds if rounds > 0 else max(1, config.prefill_chunk // 64)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # lanes in admission order
+        self.newly_admitted: list[Sequence] = []  # admitted by the last schedule() call
+        self._rounds_since_prefill = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request for admission (FIFO)."""
+        assert seq.max_output_tokens >= 1 and seq.status is SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel at a step boundary: leave the queue or free the lane and every page it holds."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif not seq.finished:
+            self.running.remove(seq)
+            self._release(seq, retain=False)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "cancelled"
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a running request ("stop" or "length"); retains its KV as a continuation when the
+        prefix cache is on and the request allows it. A second call is a no-op."""
+        if seq.finished:
+            return
+        self.running.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self._release(seq, retain=self.prefix_cache is not None and seq.cache_prompt)
+
+    def _release(self, seq: Sequence, *, retain: bool) -> None:
+        if seq.copy_src is not None:
+            self.pool.decref([seq.copy_src])
+            seq.copy_src = None
+        table, seq.block_table = seq.block_table, []
+        n = seq.num_computed_tokens
+        if retain and n > 0:
+            keep = pages_for_tokens(n, self.page_size)
+            self.pool.decref(table[keep:])
+            tokens = (seq.prompt_token_ids + seq.output_token_ids)[:n]
+            assert self.prefix_cache is not None
+            self.prefix_cache.insert(tokens, table[:keep])
+        else:
+            self.pool.decref(table)
+
+    # ---- admission ------------------------------------------------------------------------
+
+    def _outstanding_pages(self) -> int:
+        return sum(max(0, s.entitlement_pages - len(s.block_table)) for s in self.running)
+
+    def _try_admit(self, seq: Sequence) -> bool:
+        P = self.page_size
+        entitlement = pages_for_tokens(seq.prompt_len + seq.max_output_tokens, P)
+        cache = self.prefix_cache
+        match = cache.match(seq.prompt_token_ids, seq.prompt_len - 1) if cache and seq.cache_prompt else None
+        matched = match.num_tokens if match else 0
+        full, tail = divmod(matched, P)
+        copy = bool(tail) and self.copy_on_write
+        reused = matched if copy else full * P
+        shared: list[int] = []
+        copy_src: int | None = None
+        if match and reused:
+            # hold the shared pages (and the copy source) before any eviction can touch them
+            pages = cache.entry_pages(match.entry_id)
+            shared = pages[:full]
+            self.pool.incref(shared)
+            if copy:
+                copy_src = pages[full]
+                self.pool.incref([copy_src])
+        need = entitlement - len(shared) + self._outstanding_pages()
+        freeable = cache.freeable_pages() if cache else 0
+        if self.pool.num_free + freeable < need:
+            held = shared + ([copy_src] if copy_src is not None else [])
+            self.pool.decref(held)
+            return False
+        if cache and self.pool.num_free < need:
+            cache.evict(need)
+        assert self.pool.num_free >= need
+        if match and reused:
+            cache.touch(match.entry_id)
+        seq.block_table = shared
+        seq.entitlement_pages = entitlement
+        if copy:
+            seq.block_table.append(self.pool.allocate(1)[0])
+            seq.copy_src = copy_src
+        seq.num_computed_tokens = reused
+        seq.num_cached_tokens = reused
+        seq.reuse_path = reuse_path(matched, match.entry_tokens, seq.prompt_len, seq.raw_prompt) \
+            if match and reused else "root"
+        return True
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_concurrency:
+            if not self.config.concurrent_prefill and any(
+                    s.status is SeqStatus.PREFILLING for s in self.running):
+                return  # a staged prefill holds admission back until it finishes
+            seq = self.waiting[0]
+            if not self._try_admit(seq):
+                return  # FIFO: the head waits until its entitlement fits
+            self.waiting.popleft()
+            used = {s.lane for s in self.running}
+            seq.lane = next(i for i in range(self.config.max_concurrency) if i not in used)
+            seq.status = SeqStatus.PREFILLING
+            self.running.append(seq)
+            self.newly_admitted.append(seq)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def _ensure_pages(self, seq: Sequence, num_tokens: int) -> None:
+        need = pages_for_tokens(num_tokens, self.page_size) - len(seq.block_table)
+        if need > 0:
+            assert len(seq.block_table) + need <= seq.entitlement_pages, "sequence overran its entitlement"
+            seq.block_table.extend(self.pool.allocate(need))
+
+    def _work(self, seq: Sequence, start: int, end: int, sample: bool) -> SequenceWork:
+        self._ensure_pages(seq, end)
+        return SequenceWork(
+            seq_id=seq.seq_id, token_ids=[seq.token_at(i) for i in range(start, end)], start_pos=start,
+            block_table=list(seq.block_table), sample=sample, sampling=seq.sampling,
+            output_token_ids=list(seq.output_token_ids), seed=seq.seed)
+
+    def _pick_prefill(self, staged: list[Sequence]) -> Sequence:
+        starved = [s for s in staged if s.passed_over >= MAX_PASSED_OVER]
+        if starved:
+            return starved[0]
+        return min(staged, key=lambda s: s.remaining_prompt)  # ties: admission order
+
+    def _rounds_before(self, unit_tokens: int) -> int:
+        r = self.decode_rounds_per_prefill
+        return max(1, -(-r * unit_tokens // self.config.prefill_chunk))
+
+    def schedule(self) -> ScheduledBatch | None:
+        """Admit what fits, then build the next step; None when there is nothing to run."""
+        self.newly_admitted = []
+        self._admit()
+        staged = [s for s in self.running if s.status is SeqStatus.PREFILLING]
+        decoding = [s for s in self.running if s.status is SeqStatus.DECODING]
+        if staged:
+            unit = self._pick_prefill(staged)
+            n = min(self.config.prefill_chunk, unit.remaining_prompt)
+            if not decoding or self._rounds_since_prefill >= self._rounds_before(n):
+                self._rounds_since_prefill = 0
+                for s in staged:
+                    s.passed_over = 0 if s is unit else s.passed_over + 1
+                start = unit.num_computed_tokens
+                batch = ScheduledBatch([self._work(unit, start, start + n, start + n == unit.prompt_len)])
+                if unit.copy_src is not None:  # the partially reused page: copy before writing into it
+                    batch.page_copies.append((unit.copy_src, unit.block_table[start // self.page_size]))
+                return batch
+        if decoding:
+            self._rounds_since_prefill += 1
+            return ScheduledBatch([self._work(s, s.num_computed_tokens, s.num_computed_tokens + 1, True)
+                                   for s in decoding])
+        return None
+
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> list[tuple[Sequence, int]]:
+        """Advance every sequence of `batch` by the tokens it computed and append the sampled
+        tokens. A stop token or the output budget finishes the request here; stop strings are
+        the caller's (it calls `finish`). Returns (sequence, sampled token) pairs in batch order."""
+        by_id = {s.seq_id: s for s in self.running}
+        sampled: list[tuple[Sequence, int]] = []
+        for work in batch.seqs:
+            seq = by_id.get(work.seq_id)
+            if seq is None:
+                continue  # aborted between schedule and update
+            seq.num_computed_tokens += len(work.token_ids)
+            if seq.copy_src is not None:
+                self.pool.decref([seq.copy_src])  # the copy ran with this batch
+                seq.copy_src = None
+            if not work.sample:
+                continue
+            token = output.sampled[work.seq_id]
+            seq.output_token_ids.append(token)
+            seq.status = SeqStatus.DECODING
+            sampled.append((seq, token))
+            if token in seq.stop_token_ids:
+                self.finish(seq, "stop", token)
+            elif len(seq.output_token_ids) >= seq.max_output_tokens:
+                self.finish(seq, "length")
+        return sampled
+
+    # ---- gauges ---------------------------------------------------------------------------
+
+    @property
+    def num_prefilling(self) -> int:
+        return sum(1 for s in self.running if s.status is SeqStatus.PREFILLING)
+
+    @property
+    def num_decode_ready(self) -> int:
+        return sum(1 for s in self.running if s.status is SeqStatus.DECODING)

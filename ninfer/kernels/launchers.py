@@ -1,0 +1,337 @@
+"""Typed launchers: one function per kernel, checking dtypes, shapes, strides, contiguity,
+alignment and device before launching on the current torch stream.
+
+Tensors are plain torch storage; kernels get `.data_ptr()`. Every launcher takes the
+`KernelCompiler` of the device first (config flows in explicitly; no module state). Importing
+this module needs no CUDA: only a launch does. Outputs are written, never allocated, except the
+split-K workspace of decode attention when none is passed.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from ninfer.engine.quant import TensorFormat
+from ninfer.kernels.compiler import F32, I32, I64, KernelError, ptr
+
+if TYPE_CHECKING:
+    from ninfer.kernels.compiler import KernelCompiler
+
+BF16, F16, F32_DT, I32_DT = torch.bfloat16, torch.float16, torch.float32, torch.int32
+MAX_GEMV_ROWS = 8
+TOPK_MAX = 20
+GEMV_WARPS = 8  # gemv.cu
+ATTN_THREADS = 128  # attention.cu: NWARPS * 32
+GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3}
+GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32}  # weights a lane reads per 16-byte load
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | None], device: int,
+           contiguous: bool = True, align16: bool = False) -> None:
+    """dtype, rank and sizes (None: any), device, and contiguity (or a unit last stride)."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise KernelError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = ", ".join("*" if s is None else str(s) for s in shape)
+        raise KernelError(f"{name} must have shape [{want}], got {list(t.shape)}")
+    if t.device.type != "cuda" or t.device.index != device:
+        raise KernelError(f"{name} must be on cuda:{device}, got {t.device}")
+    if contiguous and not t.is_contiguous():
+        raise KernelError(f"{name} must be contiguous")
+    if not contiguous and t.dim() > 0 and t.stride(-1) != 1:
+        raise KernelError(f"{name} must have a unit last stride, got strides {t.stride()}")
+    if align16 and t.data_ptr() % 16:
+        raise KernelError(f"{name} must start on a 16-byte boundary")
+
+
+def _rows(t: torch.Tensor, name: str, width: int) -> int:
+    """Row stride (elements) of a 2-D row-major view whose rows are 16-byte aligned."""
+    if t.stride(-1) != 1 or (t.dim() == 2 and t.shape[0] > 1 and t.stride(0) < width):
+        raise KernelError(f"{name} must be row-major with unit element stride, got strides {t.stride()}")
+    stride = t.stride(0) if t.dim() == 2 else width
+    if (stride * t.element_size()) % 16:
+        raise KernelError(f"{name} row stride {stride} is not a multiple of 16 bytes")
+    return stride
+
+
+def embedding(kc: KernelCompiler, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
+    """out[t] = table[ids[t]]; ids [T] int32, table [V, H] bf16, out [T, H] bf16, H % 8 == 0."""
+    V, H = table.shape
+    T = ids.shape[0]
+    _check(ids, "ids", I32_DT, [T], kc.device)
+    _check(table, "table", BF16, [V, H], kc.device, align16=True)
+    _check(out, "out", BF16, [T, H], kc.device, align16=True)
+    if H % 8:
+        raise KernelError(f"hidden size {H} must be a multiple of 8")
+    if T:
+        kc.kernel("elementwise.cu", "embedding_bf16").launch(
+            (T, 1, 1), (128, 1, 1), [ptr(ids), ptr(table), ptr(out), I32(V), I32(H)])
+
+
+def embedding_quant(kc: KernelCompiler, ids: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
+                    out: torch.Tensor) -> None:
+    """Gather rows of a groupwise int8/int4 table (quant.py parts '', '.scales', '.mins') into bf16 out [T, H]."""
+    if not fmt.quantized:
+        raise KernelError(f"embedding_quant needs an int8/int4 table, got {fmt.format}")
+    T, H = out.shape
+    q, g = parts[""], fmt.group_size
+    V = q.shape[0]
+    kind = 0 if fmt.format == "int8" else (1 if fmt.symmetric else 2)
+    _check(ids, "ids", I32_DT, [T], kc.device)
+    _check(q, "table", torch.int8 if kind == 0 else torch.uint8, [V, H if kind == 0 else H // 2], kc.device)
+    _check(parts[".scales"], "scales", F16, [V, H // g], kc.device)
+    mins = parts.get(".mins") if kind == 2 else None
+    if kind == 2:
+        _check(mins, "mins", F16, [V, H // g], kc.device)
+    _check(out, "out", BF16, [T, H], kc.device, align16=True)
+    if H % 8 or g % 8 or H % g:
+        raise KernelError(f"hidden size {H} and group size {g} must be multiples of 8, and H of g")
+    if q.data_ptr() % 8:
+        raise KernelError("table must start on an 8-byte boundary")
+    if T:
+        kc.kernel("elementwise.cu", "embedding_quant").launch(
+            (T, 1, 1), (128, 1, 1),
+            [ptr(ids), ptr(q), ptr(parts[".scales"]), ptr(mins), ptr(out), I32(V), I32(H), I32(g), I32(kind)])
+
+
+def rmsnorm_residual(kc: KernelCompiler, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+                     residual: torch.Tensor | None = None) -> None:
+    """out = rmsnorm(x) * weight; with `residual`: residual += x first and out = rmsnorm(residual) * weight.
+
+    x, residual, out: [T, H] bf16 row-major (row strides may exceed H); weight [H] bf16.
+    """
+    T, H = x.shape
+    _check(x, "x", BF16, [T, H], kc.device, contiguous=False, align16=True)
+    _check(weight, "weight", BF16, [H], kc.device, align16=True)
+    _check(out, "out", BF16, [T, H], kc.device, contiguous=False, align16=True)
+    if H % 8:
+        raise KernelError(f"hidden size {H} must be a multiple of 8")
+    res_stride = 0
+    if residual is not None:
+        _check(residual, "residual", BF16, [T, H], kc.device, contiguous=False, align16=True)
+        res_stride = _rows(residual, "residual", H)
+        if residual.data_ptr() == out.data_ptr() or residual.data_ptr() == x.data_ptr():
+            raise KernelError("residual must not alias x or out")
+    if T:
+        kc.kernel("elementwise.cu", "rmsnorm_residual").launch(
+            (T, 1, 1), (256 if H >= 2048 else 128, 1, 1),
+            [ptr(x), ptr(residual), ptr(weight), ptr(out), I32(H), I64(_rows(x, "x", H)), I64(res_stride),
+             I64(_rows(out, "out", H)), F32(eps)])
+
+
+def swiglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; bf16, I % 8 == 0."""
+    T, I2 = gate_up.shape
+    inter = I2 // 2
+    _check(gate_up, "gate_up", BF16, [T, 2 * inter], kc.device, contiguous=False, align16=True)
+    _check(out, "out", BF16, [T, inter], kc.device, contiguous=False, align16=True)
+    if I2 % 2 or inter % 8:
+        raise KernelError(f"gate_up width {I2} must be 2 * I with I a multiple of 8")
+    n = T * inter // 8
+    if n:
+        blocks = min(math.ceil(n / 256), 132 * 16)
+        kc.kernel("elementwise.cu", "swiglu").launch(
+            (blocks, 1, 1), (256, 1, 1),
+            [ptr(gate_up), ptr(out), I32(T), I32(inter), I64(_rows(gate_up, "gate_up", I2)),
+             I64(_rows(out, "out", inter))])
+
+
+def rope_cos_sin(head_dim: int, max_positions: int, theta: float, device: torch.device | str,
+                 inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 tables [max_positions, head_dim/2] for rope_kv_write (pass inv_freq for scaled RoPE)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq.to(torch.float64))
+    return freqs.cos().to(torch.float32).to(device), freqs.sin().to(torch.float32).to(device)
+
+
+def rope_kv_write(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> None:
+    """Rotate q in place and write rotated k and v into the paged cache at slot_mapping[t].
+
+    q [T, Hq, D], k/v [T, Hkv, D] bf16 (token strides free, heads packed); cos/sin [P, D/2] fp32;
+    positions, slot_mapping [T] int32 (slot < 0: no write); caches [pages, page_size, Hkv, D] bf16;
+    q_norm/k_norm [D] bf16: per-head RMSNorm before RoPE (qwen3), both or neither.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    for name, t, heads in (("q", q, Hq), ("k", k, Hkv), ("v", v, Hkv)):
+        _check(t, name, BF16, [T, heads, D], kc.device, contiguous=False)
+        if t.stride(1) != D or t.stride(0) < heads * D or t.data_ptr() % 4 or t.stride(0) % 2:
+            raise KernelError(f"{name} must have packed heads and 4-byte aligned rows, got strides {t.stride()}")
+    if D % 4:
+        raise KernelError(f"head_dim {D} must be a multiple of 4")
+    _check(cos, "cos", F32_DT, [None, D // 2], kc.device)
+    _check(sin, "sin", F32_DT, list(cos.shape), kc.device)
+    _check(positions, "positions", I32_DT, [T], kc.device)
+    _check(slot_mapping, "slot_mapping", I32_DT, [T], kc.device)
+    _check(k_cache, "k_cache", BF16, [None, None, Hkv, D], kc.device)
+    _check(v_cache, "v_cache", BF16, list(k_cache.shape), kc.device)
+    if (q_norm is None) != (k_norm is None):
+        raise KernelError("pass both q_norm and k_norm, or neither")
+    if q_norm is not None:
+        _check(q_norm, "q_norm", BF16, [D], kc.device)
+        _check(k_norm, "k_norm", BF16, [D], kc.device)
+    if T:
+        kc.kernel("rope_kv.cu", "rope_kv_write").launch(
+            (T, 1, 1), (128, 1, 1),
+            [ptr(q), ptr(k), ptr(v), ptr(cos), ptr(sin), ptr(positions), ptr(slot_mapping), ptr(k_cache),
+             ptr(v_cache), ptr(q_norm), ptr(k_norm), I32(Hq), I32(Hkv), I32(D), I64(q.stride(0)),
+             I64(k.stride(0)), I64(v.stride(0)), F32(eps)])
+
+
+def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
+               max_context_len: int, out: torch.Tensor, scale: float, partition: int,
+               workspace: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    T, Hq, D = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    B = block_tables.shape[0]
+    for name, t in (("q", q), ("out", out)):
+        _check(t, name, BF16, [T, Hq, D], kc.device, contiguous=False, align16=True)
+        if t.stride(1) != D or (t.stride(0) * 2) % 16:
+            raise KernelError(f"{name} must have packed heads and 16-byte aligned rows, got strides {t.stride()}")
+    _check(k_cache, "k_cache", BF16, [None, None, Hkv, D], kc.device, align16=True)
+    _check(v_cache, "v_cache", BF16, list(k_cache.shape), kc.device, align16=True)
+    _check(block_tables, "block_tables", I32_DT, [B, None], kc.device)
+    _check(lens, "context_lens" if cu_seqlens is None else "start_pos", I32_DT, [B], kc.device)
+    if cu_seqlens is not None:
+        _check(cu_seqlens, "cu_seqlens", I32_DT, [B + 1], kc.device)
+    elif B != T:
+        raise KernelError(f"decode has one query token per sequence: {T} tokens for {B} sequences")
+    if D not in (64, 128, 256):
+        raise KernelError(f"head_dim {D} not supported (64, 128, 256)")
+    if Hq % Hkv or (Hq // Hkv) * D > 2048:
+        raise KernelError(f"{Hq} query heads over {Hkv} kv heads: need a whole group of at most {2048 // D}")
+    if partition <= 0 or max_context_len < 0:
+        raise KernelError("partition must be positive and max_context_len non-negative")
+    if T == 0:
+        return
+    max_parts = max(1, math.ceil(max_context_len / partition))
+    if workspace is None and max_parts > 1:
+        workspace = (torch.empty((T, Hq, max_parts, D), dtype=F32_DT, device=q.device),
+                     torch.empty((T, Hq, max_parts, 2), dtype=F32_DT, device=q.device))
+    if max_parts > 1:
+        _check(workspace[0], "workspace[0]", F32_DT, [None, Hq, None, D], kc.device)
+        _check(workspace[1], "workspace[1]", F32_DT, [None, Hq, None, 2], kc.device)
+        if workspace[0].shape[0] < T or workspace[0].shape[2] != max_parts or workspace[1].shape[:3] != workspace[0].shape[:3]:
+            raise KernelError(f"workspace must be [>= {T}, {Hq}, {max_parts}, {D}] and [.., 2]")
+    part_out, part_ml = workspace if max_parts > 1 else (None, None)
+    defines = {"HEAD_DIM": D, "GQA": Hq // Hkv}
+    seq_args = [ptr(cu_seqlens), ptr(lens), I32(B)]
+    kc.kernel("attention.cu", "paged_attention", defines).launch(
+        (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
+        [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
+         *seq_args, ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv),
+         I32(page_size), I32(partition), F32(scale)])
+    if max_parts > 1:
+        kc.kernel("attention.cu", "paged_attention_combine", defines).launch(
+            (Hq, T, 1), (D, 1, 1),
+            [ptr(part_out), ptr(part_ml), *seq_args, ptr(out), I64(out.stride(0)), I32(max_parts), I32(partition)])
+
+
+def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
+                           out: torch.Tensor, scale: float, partition: int = 512,
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """One query token per sequence attends its whole context (context_lens[b] keys, this token's included).
+
+    q, out [B, Hq, D] bf16; caches [pages, page_size, Hkv, D] bf16; block_tables [B, max_pages] int32;
+    context_lens [B] int32; max_context_len: a host bound on context_lens, sizing the split-K grid.
+    Contexts longer than `partition` keys are split and merged in a fixed order; the split depends
+    only on each sequence's own length, so results are batch-invariant. `workspace` (optional,
+    reusable, e.g. under CUDA graphs): fp32 [>= B, Hq, ceil(max_context_len/partition), D] and [.., 2].
+    """
+    _attention(kc, q, k_cache, v_cache, block_tables, None, context_lens, max_context_len, out, scale,
+               partition, workspace)
+
+
+def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
+                            max_context_len: int, out: torch.Tensor, scale: float) -> None:
+    """Causal attention for new tokens of several sequences whose K/V are already in the cache.
+
+    q, out [T, Hq, D]: sequence b's tokens are rows cu_seqlens[b]..cu_seqlens[b+1]-1 at positions
+    start_pos[b].. (a prefix hit or an earlier chunk starts past 0); each sees keys 0..its position.
+    max_context_len: a host bound on start_pos[b] + its token count.
+    """
+    _attention(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, max_context_len, out, scale,
+               max(1, max_context_len), None)
+
+
+def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
+         out: torch.Tensor) -> None:
+    """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
+    '.scales' / '.mins'), bf16 or groupwise int8/int4. x bf16; out bf16 or fp32 (e.g. logits).
+    Row strides of x and out may exceed their widths (16-byte multiples)."""
+    M, K = x.shape
+    w = parts[""]
+    N = w.shape[0]
+    if fmt.format == "bf16":
+        code, g = 0, 0
+        _check(w, "weight", BF16, [N, K], kc.device, align16=True)
+    elif fmt.format == "int8":
+        code, g = 1, fmt.group_size
+        _check(w, "weight", torch.int8, [N, K], kc.device, align16=True)
+    elif fmt.format == "int4":
+        code, g = (2 if fmt.symmetric else 3), fmt.group_size
+        _check(w, "weight", torch.uint8, [N, K // 2], kc.device, align16=True)
+    else:
+        raise KernelError(f"gemv has no kernel for {fmt.format} weights")
+    chunk = GEMV_CHUNK[code]
+    if K % chunk or (code and (g % chunk or K % g)):
+        raise KernelError(f"K={K} and group size {g} must be multiples of {chunk} (and K of the group size)")
+    if code:
+        _check(parts[".scales"], "scales", F16, [N, K // g], kc.device)
+    mins = parts.get(".mins") if code == 3 else None
+    if code == 3:
+        _check(mins, "mins", F16, [N, K // g], kc.device)
+    if not 1 <= M <= MAX_GEMV_ROWS:
+        raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use torch.matmul for more")
+    _check(x, "x", BF16, [M, K], kc.device, contiguous=False, align16=True)
+    if out.dtype not in (BF16, F32_DT):
+        raise KernelError(f"out must be bfloat16 or float32, got {out.dtype}")
+    _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
+    out_stride = out.stride(0) if M > 1 else N
+    if M > 1 and out_stride < N:
+        raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
+    kc.kernel("gemv.cu", "gemv", {"GEMV_FMT": code}).launch(
+        (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1),
+        [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
+         I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)])
+
+
+def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  tokens: torch.Tensor, counts: torch.Tensor | None = None, presence: torch.Tensor | None = None,
+                  frequency: torch.Tensor | None = None) -> None:
+    """Sample one token per row of fp32 logits [B, V] into tokens [B] int32 (see sampling.cu).
+
+    Per-row parameters [B]: temperature (<= 0: greedy), top_k int32 (1..20), top_p, min_p fp32;
+    seeds, steps int64 (the Philox key and counter: the same (seed, step) draws the same number).
+    counts [B, V] int32 with presence/frequency [B] fp32: penalties on generated-token counts.
+    """
+    B, V = logits.shape
+    _check(logits, "logits", F32_DT, [B, V], kc.device, contiguous=False)
+    for name, t, dt in (("temperature", temperature, F32_DT), ("top_k", top_k, I32_DT), ("top_p", top_p, F32_DT),
+                        ("min_p", min_p, F32_DT), ("seeds", seeds, torch.int64), ("steps", steps, torch.int64),
+                        ("tokens", tokens, I32_DT)):
+        _check(t, name, dt, [B], kc.device)
+    if counts is not None:
+        _check(counts, "counts", I32_DT, [B, V], kc.device, contiguous=False)
+        if presence is None or frequency is None:
+            raise KernelError("counts need presence and frequency penalties")
+        _check(presence, "presence", F32_DT, [B], kc.device)
+        _check(frequency, "frequency", F32_DT, [B], kc.device)
+    if B:
+        kc.kernel("sampling.cu", "sample_tokens").launch(
+            (B, 1, 1), (256, 1, 1),
+            [ptr(logits), I64(logits.stride(0)), I32(V), ptr(counts), I64(counts.stride(0) if counts is not None else 0),
+             ptr(presence if counts is not None else None), ptr(frequency if counts is not None else None),
+             ptr(temperature), ptr(top_k), ptr(top_p), ptr(min_p), ptr(seeds), ptr(steps), ptr(tokens)])

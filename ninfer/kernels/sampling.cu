@@ -1,0 +1,122 @@
+// On-device sampling, one block per sequence (SAMPLE_THREADS threads, fixed, so the reduction
+// order is fixed). Per row b:
+//   logit'[i] = logit[i] - presence[b] * (count[b, i] > 0) - frequency[b] * count[b, i]
+//   (counts: the sequence's generated-token counts, int32 [B, V]; nullptr means no penalties)
+//   candidates = the top_k[b] (<= 20) largest logit', ties broken by the lower token id
+//   temperature[b] <= 0: the token is candidate 0 (greedy argmax, lowest id on ties)
+//   otherwise p_j = exp((logit'_j - logit'_0) / T) over the candidates, then keep the shortest
+//   prefix whose mass reaches top_p (at least one), drop p_j < min_p * p_0, and draw
+//   u = Philox4x32-10(key = seed[b], counter = (step[b], 0)) -> [0, 1): the first candidate whose
+//   running sum exceeds u * total.
+// NaN logits count as -inf. Writes tokens [B] int32.
+#include "common.cuh"
+
+#define SAMPLE_THREADS 256
+#define TOPK_MAX 20
+#define NO_ID 0x7fffffff
+
+__device__ __forceinline__ bool better(float av, int ai, float bv, int bi) {
+  return av > bv || (av == bv && ai < bi);
+}
+
+__device__ __forceinline__ void philox4x32_10(u32 c[4], u32 k0, u32 k1) {
+  for (int r = 0; r < 10; ++r) {
+    if (r > 0) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+    const u32 lo0 = 0xD2511F53u * c[0], hi0 = __umulhi(0xD2511F53u, c[0]);
+    const u32 lo1 = 0xCD9E8D57u * c[2], hi1 = __umulhi(0xCD9E8D57u, c[2]);
+    const u32 n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+    c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const i32* __restrict__ counts,
+              i64 counts_stride, const float* __restrict__ presence, const float* __restrict__ frequency,
+              const float* __restrict__ temperature, const i32* __restrict__ top_k,
+              const float* __restrict__ top_p, const float* __restrict__ min_p, const i64* __restrict__ seeds,
+              const i64* __restrict__ steps, i32* __restrict__ tokens) {
+  __shared__ float red_v[SAMPLE_THREADS / 32];
+  __shared__ int red_i[SAMPLE_THREADS / 32];
+  __shared__ float cand_v[TOPK_MAX];
+  __shared__ int cand_i[TOPK_MAX];
+  const int b = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const float temp = temperature[b];
+  const int k = temp <= 0.0f ? 1 : max(1, min(top_k[b], TOPK_MAX));
+  const float pres = counts ? presence[b] : 0.0f, freq = counts ? frequency[b] : 0.0f;
+  const float* row = logits + b * logits_stride;
+  const i32* crow = counts ? counts + b * counts_stride : nullptr;
+
+  // Each thread's own top-k of its strided share, sorted best first.
+  float lv[TOPK_MAX];
+  int li[TOPK_MAX];
+  int cnt = 0;
+  for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS) {
+    float v = row[i];
+    if (v != v) v = NEG_INF;
+    if (crow) {
+      const int c = crow[i];
+      v -= (c > 0 ? pres : 0.0f) + freq * (float)c;
+    }
+    if (cnt == k && !better(v, i, lv[k - 1], li[k - 1])) continue;
+    int j = cnt < k ? cnt++ : k - 1;
+    while (j > 0 && better(v, i, lv[j - 1], li[j - 1])) {
+      lv[j] = lv[j - 1];
+      li[j] = li[j - 1];
+      --j;
+    }
+    lv[j] = v;
+    li[j] = i;
+  }
+  // k rounds of a block argmax over the threads' list heads; the winner pops its head.
+  int head = 0;
+  for (int r = 0; r < k; ++r) {
+    float v = head < cnt ? lv[head] : NEG_INF;
+    int id = head < cnt ? li[head] : NO_ID;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, id, o);
+      if (better(ov, oi, v, id)) { v = ov; id = oi; }
+    }
+    if (lane == 0) { red_v[warp] = v; red_i[warp] = id; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float bv = red_v[0];
+      int bi = red_i[0];
+      for (int w = 1; w < SAMPLE_THREADS / 32; ++w)
+        if (better(red_v[w], red_i[w], bv, bi)) { bv = red_v[w]; bi = red_i[w]; }
+      cand_v[r] = bv;
+      cand_i[r] = bi;
+    }
+    __syncthreads();
+    if (head < cnt && li[head] == cand_i[r]) ++head;
+  }
+  if (threadIdx.x != 0) return;
+  int n = k;
+  while (n > 1 && cand_i[n - 1] == NO_ID) --n;  // V < k
+  if (temp <= 0.0f || n == 1) {
+    tokens[b] = cand_i[0];
+    return;
+  }
+  float p[TOPK_MAX];
+  float total = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    p[j] = cand_v[j] == NEG_INF ? 0.0f : expf((cand_v[j] - cand_v[0]) / temp);
+    total += p[j];
+  }
+  const float tp = top_p[b], mp = min_p[b];
+  int keep = 1;
+  float mass = p[0];
+  while (keep < n && mass < tp * total && p[keep] >= mp * p[0]) mass += p[keep++];
+  u32 c[4] = {(u32)steps[b], (u32)((u64)steps[b] >> 32), 0u, 0u};
+  philox4x32_10(c, (u32)seeds[b], (u32)((u64)seeds[b] >> 32));
+  const float target = (float)(c[0] >> 8) * (1.0f / 16777216.0f) * mass;
+  float run = 0.0f;
+  int pick = keep - 1;
+  for (int j = 0; j < keep; ++j) {
+    run += p[j];
+    if (run > target) { pick = j; break; }
+  }
+  tokens[b] = cand_i[pick];
+}

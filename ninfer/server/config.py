@@ -1,0 +1,90 @@
+"""Server-side configuration: transport, auth and the process sampler overrides.
+
+Engine knobs (lanes, queue, prefill, context) live in `SchedulerConfig`; this holds only what
+the HTTP layer decides. Validated on construction with the option's name in the message.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ninfer.errors import ConfigError
+
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "critical", "off")
+
+
+@dataclass(slots=True)
+class SamplerOverrides:
+    """Process-level sampler flags: preset < these < request fields; `greedy` forces temperature 0."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
+            raise ConfigError("--temperature must be in [0, 2]")
+        if self.top_p is not None and not 0.0 <= self.top_p <= 1.0:
+            raise ConfigError("--top-p must be in [0, 1]")
+        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError("--min-p must be in [0, 1]")
+        if self.top_k is not None and not 0 <= self.top_k <= 20:
+            raise ConfigError("--top-k must be in 0..20 (0 selects the top-20 cap)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2.0 <= value <= 2.0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be in [-2, 2]")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """What `ninfer serve` decides beyond the engine: listener, auth, CORS, limits, sampler flags."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    model_id: str | None = None  # None: the artifact's identity.model_id
+    max_request_mib: int = 384
+    cors: bool = False
+    usage_chunk_choice: bool = False
+    stats_port: int | None = None
+    log_level: str = "info"
+    default_max_tokens: int | None = None  # reported by /props; the engine applies it
+    sampler: SamplerOverrides = field(default_factory=SamplerOverrides)
+    keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
+    model_path: str = ""  # the model argument as given, for /props model_path
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("--host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("--port must be in 0..65535")
+        if self.stats_port is not None and not 1 <= self.stats_port <= 65535:
+            raise ConfigError("--stats-port must be in 1..65535")
+        if self.stats_port is not None and self.stats_port == self.port:
+            raise ConfigError("--stats-port must differ from --port")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
+        if self.model_id is not None and not self.model_id.strip():
+            raise ConfigError("--model-id must not be empty")
+        if not 1 <= self.max_request_mib <= 65536:
+            raise ConfigError("--max-request-mib must be in 1..65536")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ConfigError("--default-max-tokens must be >= 1")
+        if not self.keepalive_seconds > 0:
+            raise ConfigError("keepalive_seconds must be positive")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_request_mib * 1024 * 1024

@@ -1,0 +1,138 @@
+"""Running one PreparedRequest for a protocol adapter: ingress accounting, the engine stream,
+error mapping, and the pieces every protocol encodes (usage, logprob records, session digest)."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer.engine.request import OutputEvent, PreparedRequest, TokenLogprob, Usage
+from ninfer.errors import RequestError
+from ninfer.server.http import Call
+from ninfer.server.sse import TIMEOUT, EventPump, Timeout
+
+FNV_OFFSET = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def session_digest(token_ids: list[int]) -> str:
+    """FNV-1a 64 over the token ids (each as 4 little-endian bytes), 16 hex characters."""
+    h = FNV_OFFSET
+    for tid in token_ids:
+        for b in int(tid).to_bytes(4, "little", signed=False):
+            h = ((h ^ b) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+def event_error(event: OutputEvent) -> RequestError:
+    """The HTTP error for a final event with finish_reason "error"."""
+    if event.error == "request_queue_timeout":
+        return RequestError("the request was not admitted within --pending-timeout-ms", status=503,
+                            code="request_queue_timeout", type="service_unavailable")
+    if event.error == "engine_shutdown":
+        return RequestError("the server is stopping", status=503, code="service_unavailable",
+                            type="service_unavailable")
+    return RequestError(f"generation failed: {event.error}", status=500, code="internal_error",
+                        type="server_error")
+
+
+def usage_dict(usage: Usage | None) -> dict[str, Any]:
+    u = usage or Usage(0, 0, 0)
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+def logprob_records(tokenizer: Any, records: tuple[TokenLogprob, ...] | list[TokenLogprob],
+                    top_n: int) -> list[dict[str, Any]]:
+    """OpenAI's content logprob records: token text (U+FFFD for partial UTF-8), logprob, bytes, top."""
+    out = []
+    for r in records:
+        raw = tokenizer.token_bytes(r.token_id)
+        top = []
+        for tid, lp in r.top[:top_n]:
+            tb = tokenizer.token_bytes(tid)
+            top.append({"token": tb.decode("utf-8", "replace"), "logprob": lp, "bytes": list(tb)})
+        out.append({"token": raw.decode("utf-8", "replace"), "logprob": r.logprob, "bytes": list(raw),
+                    "top_logprobs": top})
+    return out
+
+
+@dataclass(slots=True)
+class Outcome:
+    """The aggregate of a finished request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: OutputEvent | None = None
+
+
+class Generation:
+    """One request through the engine. Use as an async context manager: entering takes an
+    ingress place (429 when full), leaving releases it and cancels an unfinished request."""
+
+    def __init__(self, call: Call, req: PreparedRequest) -> None:
+        self.call = call
+        self.req = req
+        self.created = int(time.time())
+        self._pump: EventPump | None = None
+        self._entered = False
+
+    async def __aenter__(self) -> Generation:
+        self.call.state.enter()
+        self._entered = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._pump is not None:
+            await self._pump.aclose()
+        if self._entered:
+            self.call.state.leave()
+
+    async def events(self, keepalive: float | None) -> AsyncIterator[OutputEvent | Timeout]:
+        """Yield events (TIMEOUT after `keepalive` s without one). A final error event raises
+        RequestError; submission errors (429, context_length_exceeded) raise too."""
+        state = self.call.state
+        assert state.loaded is not None
+        self._pump = EventPump(state.loaded.engine.stream(self.req))
+        first = True
+        while True:
+            try:
+                item = await self._pump.next(keepalive)
+            except RequestError:
+                if first:
+                    state.requests_rejected += 1
+                raise
+            first = False
+            if item is None:
+                return
+            if item is TIMEOUT:
+                yield item
+                continue
+            assert isinstance(item, OutputEvent)
+            if item.finish_reason is not None:
+                state.requests_total += 1
+                if item.finish_reason == "error":
+                    state.requests_failed += 1
+                    raise event_error(item)
+            yield item
+
+    async def collect(self) -> Outcome:
+        """Run to the end without streaming."""
+        out = Outcome()
+        async for event in self.events(None):
+            assert isinstance(event, OutputEvent)
+            out.text += event.text
+            out.token_ids.extend(event.token_ids)
+            out.logprobs.extend(event.logprobs)
+            if event.finish_reason is not None:
+                out.final = event
+        return out

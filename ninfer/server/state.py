@@ -1,0 +1,145 @@
+"""What the server knows at runtime: the loaded model once warm, ingress and outcome counters.
+
+Everything here is touched only from the asyncio thread (the engine publishes its own counters
+as snapshots), so plain ints need no lock.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ninfer.engine.request import SamplingParams
+from ninfer.errors import RequestError
+from ninfer.server.config import ServerConfig
+
+if TYPE_CHECKING:
+    from ninfer.engine.loader import LoadedModel
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFacts:
+    """The llama.cpp-style `meta` object of /v1/models, computed once when the model is ready."""
+
+    n_vocab: int
+    n_ctx: int
+    n_ctx_train: int
+    n_embd: int
+    n_params: int
+    size: int
+    ftype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def model_facts(loaded: LoadedModel) -> ModelFacts:
+    """Logical element count, stored payload bytes and formats of the artifact behind the alias."""
+    from ninfer.engine.models import expected_weights
+
+    meta = loaded.meta
+    shapes = expected_weights(meta.config)
+    n_params = sum(math.prod(shape) for shape in shapes.values())
+    formats = sorted({_format_name(f) for f in meta.tensor_formats.values()})
+    return ModelFacts(
+        n_vocab=loaded.tokenizer.vocab_size,
+        n_ctx=loaded.max_context,
+        n_ctx_train=meta.config.max_position_embeddings,
+        n_embd=meta.config.hidden_size,
+        n_params=n_params,
+        size=_payload_bytes(Path(loaded.path)),
+        ftype="+".join(formats),
+    )
+
+
+def _format_name(fmt: Any) -> str:
+    if not fmt.quantized:
+        return fmt.format
+    kind = fmt.format if fmt.format == "int8" or fmt.symmetric else "int4a"
+    return f"{kind}g{fmt.group_size}"
+
+
+def _payload_bytes(path: Path) -> int:
+    # safetensors: u64 header length, JSON header with data_offsets per tensor, then the payload
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Readiness, the loaded model and the HTTP-side counters /v1/load, /stats and /metrics read."""
+
+    config: ServerConfig
+    started_at: float = field(default_factory=time.monotonic)
+    loaded: LoadedModel | None = None
+    facts: ModelFacts | None = None
+    ready_at: float | None = None  # monotonic time warm-up ended
+    ready_unix: float = 0.0
+    base_sampling: SamplingParams = field(default_factory=SamplingParams)  # preset + process flags
+    # ingress: generation requests from preparation until their response is released
+    admitted: int = 0
+    peak_admitted: int = 0
+    requests_total: int = 0  # completed with an outcome
+    requests_failed: int = 0  # accepted, then ended in an error
+    requests_rejected: int = 0  # rejected during preparation
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded is not None
+
+    @property
+    def model_id(self) -> str:
+        assert self.loaded is not None
+        return self.config.model_id or self.loaded.model_id
+
+    @property
+    def max_admitted(self) -> int:
+        snap = self.loaded.engine.snapshot() if self.loaded is not None else None
+        return (snap.max_concurrency + snap.max_pending_requests) if snap is not None else 0
+
+    def uptime(self) -> float:
+        return time.monotonic() - self.ready_at if self.ready_at is not None else 0.0
+
+    def set_ready(self, loaded: LoadedModel) -> None:
+        """Publish the warm model; from here on every route serves."""
+        self.facts = model_facts(loaded)
+        self.base_sampling = base_sampling(loaded, self.config)
+        self.ready_unix = time.time()
+        self.ready_at = time.monotonic()
+        self.loaded = loaded
+
+    def enter(self) -> None:
+        """Take one ingress place for a generation request, or raise 429 server_overloaded."""
+        if self.admitted >= self.max_admitted:
+            self.requests_rejected += 1
+            raise RequestError("the server is at capacity; retry later", status=429,
+                               code="server_overloaded", type="server_error")
+        self.admitted += 1
+        self.peak_admitted = max(self.peak_admitted, self.admitted)
+
+    def leave(self) -> None:
+        self.admitted -= 1
+
+
+def base_sampling(loaded: LoadedModel, config: ServerConfig) -> SamplingParams:
+    """The model's preset under the process flags: what a request that names no sampler field gets."""
+    presets = loaded.meta.sampler_presets or {}
+    preset = presets.get("non_thinking") or presets.get("default") or presets.get("thinking") or {}
+    values: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
+        if name in preset:
+            values[name] = int(preset[name]) if name == "top_k" else float(preset[name])
+    o = config.sampler
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed"):
+        value = getattr(o, name)
+        if value is not None:
+            values[name] = value
+    if o.greedy:
+        values["temperature"] = 0.0
+    return SamplingParams(**values)

@@ -1,0 +1,86 @@
+"""Measure the cuda kernels on a GPU: relative error against torch and time / bandwidth at
+llama-8b decode shapes. Prints one line per case. Usage: python scripts/gpu_kernels.py"""
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ninfer.engine.quant import TensorFormat, dequantize, quantize
+from ninfer.kernels import launchers as L
+from ninfer.kernels.compiler import KernelCompiler
+
+DEV = "cuda"
+
+
+def bench(fn, reps: int = 50) -> float:
+    """Median milliseconds of fn() over reps, timed with CUDA events after a warm-up."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def main() -> None:
+    kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
+    print(f"{torch.cuda.get_device_name()}  (GB/s counts weight/KV bytes read once)")
+    for N, K in ((6144, 4096), (28672, 4096), (4096, 14336)):
+        for name, fmt in (("bf16", TensorFormat("bf16")), ("int8", TensorFormat("int8", 32)),
+                          ("int4asym", TensorFormat("int4", 32, False))):
+            parts = quantize(torch.randn(N, K, device=DEV) * 0.02, fmt)
+            nbytes = sum(p.numel() * p.element_size() for p in parts.values())
+            for M in (1, 8):
+                x = torch.randn(M, K, device=DEV).bfloat16()
+                out = torch.empty(M, N, device=DEV, dtype=torch.float32)
+                ms = bench(lambda: L.gemv(kc, x, fmt, parts, out))
+                err = rel(out, x.double() @ dequantize(fmt, parts, torch.float64).T)
+                line = f"gemv {name:9s} M={M} N={N:6d} K={K:6d}: {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s rel {err:.1e}"
+                if name == "bf16":
+                    w = parts[""]
+                    line += f" | torch.matmul {bench(lambda: x @ w.T) * 1e3:7.1f} us"
+                print(line)
+    B, Hq, Hkv, D, ps = 8, 32, 8, 128, 16
+    for ctx_len in (512, 4096, 32768):
+        pages = B * ctx_len // ps
+        kcache = torch.randn(pages, ps, Hkv, D, device=DEV).bfloat16()
+        vcache = torch.randn(pages, ps, Hkv, D, device=DEV).bfloat16()
+        tables = torch.randperm(pages, device=DEV).to(torch.int32).view(B, -1)
+        lens = torch.full((B,), ctx_len, dtype=torch.int32, device=DEV)
+        q = torch.randn(B, Hq, D, device=DEV).bfloat16()
+        out = torch.empty_like(q)
+        ms = bench(lambda: L.paged_attention_decode(kc, q, kcache, vcache, tables, lens, ctx_len, out, D ** -0.5))
+        nbytes = 2 * B * ctx_len * Hkv * D * 2
+        print(f"decode attention B={B} ctx={ctx_len:6d} Hq={Hq} Hkv={Hkv} D={D}: {ms * 1e3:8.1f} us {nbytes / ms / 1e6:6.0f} GB/s")
+    T, H, I = 8, 4096, 14336
+    x, w = torch.randn(T, H, device=DEV).bfloat16(), torch.randn(H, device=DEV).bfloat16()
+    res, out = torch.randn(T, H, device=DEV).bfloat16(), torch.empty(T, H, device=DEV).bfloat16()
+    print(f"rmsnorm_residual T={T} H={H}: {bench(lambda: L.rmsnorm_residual(kc, x, w, out, 1e-5, res)) * 1e3:.1f} us")
+    gu, o2 = torch.randn(T, 2 * I, device=DEV).bfloat16(), torch.empty(T, I, device=DEV).bfloat16()
+    print(f"swiglu T={T} I={I}: {bench(lambda: L.swiglu(kc, gu, o2)) * 1e3:.1f} us")
+    V = 128256
+    logits = torch.randn(T, V, device=DEV)
+    f = lambda v: torch.full((T,), v, device=DEV)  # noqa: E731
+    i = lambda v, dt: torch.full((T,), v, device=DEV, dtype=dt)  # noqa: E731
+    toks = torch.empty(T, dtype=torch.int32, device=DEV)
+    for temp in (0.0, 0.7):
+        args = (f(temp), i(20, torch.int32), f(0.9), f(0.05), i(1, torch.int64), i(0, torch.int64), toks)
+        ms = bench(lambda: L.sample_tokens(kc, logits, *args))
+        print(f"sample_tokens B={T} V={V} temperature={temp}: {ms * 1e3:.1f} us")
+    print(f"NVRTC compiles: {kc.compiled}")
+
+
+if __name__ == "__main__":
+    main()

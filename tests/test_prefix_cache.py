@@ -1,0 +1,87 @@
+"""Prefix index: longest-prefix match, domination, LRU eviction that spares pages in use."""
+from __future__ import annotations
+
+from ninfer.engine.kv_cache import PagePool
+from ninfer.engine.prefix_cache import PrefixCache, common_prefix_len, reuse_path
+
+P = 4  # small pages keep the token lists readable
+
+
+def _retain(cache: PrefixCache, tokens: list[int]) -> list[int]:
+    pages = cache.pool.allocate(-(-len(tokens) // P))
+    cache.insert(tokens, pages)
+    return pages
+
+
+def test_common_prefix_len() -> None:
+    a = list(range(10))
+    assert common_prefix_len(a, a, step=4) == 10
+    assert common_prefix_len(a, a[:7], step=4) == 7
+    assert common_prefix_len(a, a[:5] + [99, 6], step=4) == 5
+    assert common_prefix_len(a, [1], step=4) == 0
+
+
+def test_match_picks_longest_then_most_recent() -> None:
+    cache = PrefixCache(PagePool(16, P), max_entries=4)
+    _retain(cache, [1, 2, 3, 4, 5, 6])
+    _retain(cache, [1, 2, 3, 9, 9])
+    m = cache.match([1, 2, 3, 4, 5, 7, 8], max_tokens=6)
+    assert (m.entry_id, m.num_tokens, m.entry_tokens) == (0, 5, 6)
+    m = cache.match([1, 2, 3, 0], max_tokens=3)  # both match 3: the newer wins
+    assert (m.entry_id, m.num_tokens) == (1, 3)
+    cache.touch(0)
+    assert cache.match([1, 2, 3, 0], max_tokens=3).entry_id == 0
+    assert cache.match([7, 7], max_tokens=1) is None
+
+
+def test_insert_drops_entries_the_new_one_extends() -> None:
+    pool = PagePool(16, P)
+    cache = PrefixCache(pool, max_entries=4)
+    _retain(cache, [1, 2, 3, 4, 5])  # entry 0: pages 0, 1
+    shared = cache.entry_pages(0)[:1]
+    pool.incref(shared)  # a turn that reused the first page, then finished
+    own = pool.allocate(2)
+    assert own == [2, 3]
+    removed = cache.insert([1, 2, 3, 4, 5, 6, 7, 8, 9], shared + own)
+    assert removed == [0]
+    assert [e.entry_id for e in cache.entries()] == [1]
+    assert cache.entries()[0].pages == [0, 2, 3]
+    assert pool.free_page_ids()[-1] == 1  # the dropped entry's private tail page was freed
+
+
+def test_capacity_evicts_least_recently_used() -> None:
+    pool = PagePool(16, P)
+    cache = PrefixCache(pool, max_entries=2)
+    _retain(cache, [1, 1])
+    _retain(cache, [2, 2])
+    cache.touch(0)
+    assert cache.insert([3, 3], pool.allocate(1)) == [1]
+    assert [e.token_ids for e in cache.entries()] == [[1, 1], [3, 3]]
+
+
+def test_pressure_eviction_order_spares_pages_in_use() -> None:
+    pool = PagePool(8, P)
+    cache = PrefixCache(pool, max_entries=8)
+    a = _retain(cache, [1] * 8)  # entry 0: pages 0, 1
+    b = _retain(cache, [2] * 8)  # entry 1: pages 2, 3
+    c = _retain(cache, [3] * 4)  # entry 2: page 4
+    assert (a, b, c) == ([0, 1], [2, 3], [4])
+    pool.incref(a)  # an active request holds all of entry 0's pages
+    assert cache.freeable_pages() == 3
+    assert pool.num_free == 3
+    # entry 0 is least recently used but frees nothing, so entry 1 goes first, then entry 2
+    assert cache.evict(5) == [1]
+    assert pool.free_page_ids() == [5, 6, 7, 2, 3]
+    assert cache.evict(6) == [2]
+    assert cache.evict(8) == []  # entry 0's pages stay with the active request
+    assert len(cache) == 1 and pool.num_free == 6
+    pool.decref(a)
+    assert cache.evict(8) == [0] and pool.num_free == 8
+
+
+def test_reuse_path_names() -> None:
+    assert reuse_path(0, 10, 20, False) == "root"
+    assert reuse_path(10, 10, 20, False) == "private_endpoint"
+    assert reuse_path(599, 700, 600, True) == "private_long_anchor"
+    assert reuse_path(300, 700, 600, False) == "shared_stable_prefix"
+    assert reuse_path(99, 700, 100, True) == "shared_stable_prefix"  # short raw prompt

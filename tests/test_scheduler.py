@@ -1,0 +1,231 @@
+"""Scheduler driven by hand-built runner outputs: exact page ids, admission order, staged
+prefill order, decode rounds, prefix reuse and eviction, EOS / stop string / cancel."""
+from __future__ import annotations
+
+from ninfer.engine.batch import ScheduledBatch, StepOutput
+from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.kv_cache import PagePool
+from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
+
+P = 4
+EOS = 2
+
+
+def make(num_pages: int = 16, **kw: object) -> Scheduler:
+    kw.setdefault("max_concurrency", 2)
+    kw.setdefault("prefill_chunk", 4)
+    kw.setdefault("decode_rounds_per_prefill", 1)
+    return Scheduler(SchedulerConfig(**kw), PagePool(num_pages, P))
+
+
+def seq(seq_id: int, prompt: list[int], max_out: int, **kw: object) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", prompt_token_ids=prompt,
+                    max_output_tokens=max_out, stop_token_ids=frozenset({EOS}), **kw)
+
+
+def run(s: Scheduler, sample: dict[int, int] | None = None) -> ScheduledBatch:
+    """One step: schedule, then answer every sampling row with sample[seq_id] (default 100+seq_id)."""
+    batch = s.schedule()
+    assert batch is not None
+    out = {w.seq_id: (sample or {}).get(w.seq_id, 100 + w.seq_id) for w in batch.seqs if w.sample}
+    s.update(batch, StepOutput(out))
+    return batch
+
+
+def rows(batch: ScheduledBatch) -> list[tuple[int, list[int], int, list[int], bool]]:
+    return [(w.seq_id, w.token_ids, w.start_pos, w.block_table, w.sample) for w in batch.seqs]
+
+
+def test_chunked_prefill_decode_and_length_finish_retains() -> None:
+    s = make(prefix_reuse=True)
+    a = seq(0, [10, 11, 12, 13, 14, 15], max_out=3)
+    s.add(a)
+    assert rows(run(s)) == [(0, [10, 11, 12, 13], 0, [0], False)]
+    assert a.status is SeqStatus.PREFILLING and a.num_computed_tokens == 4
+    assert rows(run(s)) == [(0, [14, 15], 4, [0, 1], True)]
+    assert a.status is SeqStatus.DECODING and a.output_token_ids == [100]
+    assert rows(run(s)) == [(0, [100], 6, [0, 1], True)]
+    assert rows(run(s)) == [(0, [100], 7, [0, 1], True)]
+    assert a.finished and a.finish_reason == "length" and a.output_token_ids == [100, 100, 100]
+    assert s.schedule() is None
+    # the executed frontier (8 tokens: the last sampled token has no KV yet) is retained
+    (entry,) = s.prefix_cache.entries()
+    assert entry.token_ids == [10, 11, 12, 13, 14, 15, 100, 100] and entry.pages == [0, 1]
+    assert s.pool.num_used == 2
+
+
+def test_eos_and_stop_string_finish_without_retention() -> None:
+    s = make(prefix_reuse=False)
+    a, b = seq(0, [5, 6, 7], 10), seq(1, [8, 9], 10)
+    s.add(a)
+    s.add(b)
+    assert rows(run(s)) == [(0, [5, 6, 7], 0, [0], True)]
+    assert [q.seq_id for q in s.running] == [0] and list(s.waiting) == [b]  # held by the staged prefill
+    # b is admitted now, but one decode round runs before its prefill; a samples EOS in it
+    assert rows(run(s, {0: EOS})) == [(0, [100], 3, [0], True)]
+    assert b.status is SeqStatus.PREFILLING and b.lane == 1
+    assert a.finished and a.finish_reason == "stop" and a.stop_reason == EOS
+    assert a.block_table == [] and s.pool.num_used == 0  # b has no pages until it computes
+    assert rows(run(s)) == [(1, [8, 9], 0, [1], True)]
+    s.finish(b, "stop", "\n\n")  # the output processor matched a stop string
+    assert b.finished and b.stop_reason == "\n\n" and s.pool.num_used == 0 and s.running == []
+    s.finish(b, "length")  # a second finish is a no-op
+    assert b.finish_reason == "stop"
+
+
+def test_admission_waits_for_entitlement_in_fifo_order() -> None:
+    s = make(num_pages=8, max_concurrency=3, prefix_reuse=False, prefill_chunk=16)
+    a = seq(0, list(range(20, 28)), max_out=8)  # 16 tokens: 4 pages
+    b = seq(1, list(range(30, 38)), max_out=12)  # 20 tokens: 5 pages > 8 - 4
+    c = seq(2, [40], max_out=1)  # would fit, but FIFO keeps it behind b
+    for q in (a, b, c):
+        s.add(q)
+    assert rows(run(s)) == [(0, list(range(20, 28)), 0, [0, 1], True)]
+    assert list(s.waiting) == [b, c] and s.pool.num_used == 2  # pages are allocated lazily
+    for _ in range(7):
+        assert [w.seq_id for w in run(s).seqs] == [0]
+    assert a.finished and a.finish_reason == "length"
+    # a's pages 0..3 went back to the free list's tail behind 4..7
+    assert rows(run(s)) == [(1, list(range(30, 38)), 0, [4, 5], True)]
+    assert list(s.waiting) == [c]  # b's staged prefill held c back
+    assert rows(run(s)) == [(1, [101], 8, [4, 5, 6], True)]  # c admitted; one decode round first
+    assert [q.seq_id for q in s.running] == [1, 2] and (b.lane, c.lane) == (0, 1)
+    assert rows(run(s)) == [(2, [40], 0, [7], True)]
+
+def test_concurrent_prefill_shortest_first() -> None:
+    s = make(num_pages=64, max_concurrency=3, concurrent_prefill=True, prefix_reuse=False)
+    long = seq(0, list(range(1000, 1040)), 2)  # 10 chunks
+    s.add(long)
+    run(s)
+    assert long.num_computed_tokens == 4
+    shorts = [seq(i, [50 + i] * 6, 2) for i in (1, 2)]
+    for q in shorts:
+        s.add(q)
+    steps = []
+    for _ in range(7):
+        w = run(s).seqs
+        steps.append((w[0].seq_id, "P" if w[0].start_pos < 6 or w[0].seq_id == 0 else "D"))
+    # shortest remaining prompt first; a decode round between prefill units once one decodes
+    assert steps == [(1, "P"), (1, "P"), (1, "D"), (2, "P"), (2, "P"), (2, "D"), (0, "P")]
+    assert shorts[0].finished and shorts[1].finished and long.num_computed_tokens == 8
+
+
+def test_long_prompt_passed_over_eight_times_runs_next() -> None:
+    s = make(num_pages=64, max_concurrency=2, concurrent_prefill=True, prefix_reuse=False)
+    long = seq(0, list(range(1000, 1040)), 1)
+    short = seq(1, list(range(2000, 2036)), 1)  # always the shorter remaining prompt
+    s.add(long)
+    s.add(short)
+    units = [run(s).seqs[0].seq_id for _ in range(10)]
+    assert units == [1] * 8 + [0, 1]
+    assert short.finished and long.passed_over == 1 and long.num_computed_tokens == 4
+
+
+def test_decode_rounds_before_prefill_are_proportional() -> None:
+    s = make(num_pages=64, max_concurrency=2, prefill_chunk=8, decode_rounds_per_prefill=4,
+             prefix_reuse=False)
+    a = seq(0, [1, 1, 1], 50)
+    s.add(a)
+    run(s)
+    assert a.status is SeqStatus.DECODING
+    b = seq(1, list(range(100, 120)), 5)  # 20 tokens: units of 8, 8, 4
+    s.add(b)
+    kinds = ""
+    for _ in range(14):
+        batch = run(s)
+        kinds += "P" if any(w.seq_id == 1 and w.start_pos < 20 for w in batch.seqs) else "D"
+    # 4 rounds before each full chunk of 8, ceil(4 * 4 / 8) = 2 before the 4-token tail
+    assert kinds == "DDDDPDDDDPDDPD"
+    assert len(batch.seqs) == 2  # then both lanes decode in one round
+
+def test_prefix_reuse_shares_full_pages_and_counts_exactly() -> None:
+    s = make(max_concurrency=1, prefix_reuse=True, prefill_chunk=64)
+    a = seq(0, list(range(10, 19)), 2)  # 9 prompt tokens
+    s.add(a)
+    run(s)
+    run(s)
+    assert a.finished  # retained: tokens 0..9 (9 prompt + first sampled), pages [0, 1, 2]
+    (entry,) = s.prefix_cache.entries()
+    assert entry.pages == [0, 1, 2] and len(entry.token_ids) == 10
+    # next turn extends the conversation: 10 retained tokens match; without page copies the
+    # partial third page is recomputed, so exactly 8 tokens are reused
+    b = seq(1, entry.token_ids + [7, 7, 7], 1)
+    s.add(b)
+    assert rows(run(s)) == [(1, entry.token_ids[8:] + [7, 7, 7], 8, [0, 1, 3, 4], True)]
+    assert b.num_cached_tokens == 8 and b.reuse_path == "private_endpoint"
+    assert b.finished and [s.pool.refcount(p) for p in (0, 1, 2)] == [1, 1, 0]
+    # b finished (max_out 1) and its entry dominated a's: pages 0, 1 moved on, page 2 freed
+    (entry,) = s.prefix_cache.entries()
+    assert entry.pages == [0, 1, 3, 4] and entry.entry_id == 1
+    assert s.pool.free_page_ids()[-1] == 2
+
+
+def test_prefix_reuse_copy_on_write_is_exact() -> None:
+    s = Scheduler(SchedulerConfig(max_concurrency=1, prefill_chunk=64), PagePool(16, P), copy_on_write=True)
+    a = seq(0, list(range(10, 19)), 2)
+    s.add(a)
+    run(s)
+    run(s)
+    (entry,) = s.prefix_cache.entries()
+    b = seq(1, entry.token_ids + [7], 1, raw_prompt=True)
+    s.add(b)
+    batch = run(s)
+    assert batch.page_copies == [(2, 3)]  # the entry's partial page into b's own page 3
+    assert rows(batch) == [(1, [7], 10, [0, 1, 3], True)]
+    assert b.num_cached_tokens == 10 and b.reuse_path == "private_endpoint"
+    assert s.pool.refcount(2) == 0  # the dominated entry and the copy source are both released
+
+
+def test_same_prompt_again_reuses_all_but_one_token() -> None:
+    s = Scheduler(SchedulerConfig(max_concurrency=1, prefill_chunk=64), PagePool(16, P), copy_on_write=True)
+    prompt = list(range(100, 111))
+    for i in range(2):
+        q = seq(i, list(prompt), 3, raw_prompt=True)
+        s.add(q)
+        first = run(s)
+        run(s)
+        run(s)
+        assert q.finished
+    assert first.seqs[0].start_pos == 10 and q.num_cached_tokens == 10
+
+
+def test_admission_evicts_lru_continuations_but_not_pages_in_use() -> None:
+    s = make(num_pages=6, max_concurrency=2, prefix_reuse=True, prefill_chunk=64)
+    x = seq(0, [1] * 4, 1)
+    y = seq(1, [2] * 4, 1)
+    for q in (x, y):
+        s.add(q)
+        run(s)
+    assert [e.pages for e in s.prefix_cache.entries()] == [[0], [1]]
+    # z needs 5 pages with 4 free: the least recently used continuation (x's) is evicted
+    z = seq(2, [3] * 16, 4)
+    s.add(z)
+    run(s)
+    assert [e.token_ids for e in s.prefix_cache.entries()] == [[2] * 4]
+    assert z.block_table == [2, 3, 4, 5] and s.pool.free_page_ids() == [0]
+
+
+def test_cancel_frees_lane_and_pages_at_any_point() -> None:
+    s = make(num_pages=16, prefix_reuse=True)
+    a = seq(0, list(range(10, 20)), 5)
+    b = seq(1, [3, 3], 5)
+    s.add(a)
+    s.add(b)
+    run(s)
+    s.abort(b)  # still waiting
+    assert b.finished and list(s.waiting) == []
+    run(s)
+    s.abort(a)  # mid-prefill
+    assert a.finish_reason == "cancelled" and s.running == [] and s.pool.num_used == 0
+    assert len(s.prefix_cache) == 0 and s.schedule() is None
+
+
+def test_derive_output_limit() -> None:
+    # one lane: the whole remaining context
+    assert derive_output_limit(100, max_context=8192, num_pages=128, page_size=64, max_concurrency=1) == 8092
+    # 4 lanes over 8192 tokens: share 2048
+    assert derive_output_limit(100, max_context=8192, num_pages=128, page_size=64, max_concurrency=4) == 1948
+    # a pool of 4 x context: the whole remaining context
+    assert derive_output_limit(100, max_context=8192, num_pages=512, page_size=64, max_concurrency=4) == 8092
+    # a prompt past its share keeps the remaining context
+    assert derive_output_limit(3000, max_context=8192, num_pages=128, page_size=64, max_concurrency=4) == 5192
