@@ -1,11 +1,13 @@
 """Chat rendering vs transformers' apply_chat_template(..., tokenize=False)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from ninfer.engine.artifact import Artifact, SpecialTokens
+from ninfer.engine.convert.gguf_tokenizer import bytes_to_unicode
 from ninfer.engine.tokenizer import Tokenizer
 from ninfer.errors import RequestError
 
@@ -76,9 +78,7 @@ def test_qwen_style_template_matches_transformers(tok: Tokenizer, ref, qwen_styl
 
 
 def _tok(template: str | None) -> Tokenizer:
-    from ninfer.engine.convert.gguf_tokenizer import bytes_to_unicode  # a throwaway byte-level vocab
-    import json
-
+    """A throwaway byte-level tokenizer carrying `template`."""
     vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
     data = {"version": "1.0", "added_tokens": [], "normalizer": None,
             "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},

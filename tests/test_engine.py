@@ -319,20 +319,35 @@ def test_real_cancellations_return_the_pool_to_baseline(model) -> None:
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     engine = real_engine(model, max_concurrency=4, max_pending_requests=100, prefill_chunk=8)
     rng = random.Random(1)
+    finals: dict[str, object] = {}
+
+    def sink(ev) -> None:  # runs on the engine thread
+        if ev.finish_reason is not None:
+            finals[ev.request_id] = ev
+
+    def steps() -> int:
+        snap = engine.snapshot()
+        return snap.decode_rounds + snap.prefill_units
+
     try:
-        baseline = engine.snapshot().kv_pages_used
-        handles = [engine.submit(req(f"c{i}", prompts[i % 8], max_tokens=64, ignore_eos=True, cache_prompt=False))
-                   for i in range(100)]
-        for h in rng.sample(handles, len(handles)):
-            snap = engine.snapshot()
-            target = snap.decode_rounds + snap.prefill_units + rng.randrange(0, 3)
-            wait_for(lambda: (lambda s: s.decode_rounds + s.prefill_units >= target or s.running == 0)(engine.snapshot()))
-            h.cancel()
-        reasons = [collect(h)[2].finish_reason for h in handles]
-        assert set(reasons) <= {"cancelled", "length"} and reasons.count("cancelled") >= 90
+        assert engine.snapshot().kv_pages_used == 0
+        ids = [f"c{i}" for i in range(100)]
+        for i, rid in enumerate(ids):
+            engine.submit(req(rid, prompts[i % 8], max_tokens=24, ignore_eos=True, cache_prompt=False), sink)
+        cancelled: set[str] = set()
+        for rid in rng.sample(ids, len(ids)):  # each cancel 0-2 engine steps after the previous one
+            target = steps() + rng.randrange(0, 3)
+            wait_for(lambda: steps() >= target or all(r in finals for r in ids if r not in cancelled))
+            engine.cancel(rid)
+            cancelled.add(rid)
+        wait_for(lambda: len(finals) == 100)
+        reasons = [finals[r].finish_reason for r in ids]
+        assert set(reasons) <= {"cancelled", "length"} and reasons.count("cancelled") >= 50
         wait_for(lambda: engine.snapshot().admitted == 0 and engine.snapshot().running == 0)
-        assert engine.snapshot().kv_pages_used == baseline == 0  # cache_prompt=False: nothing retained
-        assert engine.snapshot().requests_cancelled == reasons.count("cancelled")
+        snap = engine.snapshot()
+        assert snap.kv_pages_used == 0  # cache_prompt=False: nothing retained
+        assert snap.requests_cancelled == reasons.count("cancelled")
+        assert snap.prefill_units + snap.decode_rounds >= 50  # cancels landed between real steps
     finally:
         engine.shutdown()
 
@@ -360,7 +375,9 @@ def test_prefix_reuse_is_exact_and_output_unchanged(model) -> None:
         again, _, final4 = collect(engine.submit(req("r2", long, max_tokens=2, raw_prompt=True)))
         assert final4.usage.cached_tokens == (529 if cow else 512)
         snap = engine.snapshot()
-        assert snap.context_selections.get("private_endpoint", 0) >= 1
+        if cow:
+            assert snap.context_selections["private_endpoint"] == 1
+            assert snap.context_selections["private_long_anchor"] == 1
         assert snap.reused_prompt_tokens == expect + final4.usage.cached_tokens
     finally:
         engine.shutdown()

@@ -66,8 +66,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.host:
             raise ConfigError("--host must not be empty")
-        if not 0 <= self.port <= 65535:
-            raise ConfigError("--port must be in 0..65535")
+        if not 1 <= self.port <= 65535:
+            raise ConfigError("--port must be in 1..65535")
         if self.stats_port is not None and not 1 <= self.stats_port <= 65535:
             raise ConfigError("--stats-port must be in 1..65535")
         if self.stats_port is not None and self.stats_port == self.port:

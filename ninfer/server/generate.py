@@ -136,3 +136,15 @@ class Generation:
             if event.finish_reason is not None:
                 out.final = event
         return out
+
+
+def prompt_progress(event: OutputEvent) -> dict[str, Any] | None:
+    """The final prompt_progress record (processed == total) from an event's timing snapshot, or
+    None when the engine attached none to it (then nothing truthful can be said)."""
+    t = event.timings
+    if t is None:
+        return None
+    total = t.cache_n + t.prompt_n
+    return {"prompt_progress": {"total": total, "cache": t.cache_n, "processed": total,
+                                "time_ms": int(t.prompt_ms)},
+            "timings": t.to_dict()}

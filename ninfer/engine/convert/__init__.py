@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ninfer.engine.convert.common import WEIGHT_MODES
-from ninfer.engine.convert.gguf import GGUF_MAGIC, convert_gguf
+from ninfer.engine.convert.gguf import convert_gguf
+from ninfer.engine.convert.gguf_reader import GGUF_MAGIC
 from ninfer.engine.convert.hf import convert_hf
 from ninfer.errors import ArtifactError
 

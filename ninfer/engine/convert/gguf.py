@@ -22,7 +22,7 @@ from ninfer.engine.artifact import ArtifactMetadata, SpecialTokens, write_artifa
 from ninfer.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ninfer.engine.convert.common import (check_weights_mode, encode_weight, float_format, progress_bar,
                                           sha256_file, stop_token_ids)
-from ninfer.engine.convert.gguf_reader import GGUF_MAGIC, GGUFFile, GGUFTensor
+from ninfer.engine.convert.gguf_reader import GGUFFile, GGUFTensor
 from ninfer.engine.convert.gguf_tokenizer import GGUFVocab, build_tokenizer_json
 from ninfer.engine.models import expected_weights
 from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat

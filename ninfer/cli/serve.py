@@ -1,0 +1,110 @@
+"""`ninfer serve [MODEL]`: the OpenAI-/llama.cpp-compatible HTTP server (Granian, in-process).
+
+Builds ServerConfig + SchedulerConfig from the flags (bad values name the option and exit 1),
+then hands over to ninfer.server.runner, which binds first and loads the model behind it.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+from ninfer.errors import ConfigError
+
+
+def _kv_capacity(value: Optional[str]) -> int | str | None:
+    if value is None:
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise ConfigError(f"--kv-capacity must be a positive integer or auto, got {value!r}") from None
+    if n <= 0:
+        raise ConfigError("--kv-capacity must be a positive integer or auto")
+    return n
+
+
+def serve(
+    model: Optional[str] = typer.Argument(None, metavar="[MODEL]",
+                                          help="A .ninfer file, a GGUF, a Hugging Face folder; default SmolLM2-135M-Instruct."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Listen address."),
+    port: int = typer.Option(8080, "--port", help="Listen port."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="NINFER_API_KEY",
+                                          help="Required bearer or x-api-key value."),
+    model_id: Optional[str] = typer.Option(None, "--model-id", help="Public model alias (default: the artifact's model id)."),
+    max_context: int = typer.Option(8192, "--max-context", help="Logical context ceiling of each sequence."),
+    kv_capacity: Optional[str] = typer.Option(None, "--kv-capacity", help="Shared KV pool in tokens, or auto (default: --max-context)."),
+    max_concurrency: int = typer.Option(1, "--max-concurrency", help="Requests running at once (1..8)."),
+    max_pending_requests: int = typer.Option(16, "--max-pending-requests", help="Further requests allowed to wait."),
+    pending_timeout_ms: int = typer.Option(600000, "--pending-timeout-ms", help="Most a request waits for admission (0: forever)."),
+    prefill_chunk: int = typer.Option(1024, "--prefill-chunk", help="Text-prefill chunk in tokens."),
+    decode_rounds_per_prefill: int = typer.Option(0, "--decode-rounds-per-prefill", help="Decode rounds before each prefill chunk (0: chunk / 64)."),
+    concurrent_prefill: bool = typer.Option(False, "--concurrent-prefill", help="Admit to free lanes while another request prefills."),
+    max_request_mib: int = typer.Option(384, "--max-request-mib", help="Body-size limit before JSON parsing."),
+    default_max_tokens: Optional[int] = typer.Option(None, "--default-max-tokens", help="Output limit when a request names none."),
+    no_prefix_reuse: bool = typer.Option(False, "--no-prefix-reuse", help="Disable the context (prefix) cache."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja chat template file instead of the artifact's."),
+    cors: bool = typer.Option(False, "--cors", help="Permissive browser CORS headers."),
+    usage_chunk_choice: bool = typer.Option(False, "--usage-chunk-choice", help="Give the streamed usage chunk a zero-delta choice."),
+    stats_port: Optional[int] = typer.Option(None, "--stats-port", help="Also serve /health, /stats, /v1/load, /metrics on this port."),
+    log_level: str = typer.Option("info", "--log-level", help="trace|debug|info|warning|error|critical|off"),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Process-level temperature override."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Process-level top-p override."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Process-level top-k override (0..20; 0 is the top-20 cap)."),
+    min_p: Optional[float] = typer.Option(None, "--min-p", help="Process-level min-p override."),
+    presence_penalty: Optional[float] = typer.Option(None, "--presence-penalty", help="Process-level presence-penalty override."),
+    frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Process-level frequency-penalty override."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Fixed seed when a request omits one."),
+    greedy: bool = typer.Option(False, "--greedy", help="Force exact argmax for all requests."),
+    backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
+    device: int = typer.Option(0, "--device", help="CUDA device index."),
+) -> None:
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.server.config import SamplerOverrides, ServerConfig
+    from ninfer.server.runner import serve_forever
+
+    if backend not in ("auto", "torch", "cuda"):
+        raise ConfigError(f"--backend must be one of auto, torch, cuda, got {backend!r}")
+    if device < 0:
+        raise ConfigError("--device must be >= 0")
+    if max_context < 1:
+        raise ConfigError("--max-context must be >= 1")
+    if seed is not None and seed < 0:
+        seed = None  # negative: a fresh random seed per request, as on the wire
+    kv = _kv_capacity(kv_capacity)
+    scheduler = SchedulerConfig(
+        max_concurrency=max_concurrency, max_pending_requests=max_pending_requests,
+        pending_timeout_ms=pending_timeout_ms, prefill_chunk=prefill_chunk,
+        decode_rounds_per_prefill=decode_rounds_per_prefill or None, concurrent_prefill=concurrent_prefill,
+        max_context=max_context, default_max_tokens=default_max_tokens, prefix_reuse=not no_prefix_reuse,
+    )
+    sampler = SamplerOverrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                               seed=seed, greedy=greedy)
+    config = ServerConfig(host=host, port=port, api_key=api_key, model_id=model_id, max_request_mib=max_request_mib,
+                          cors=cors, usage_chunk_choice=usage_chunk_choice, stats_port=stats_port,
+                          log_level=log_level, default_max_tokens=default_max_tokens, sampler=sampler,
+                          model_path=model or "")
+    if chat_template is not None:
+        from pathlib import Path
+        if not Path(chat_template).expanduser().is_file():
+            raise ConfigError(f"--chat-template {chat_template!r}: no such file")
+    level = {"trace": logging.DEBUG, "off": logging.CRITICAL + 10}.get(log_level, getattr(logging, log_level.upper()))
+    logging.basicConfig(level=level, format="%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+
+    def load():
+        from ninfer.engine.loader import load_engine
+        return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
+                           chat_template=chat_template)
+
+    def announce(line: str) -> None:
+        print(line, flush=True)
+
+    code = serve_forever(config, load, announce)
+    if code:
+        raise typer.Exit(code)

@@ -1,0 +1,238 @@
+"""The ASGI application: routing, readiness, auth, CORS, body limit, request ids, version header.
+
+A plain ASGI callable (no framework). Each HTTP request runs its handler in a task beside a
+watcher of `receive()`: a client that disconnects gets its handler cancelled, which closes the
+engine stream and so cancels the request and frees its lane.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qsl
+
+from ninfer.errors import RequestError
+from ninfer.server import llamacpp, openai_chat, openai_completions, ops
+from ninfer.server.http import Call, Headers
+from ninfer.server.state import ServerState
+from ninfer.version import version_string
+
+log = logging.getLogger("ninfer.server")
+Handler = Callable[[Call], Awaitable[None]]
+
+LOADING_MESSAGE = "The model is still loading. Retry shortly."
+CORS_ALLOW_HEADERS = "authorization, content-type, x-api-key, x-request-id, anthropic-version, anthropic-beta"
+
+# (method, path) -> handler; the /v1/v1/... doubling is folded before the lookup
+ROUTES: dict[tuple[str, str], Handler] = {
+    ("GET", "/health"): ops.handle_health,
+    ("GET", "/v1"): ops.handle_index,
+    ("GET", "/v1/models"): ops.handle_models,
+    ("GET", "/props"): ops.handle_props,
+    ("GET", "/v1/load"): ops.handle_load,
+    ("GET", "/stats"): ops.handle_stats,
+    ("GET", "/metrics"): ops.handle_metrics,
+    ("GET", "/slots"): ops.handle_slots,
+    ("POST", "/v1/chat/completions"): openai_chat.handle_chat,
+    ("POST", "/v1/completions"): openai_completions.handle_completions,
+    ("POST", "/completion"): llamacpp.handle_completion,
+    ("POST", "/completions"): llamacpp.handle_completion,
+    ("POST", "/tokenize"): llamacpp.handle_tokenize,
+    ("POST", "/detokenize"): llamacpp.handle_detokenize,
+    ("POST", "/apply-template"): openai_chat.handle_apply_template,
+}
+# routes that need no request body (GET) on the stats port
+STATS_ROUTES = {("GET", "/health"), ("GET", "/stats"), ("GET", "/v1/load"), ("GET", "/metrics")}
+_MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
+# protocols this server does not implement: answered in their own envelope, never faked
+_NOT_SUPPORTED = {
+    "/v1/responses": "the OpenAI Responses API is not supported by this server; use /v1/chat/completions",
+    "/v1/messages": "the Anthropic Messages API is not supported by this server; use /v1/chat/completions",
+}
+
+
+def normalize_path(path: str) -> str:
+    """/v1/v1/... answers as /v1/... (clients given the /v1 base that append /v1 themselves)."""
+    if path == "/v1/v1" or path.startswith("/v1/v1/"):
+        path = path[3:]
+    if len(path) > 1 and path.endswith("/"):
+        path = path.rstrip("/") or "/"
+    return path
+
+
+def _not_supported_route(path: str) -> str | None:
+    for prefix, message in _NOT_SUPPORTED.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return message
+    return None
+
+
+class ClientGone(Exception):
+    """The client disconnected before the request was read."""
+
+
+class App:
+    """The ASGI callable. `stats_only` serves only /health, /stats, /v1/load and /metrics."""
+
+    def __init__(self, state: ServerState, *, stats_only: bool = False) -> None:
+        self.state = state
+        self.stats_only = stats_only
+        self._version = version_string().encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "http":
+            await self._http(scope, receive, send)
+
+    async def _lifespan(self, receive: Callable, send: Callable) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        state = self.state
+        cfg = state.config
+        method = scope["method"].upper()
+        path = normalize_path(scope["path"])
+        headers: dict[str, str] = {}
+        for k, v in scope["headers"]:
+            headers[k.decode("latin-1").lower()] = v.decode("latin-1")
+        anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+        request_id = ("req_" if anthropic else "") + uuid.uuid4().hex
+        base: Headers = [(b"x-ninfer-version", self._version),
+                         (b"request-id" if anthropic else b"x-request-id", request_id.encode())]
+        if cfg.cors:
+            base += [(b"access-control-allow-origin", headers.get("origin", "*").encode("latin-1")),
+                     (b"access-control-expose-headers", b"x-request-id, request-id, x-ninfer-version"),
+                     (b"vary", b"origin")]
+            if headers.get("origin"):
+                base.append((b"access-control-allow-credentials", b"true"))
+        query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        call = Call(method=method, path=path, query=query, headers=headers, request_id=request_id,
+                    state=state, send=send, base_headers=base, anthropic=anthropic)
+        try:
+            await self._dispatch(call, receive)
+        except RequestError as e:
+            if not call.started:
+                await call.respond_error(e, [(b"retry-after", b"2")] if e.code == "model_loading" else [])
+            else:
+                await call.end()
+        except ClientGone:
+            return
+        except Exception:  # noqa: BLE001 - an unexpected failure answers 500, never a dropped socket
+            log.exception("unhandled error on %s %s", method, path)
+            if not call.started:
+                await call.respond_error(RequestError("internal server error", status=500,
+                                                      code="internal_error", type="server_error"))
+            else:
+                await call.end()
+
+    async def _dispatch(self, call: Call, receive: Callable) -> None:
+        state = self.state
+        if not state.ready:
+            raise RequestError(LOADING_MESSAGE, status=503, code="model_loading", type="service_unavailable")
+        if call.method == "OPTIONS":
+            await self._preflight(call)
+            return
+        if call.path != "/health":
+            self._authenticate(call)
+        handler = self._route(call)
+        call.body = await self._read_body(call, receive)
+        await self._run(call, handler, receive)
+
+    async def _preflight(self, call: Call) -> None:
+        headers: Headers = []
+        if self.state.config.cors:
+            requested = call.headers.get("access-control-request-headers", "")
+            allow = CORS_ALLOW_HEADERS + (", " + requested if requested else "")
+            headers = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                       (b"access-control-allow-headers", allow.encode("latin-1")),
+                       (b"access-control-max-age", b"86400")]
+        await call.respond_raw(204, b"", headers)
+
+    def _authenticate(self, call: Call) -> None:
+        key = self.state.config.api_key
+        if key is None:
+            return
+        given = call.headers.get("x-api-key")
+        auth = call.headers.get("authorization", "")
+        if auth[:7].lower() == "bearer ":
+            given = auth[7:].strip()
+        if given != key:
+            raise RequestError("Invalid API key: send it as Authorization: Bearer <key> or x-api-key",
+                               status=401, code="invalid_api_key", type="authentication_error")
+
+    def _route(self, call: Call) -> Handler:
+        path, method = call.path, call.method
+        if self.stats_only and (method, path) not in STATS_ROUTES:
+            raise RequestError(f"{path} is not served on the stats port", status=404, code="not_found")
+        message = _not_supported_route(path)
+        if message is not None:
+            raise RequestError(message, status=404 if method != "POST" else 400, code="endpoint_not_supported",
+                               type="invalid_request_error")
+        handler = ROUTES.get((method, path))
+        if handler is not None:
+            return handler
+        m = _MODEL_PATH.match(path)
+        if m and method == "GET":
+            call.extra["model_id"] = m.group(1)
+            return ops.handle_model
+        if any(p == path for _, p in ROUTES) or m:
+            raise RequestError(f"method {method} is not allowed on {path}", status=405,
+                               code="method_not_allowed")
+        raise RequestError(f"no route for {method} {path}", status=404, code="not_found")
+
+    async def _read_body(self, call: Call, receive: Callable) -> bytes:
+        """The whole body, or 413 request_too_large as soon as it passes --max-request-mib."""
+        limit = self.state.config.max_request_bytes
+        declared = call.headers.get("content-length")
+        too_large = RequestError(f"the request body exceeds --max-request-mib "
+                                 f"({self.state.config.max_request_mib} MiB)", status=413,
+                                 code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _run(self, call: Call, handler: Handler, receive: Callable) -> None:
+        """Run the handler; cancel it when the client disconnects first."""
+        task = asyncio.ensure_future(handler(call))
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                try:
+                    await task
+                except BaseException:  # noqa: BLE001 - the client is gone; nothing to answer
+                    pass
+            watcher.cancel()
+        if not task.cancelled():
+            task.result()  # re-raise a handler error for the envelope

@@ -1,0 +1,195 @@
+"""llama.cpp's native endpoints: POST /completion (/completions), /tokenize, /detokenize."""
+from __future__ import annotations
+
+from typing import Any
+
+from ninfer.engine.request import OutputEvent, PreparedRequest
+from ninfer.errors import RequestError
+from ninfer.server.generate import Generation, new_request_id, prompt_progress
+from ninfer.server.http import Call
+from ninfer.server.params import bad, check_model, opt_bool, opt_int
+from ninfer.server.raw_prompt import prepare_raw
+from ninfer.server.sse import KEEPALIVE, TIMEOUT, sse_data
+
+
+def _n_predict(body: dict[str, Any]) -> int | None:
+    """n_predict, then max_tokens; any negative value means the default output limit."""
+    for name in ("n_predict", "max_tokens"):
+        value = opt_int(body, name)
+        if value is not None:
+            return None if value < 0 else value
+    return None
+
+
+def _stop_type(event: OutputEvent) -> tuple[str, str]:
+    """llama.cpp's stop_type and stopping_word for a final event."""
+    if event.finish_reason == "stop":
+        if isinstance(event.stop_reason, str):
+            return "word", event.stop_reason
+        return "eos", ""
+    if event.finish_reason == "length":
+        return "limit", ""
+    return "none", ""
+
+
+def _response_fields(body: dict[str, Any]) -> list[str] | None:
+    fields = body.get("response_fields")
+    if fields is None:
+        return None
+    if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+        raise bad("response_fields", "response_fields must be an array of strings")
+    return fields
+
+
+def _select(obj: dict[str, Any], fields: list[str]) -> dict[str, Any]:
+    """Keep only the named fields; "a/b" names a nested one and is reported under that path."""
+    out: dict[str, Any] = {}
+    for path in fields:
+        node: Any = obj
+        for key in path.split("/"):
+            if not isinstance(node, dict) or key not in node:
+                break
+            node = node[key]
+        else:
+            out[path] = node
+    return out
+
+
+def _settings(call: Call, req: PreparedRequest, stream: bool) -> dict[str, Any]:
+    s = req.sampling
+    return {"n_predict": -1 if req.max_tokens is None else req.max_tokens,
+            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+            "seed": -1 if s.seed is None else s.seed, "stop": list(req.stop), "ignore_eos": req.ignore_eos,
+            "stream": stream, "cache_prompt": req.cache_prompt, "n_ctx": call.state.loaded.max_context,
+            "model": call.state.model_id}
+
+
+def _final_object(call: Call, req: PreparedRequest, final: OutputEvent, content: str, token_ids: list[int],
+                  prompt_text: str, stream: bool, return_tokens: bool) -> dict[str, Any]:
+    stop_type, word = _stop_type(final)
+    usage = final.usage
+    obj: dict[str, Any] = {
+        "index": 0,
+        "content": content,
+        "stop": True,
+        "model": call.state.model_id,
+        "tokens_predicted": usage.completion_tokens if usage else len(token_ids),
+        "tokens_evaluated": usage.prompt_tokens if usage else len(req.prompt_token_ids),
+        "generation_settings": _settings(call, req, stream),
+        "prompt": prompt_text,
+        "has_new_line": "\n" in content,
+        "truncated": False,
+        "stop_type": stop_type,
+        "stopping_word": word,
+        "tokens_cached": usage.cached_tokens if usage else 0,
+    }
+    if return_tokens or stream:
+        obj["tokens"] = token_ids
+    if final.timings is not None:
+        obj["timings"] = final.timings.to_dict()
+    return obj
+
+
+async def handle_completion(call: Call) -> None:
+    body = call.json()
+    state = call.state
+    rid = new_request_id()
+    try:
+        check_model(body, state)
+        max_tokens = _n_predict(body)
+        return_tokens = bool(opt_bool(body, "return_tokens"))
+        return_progress = bool(opt_bool(body, "return_progress"))
+        fields = _response_fields(body)
+        req, opts = prepare_raw(body, state, rid, max_tokens, "completion")
+    except RequestError:
+        state.requests_rejected += 1
+        raise
+    tok = state.loaded.tokenizer
+    prompt_text = tok.decode(req.prompt_token_ids, skip_special_tokens=False)
+
+    def shape(obj: dict[str, Any]) -> dict[str, Any]:
+        return _select(obj, fields) if fields is not None else obj
+
+    async with Generation(call, req) as gen:
+        if not opts.stream:
+            out = await gen.collect()
+            obj = _final_object(call, req, out.final, out.text, out.token_ids, prompt_text, False, return_tokens)
+            await call.respond(200, shape(obj))
+            return
+        token_ids: list[int] = []
+        predicted = 0
+        progress_sent = False
+        try:
+            async for event in gen.events(state.config.keepalive_seconds):
+                if not call.started:
+                    await call.start_stream()
+                if event is TIMEOUT:
+                    await call.write(KEEPALIVE)
+                    continue
+                if return_progress and not progress_sent:
+                    progress_sent = True
+                    piece = prompt_progress(event)
+                    if piece is not None:
+                        if not opts.timings_per_token:
+                            piece.pop("timings")
+                        await call.write(sse_data({"index": 0, "content": "", "stop": False, **piece}))
+                token_ids.extend(event.token_ids)
+                predicted += len(event.token_ids)
+                if event.finish_reason is not None:
+                    obj = _final_object(call, req, event, "", token_ids, prompt_text, True, return_tokens)
+                    if event.text:  # the last piece of text arrives with the final event
+                        await call.write(sse_data({"index": 0, "content": event.text, "stop": False,
+                                                   "tokens_predicted": predicted}))
+                    await call.write(sse_data(shape(obj)))
+                elif event.text:
+                    data: dict[str, Any] = {"index": 0, "content": event.text, "stop": False,
+                                            "tokens_predicted": predicted}
+                    if opts.timings_per_token and event.timings is not None:
+                        data["timings"] = event.timings.to_dict()
+                    await call.write(sse_data(data))
+        except RequestError as e:
+            if not call.started:
+                raise
+            await call.write(sse_data({"error": {"message": e.message, "type": e.type, "code": e.code}}))
+        await call.end()
+
+
+async def handle_tokenize(call: Call) -> None:
+    body = call.json()
+    tok = call.state.loaded.tokenizer
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise bad("content", "content must be a string")
+    parse_special = opt_bool(body, "parse_special")
+    if parse_special is False:
+        raise RequestError("parse_special: false is not supported by this tokenizer",
+                           param="parse_special", code="parse_special_not_supported")
+    add_special = opt_bool(body, "add_special") or False
+    with_pieces = opt_bool(body, "with_pieces") or False
+    ids = tok.encode(content, add_special_tokens=add_special)
+    if not with_pieces:
+        await call.respond(200, {"tokens": ids})
+        return
+    pieces = []
+    for tid in ids:
+        raw = tok.token_bytes(tid)
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": tid, "piece": piece})
+    await call.respond(200, {"tokens": pieces})
+
+
+async def handle_detokenize(call: Call) -> None:
+    body = call.json()
+    tok = call.state.loaded.tokenizer
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad("tokens", "tokens must be an array of token ids")
+    vocab = tok.vocab_size
+    for t in tokens:
+        if not 0 <= t < vocab:
+            raise bad("tokens", f"token id {t} is out of range (vocabulary size {vocab})")
+    await call.respond(200, {"content": tok.decode(tokens, skip_special_tokens=False)})

@@ -1,0 +1,236 @@
+"""Operational endpoints: /health, /v1, /v1/models, /props, /v1/load, /stats, /metrics, /slots.
+
+They read only published state (the engine's snapshot, the server's counters), so polling them
+never waits on the engine.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ninfer.errors import RequestError
+from ninfer.server.http import Call
+from ninfer.version import version_string
+
+API_INDEX = (
+    ("GET", "/health", "process health and build version"),
+    ("GET", "/v1/load", "serving capacity, current load and monotonic token counters"),
+    ("GET", "/metrics", "Prometheus text: llama.cpp's --metrics series plus ninfer's"),
+    ("GET", "/stats", "the /v1/load snapshot plus the ingress peak and the engine counters"),
+    ("GET", "/slots", "per-cell occupancy of the private context cache"),
+    ("GET", "/props", "llama.cpp-shaped server properties"),
+    ("GET", "/v1", "this endpoint index"),
+    ("GET", "/v1/models", "the served model alias, context limit, modalities and meta"),
+    ("GET", "/v1/models/{id}", "lookup of the served alias"),
+    ("POST", "/v1/chat/completions", "OpenAI-style chat generation"),
+    ("POST", "/v1/completions", "OpenAI legacy completion of a raw prompt"),
+    ("POST", "/completion", "llama.cpp's native completion of a raw prompt (also /completions)"),
+    ("POST", "/tokenize", "the model's tokenizer, llama.cpp's shape"),
+    ("POST", "/detokenize", "token ids to text"),
+    ("POST", "/apply-template", "the prompt a chat request renders to"),
+)
+
+
+async def handle_health(call: Call) -> None:
+    loaded = call.state.loaded
+    failed = getattr(loaded.engine, "failed", None) if loaded is not None else None
+    if failed:
+        raise RequestError(f"the engine failed: {failed}", status=503, code="service_unavailable",
+                           type="service_unavailable")
+    await call.respond(200, {"status": "ok", "version": version_string()})
+
+
+def model_object(call: Call) -> dict[str, Any]:
+    state = call.state
+    facts = state.facts
+    assert facts is not None
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": int(state.ready_unix),
+        "owned_by": "ninfer",
+        "max_model_len": facts.n_ctx,
+        "context_window": facts.n_ctx,
+        "context_length": facts.n_ctx,
+        "modalities": {"vision": False},
+        "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+        "meta": facts.to_dict(),
+    }
+
+
+async def handle_models(call: Call) -> None:
+    await call.respond(200, {"object": "list", "data": [model_object(call)]})
+
+
+async def handle_model(call: Call) -> None:
+    model_id = call.extra["model_id"]
+    if model_id != call.state.model_id:
+        raise RequestError(f"The model {model_id!r} does not exist", status=404, param="model",
+                           code="model_not_found")
+    await call.respond(200, model_object(call))
+
+
+async def handle_index(call: Call) -> None:
+    await call.respond(200, {
+        "object": "ninfer.api_index",
+        "model": call.state.model_id,
+        "version": version_string(),
+        "endpoints": [{"method": m, "path": p, "description": d} for m, p, d in API_INDEX],
+    })
+
+
+async def handle_props(call: Call) -> None:
+    state = call.state
+    s = state.base_sampling
+    n_predict = state.config.default_max_tokens if state.config.default_max_tokens is not None else -1
+    await call.respond(200, {
+        "default_generation_settings": {
+            "n_ctx": state.loaded.max_context,
+            "speculative": False,
+            "params": {"n_predict": n_predict, "max_tokens": n_predict, "temperature": s.temperature,
+                       "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+                       "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+                       "seed": -1 if s.seed is None else s.seed},
+        },
+        "total_slots": state.loaded.engine.snapshot().max_concurrency,
+        "model_alias": state.model_id,
+        "model_path": state.config.model_path or str(state.loaded.path),
+        "modalities": {"vision": False, "audio": False},
+        "build_info": f"ninfer {version_string()}",
+        "endpoint_slots": True,
+        "endpoint_props": True,
+        "endpoint_metrics": True,
+        "cors_proxy_enabled": False,
+    })
+
+
+def load_report(call: Call, obj: str) -> dict[str, Any]:
+    state = call.state
+    snap = state.loaded.engine.snapshot()
+    return {
+        "object": obj,
+        "model": state.model_id,
+        "uptime_seconds": state.uptime(),
+        "capacity": {"max_concurrency": snap.max_concurrency, "max_pending_requests": snap.max_pending_requests,
+                     "max_admitted_requests": snap.max_concurrency + snap.max_pending_requests,
+                     "max_context": snap.max_context, "kv_capacity_tokens": snap.kv_capacity_tokens,
+                     "kv_capacity_pages": snap.kv_capacity_pages, "kv_page_tokens": snap.kv_page_tokens},
+        "requests": {"admitted": max(state.admitted, snap.admitted), "running": snap.running,
+                     "prefilling": snap.prefilling, "decode_ready": snap.decode_ready, "waiting": snap.waiting},
+        "occupancy": {"device_main_kv_pages": snap.kv_pages_used, "device_main_kv_tokens": snap.kv_tokens_used},
+        "counters": {"computed_prefill_tokens": snap.computed_prefill_tokens,
+                     "committed_decode_tokens": snap.committed_decode_tokens,
+                     "reused_prompt_tokens": snap.reused_prompt_tokens,
+                     "decode_rounds": snap.decode_rounds, "decode_row_rounds": snap.decode_row_rounds},
+    }
+
+
+async def handle_load(call: Call) -> None:
+    await call.respond(200, load_report(call, "ninfer.load"))
+
+
+async def handle_stats(call: Call) -> None:
+    state = call.state
+    snap = state.loaded.engine.snapshot()
+    report = load_report(call, "ninfer.stats")
+    report["requests"]["peak_admitted"] = max(state.peak_admitted, snap.peak_admitted)
+    uptime = state.uptime()
+    report["tokens"] = {"prompt_tokens": snap.computed_prefill_tokens + snap.reused_prompt_tokens,
+                        "computed_prefill_tokens": snap.computed_prefill_tokens,
+                        "reused_prompt_tokens": snap.reused_prompt_tokens,
+                        "predicted_tokens": snap.predicted_tokens_total,
+                        "prompt_seconds": snap.prompt_seconds_total,
+                        "predicted_seconds": snap.predicted_seconds_total}
+    total_tokens = snap.computed_prefill_tokens + snap.committed_decode_tokens
+    report["throughput_tokens_per_second"] = total_tokens / uptime if uptime > 0 else 0.0
+    report["scheduler"] = {"prefill_units": snap.prefill_units, "decode_rounds": snap.decode_rounds,
+                           "requests_finished": snap.requests_finished,
+                           "requests_cancelled": snap.requests_cancelled,
+                           "requests_failed": snap.requests_failed,
+                           "requests_rejected": snap.requests_rejected + state.requests_rejected,
+                           "waiting_expired": snap.waiting_expired}
+    report["decode_batch"] = {"rounds": snap.decode_rounds, "row_rounds": snap.decode_row_rounds,
+                              "mean_rows": snap.decode_row_rounds / snap.decode_rounds if snap.decode_rounds else 0.0}
+    report["context_cache"] = {"retained_continuations": snap.retained_continuations,
+                               "max_private_continuations": snap.max_private_continuations,
+                               "prefix_cache_hit_tokens": snap.prefix_cache_hit_tokens,
+                               "selections": dict(snap.context_selections)}
+    now = time.monotonic()
+    report["queue"] = {"depth": snap.waiting,
+                       "entries": [{"request_id": q.request_id, "position": q.position,
+                                    "wait_seconds": max(0.0, now - q.submitted_at)} for q in snap.queue]}
+    await call.respond(200, report)
+
+
+async def handle_slots(call: Call) -> None:
+    """The private context-cache cells: retained continuations, then the lanes publishing into one."""
+    state = call.state
+    snap = state.loaded.engine.snapshot()
+    slots: list[dict[str, Any]] = []
+    for i, c in enumerate(snap.continuations):
+        slots.append({"id": i, "is_processing": False, "retained": True, "n_ctx": snap.max_context,
+                      "n_prompt_tokens": c.n_tokens, "n_prompt_tokens_cache": c.n_tokens,
+                      "n_pages": c.n_pages, "speculative": False})
+    for lane in snap.lanes:
+        slots.append({"id": len(slots), "is_processing": True, "retained": False, "n_ctx": snap.max_context,
+                      "n_prompt_tokens": lane.n_prompt_tokens, "n_prompt_tokens_cache": lane.n_cached_tokens,
+                      "speculative": False})
+    await call.respond(200, slots)
+
+
+def _series(lines: list[str], name: str, kind: str, help_text: str, value: float | int,
+            labelled: dict[str, float | int] | None = None, label: str = "") -> None:
+    lines.append(f"# HELP {name} {help_text}")
+    lines.append(f"# TYPE {name} {kind}")
+    if labelled is not None:
+        for key, v in sorted(labelled.items()):
+            lines.append(f'{name}{{{label}="{key}"}} {v}')
+    else:
+        lines.append(f"{name} {value}")
+
+
+def metrics_text(call: Call) -> str:
+    state = call.state
+    snap = state.loaded.engine.snapshot()
+    L: list[str] = []
+    pt, ps = snap.prompt_tokens_total, snap.prompt_seconds_total
+    dt, ds = snap.predicted_tokens_total, snap.predicted_seconds_total
+    _series(L, "llamacpp:prompt_tokens_total", "counter", "prompt tokens computed by prefill; prefix-cache hits excluded", pt)
+    _series(L, "llamacpp:prompt_seconds_total", "counter", "prefill execution time", ps)
+    _series(L, "llamacpp:tokens_predicted_total", "counter", "tokens committed by decode rounds", dt)
+    _series(L, "llamacpp:tokens_predicted_seconds_total", "counter", "decode execution time", ds)
+    _series(L, "llamacpp:prompt_tokens_seconds", "gauge", "prompt tokens over prefill seconds", pt / ps if ps > 0 else 0.0)
+    _series(L, "llamacpp:predicted_tokens_seconds", "gauge", "decoded tokens over decode seconds", dt / ds if ds > 0 else 0.0)
+    _series(L, "llamacpp:n_decode_total", "counter", "decode rounds executed", snap.decode_rounds)
+    _series(L, "llamacpp:n_busy_slots_per_decode", "gauge", "average requests per decode round",
+            snap.decode_row_rounds / snap.decode_rounds if snap.decode_rounds else 0.0)
+    _series(L, "llamacpp:kv_cache_usage_ratio", "gauge", "occupied share of the device KV cache",
+            snap.kv_pages_used / snap.kv_capacity_pages if snap.kv_capacity_pages else 0.0)
+    _series(L, "llamacpp:kv_cache_tokens", "gauge", "tokens held in the device KV cache", snap.kv_tokens_used)
+    _series(L, "llamacpp:requests_processing", "gauge", "requests holding an execution lane", snap.running)
+    _series(L, "llamacpp:requests_deferred", "gauge", "requests waiting for admission", snap.waiting)
+    _series(L, "ninfer:requests_total", "counter", "requests completed with an outcome", state.requests_total)
+    _series(L, "ninfer:requests_failed_total", "counter", "accepted requests that ended in an error", state.requests_failed)
+    _series(L, "ninfer:requests_rejected_total", "counter", "generation requests rejected during preparation",
+            state.requests_rejected)
+    _series(L, "ninfer:requests_admitted", "gauge", "requests holding server ingress capacity, in any phase",
+            max(state.admitted, snap.admitted))
+    _series(L, "ninfer:prefix_cache_hit_tokens_total", "counter",
+            "prompt tokens of completed requests served from a cached prefix", snap.prefix_cache_hit_tokens)
+    _series(L, "ninfer:reused_prompt_tokens_total", "counter",
+            "prompt tokens restored from the context cache instead of prefilled", snap.reused_prompt_tokens)
+    _series(L, "ninfer:uptime_seconds", "gauge", "seconds since the Engine became ready", state.uptime())
+    _series(L, "ninfer:waiting_expired_requests_total", "counter",
+            "requests that reached --pending-timeout-ms before admission", snap.waiting_expired)
+    selections = {k: v for k, v in snap.context_selections.items()}
+    if selections:
+        _series(L, "ninfer:context_selections_total", "counter",
+                "admissions by the context-cache source they started from", 0, selections, "source")
+    _series(L, "ninfer:context_occupancy", "gauge", "context-cache resources in use", 0,
+            {"device_main_kv_pages": snap.kv_pages_used}, "pool")
+    return "\n".join(L) + "\n"
+
+
+async def handle_metrics(call: Call) -> None:
+    await call.respond_raw(200, metrics_text(call).encode(),
+                           [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")])

@@ -1,0 +1,166 @@
+"""Hosting the app in-process with Granian's embedded server.
+
+The port is bound before the model loads, so a clash fails in milliseconds; the model loads on
+a background thread while every route answers 503 model_loading; SIGINT/SIGTERM stop cleanly.
+Exit codes: 0 after a requested stop, 1 when start-up fails, 2 when the engine fails later.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ninfer.errors import ConfigError, NInferError
+from ninfer.server.app import App
+from ninfer.server.config import ServerConfig
+from ninfer.server.state import ServerState
+from ninfer.version import version_string
+
+if TYPE_CHECKING:
+    from ninfer.engine.loader import LoadedModel
+
+log = logging.getLogger("ninfer.server")
+WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+def check_bindable(host: str, port: int, option: str = "--port") -> None:
+    """Bind and release (host, port) with SO_REUSEADDR only: a listener already there (Granian's
+    SO_REUSEPORT one included) makes this fail, where Granian itself would share the port."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(1)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"{option} {port}: {host}:{port} is already in use by another process") from None
+        raise ConfigError(f"{option} {port}: cannot listen on {host}:{port} ({e.strerror})") from None
+    finally:
+        sock.close()
+
+
+def api_base(host: str, port: int) -> str:
+    """The URL a client should use: a wildcard bind is announced through loopback."""
+    shown = WILDCARDS.get(host, host)
+    if ":" in shown:
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/v1"
+
+
+def _granian_server(app: App, host: str, port: int, log_level: str) -> Any:
+    from granian.constants import Interfaces
+    from granian.log import LogLevels
+    from granian.server.embed import Server
+
+    level = {"trace": "debug", "off": "critical"}.get(log_level, log_level)
+    return Server(app, address=host, port=port, interface=Interfaces.ASGI, log_enabled=log_level == "debug",
+                  log_level=LogLevels(level), backlog=1024)
+
+
+async def _wait_listening(host: str, port: int, deadline: float) -> None:
+    target = WILDCARDS.get(host, host)
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(target, port)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"--port {port}: the server did not start listening on {host}:{port}") from None
+            await asyncio.sleep(0.02)
+            continue
+        writer.close()
+        return
+
+
+def serve_forever(config: ServerConfig, load: Callable[[], LoadedModel],
+                  announce: Callable[[str], None] = print) -> int:
+    """Bind, load the model in the background, serve until SIGINT/SIGTERM. Returns the exit code."""
+    check_bindable(config.host, config.port)
+    if config.stats_port is not None:
+        check_bindable(config.host, config.stats_port, "--stats-port")
+    state = ServerState(config)
+    return asyncio.run(_serve(state, load, announce))
+
+
+async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: Callable[[str], None]) -> int:
+    config = state.config
+    loop = asyncio.get_running_loop()
+    servers = [_granian_server(App(state), config.host, config.port, config.log_level)]
+    if config.stats_port is not None:
+        servers.append(_granian_server(App(state, stats_only=True), config.host, config.stats_port,
+                                       config.log_level))
+    stop = asyncio.Event()
+    outcome = {"code": 0}
+
+    def request_stop(code: int = 0) -> None:
+        if not stop.is_set():
+            outcome["code"] = code
+            stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, request_stop)
+    serving = [asyncio.ensure_future(s.serve()) for s in servers]
+    try:
+        await _wait_listening(config.host, config.port, time.monotonic() + 10)
+        announce(f"ninfer {version_string()} listening on {config.host}:{config.port}"
+                 + (f" (stats on port {config.stats_port})" if config.stats_port else ""))
+        announce(f"API base: {api_base(config.host, config.port)}")
+        loaded_box: dict[str, Any] = {}
+
+        def load_in_background() -> None:
+            try:
+                loaded_box["model"] = load()
+            except BaseException as e:  # noqa: BLE001 - reported on the loop thread
+                loaded_box["error"] = e
+            loop.call_soon_threadsafe(loaded_event.set)
+
+        loaded_event = asyncio.Event()
+        threading.Thread(target=load_in_background, name="ninfer-load", daemon=True).start()
+        waiter = asyncio.ensure_future(loaded_event.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            waiter.cancel()
+            announce("stopped during start-up")
+            return outcome["code"] or 130
+        stopper.cancel()
+        if "error" in loaded_box:
+            e = loaded_box["error"]
+            msg = str(e) if isinstance(e, NInferError) else f"{type(e).__name__}: {e}"
+            print(f"error: {msg}", file=sys.stderr)
+            return 1
+        loaded = loaded_box["model"]
+        state.set_ready(loaded)
+        announce(f"model {state.model_id} ready (context {loaded.max_context}); serving")
+        watchdog = asyncio.ensure_future(_watch_engine(loaded, request_stop))
+        await stop.wait()
+        watchdog.cancel()
+        await asyncio.to_thread(loaded.engine.shutdown)
+        announce("server stopped")
+        return outcome["code"]
+    finally:
+        for s in servers:
+            s.stop()
+        await asyncio.gather(*serving, return_exceptions=True)
+
+
+async def _watch_engine(loaded: LoadedModel, request_stop: Callable[[int], None]) -> None:
+    """An engine-wide failure stops the server with exit status 2 (a supervisor restarts it)."""
+    while True:
+        await asyncio.sleep(1.0)
+        failed = getattr(loaded.engine, "failed", None)
+        if failed:
+            print(f"error: the engine failed: {failed}", file=sys.stderr)
+            request_stop(2)
+            return

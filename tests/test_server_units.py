@@ -1,0 +1,172 @@
+"""Server pieces that need no model: path folding, field validation, config, bind checks."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from ninfer.engine.request import SamplingParams
+from ninfer.errors import ConfigError, RequestError
+from ninfer.server.app import normalize_path
+from ninfer.server.config import SamplerOverrides, ServerConfig
+from ninfer.server.generate import session_digest
+from ninfer.server.llamacpp import _select
+from ninfer.server.openai_chat import check_capabilities, normalize_messages, template_kwargs
+from ninfer.server.params import (check_llamacpp_neutral, check_logit_bias, parse_stop,
+                                  sampling_from)
+from ninfer.server.runner import api_base, check_bindable
+
+
+def test_normalize_path_folds_doubled_v1() -> None:
+    assert normalize_path("/v1/v1/chat/completions") == "/v1/chat/completions"
+    assert normalize_path("/v1/v1") == "/v1"
+    assert normalize_path("/v1/models/") == "/v1/models"
+    assert normalize_path("/health") == "/health"
+    assert normalize_path("/v1/v1x") == "/v1/v1x"
+
+
+def test_api_base_announces_wildcards_through_loopback() -> None:
+    assert api_base("0.0.0.0", 8080) == "http://127.0.0.1:8080/v1"
+    assert api_base("::", 9000) == "http://[::1]:9000/v1"
+    assert api_base("192.168.1.5", 80) == "http://192.168.1.5:80/v1"
+
+
+def test_check_bindable_reports_a_taken_port() -> None:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    port = holder.getsockname()[1]
+    try:
+        with pytest.raises(ConfigError, match=f"--port {port}: .*already in use"):
+            check_bindable("127.0.0.1", port)
+    finally:
+        holder.close()
+    check_bindable("127.0.0.1", port)  # free again
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    ({"port": 0}, "--port"), ({"max_request_mib": 0}, "--max-request-mib"),
+    ({"log_level": "loud"}, "--log-level"), ({"api_key": " "}, "--api-key"),
+    ({"stats_port": 8080}, "--stats-port"), ({"default_max_tokens": 0}, "--default-max-tokens"),
+])
+def test_server_config_names_the_bad_option(kwargs: dict, option: str) -> None:
+    with pytest.raises(ConfigError, match=option):
+        ServerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    ({"temperature": 3.0}, "--temperature"), ({"top_p": 1.5}, "--top-p"), ({"top_k": 21}, "--top-k"),
+    ({"min_p": -0.1}, "--min-p"), ({"presence_penalty": 2.5}, "--presence-penalty"),
+])
+def test_sampler_overrides_name_the_bad_option(kwargs: dict, option: str) -> None:
+    with pytest.raises(ConfigError, match=option):
+        SamplerOverrides(**kwargs)
+
+
+def test_sampling_merge_order() -> None:
+    base = SamplingParams(temperature=0.7, top_k=10, top_p=0.9, seed=5)
+    s = sampling_from({"temperature": 0.2, "top_k": 40}, base, greedy=False)
+    assert (s.temperature, s.top_k, s.top_p, s.seed) == (0.2, 20, 0.9, 5)  # top_k clamped to 20
+    s = sampling_from({"temperature": -1, "top_k": 0, "seed": -3}, base, greedy=False)
+    assert (s.temperature, s.top_k, s.seed) == (0.0, 20, None)  # negative: greedy, widest, random seed
+    assert sampling_from({"temperature": 1.5}, base, greedy=True).temperature == 0.0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"top_p": 1.5}, "top_p"), ({"min_p": "0.1"}, "min_p"), ({"top_k": 2.5}, "top_k"),
+    ({"temperature": True}, "temperature"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"seed": "x"}, "seed"), ({"seed": 2**70}, "seed"),
+])
+def test_sampling_field_errors_name_the_field(body: dict, param: str) -> None:
+    with pytest.raises(RequestError) as e:
+        sampling_from(body, SamplingParams(), greedy=False)
+    assert e.value.param == param and e.value.status == 400
+
+
+def test_parse_stop() -> None:
+    assert parse_stop("a", 4) == ["a"]
+    assert parse_stop(["a", "b", "a"], 4) == ["a", "b"]
+    for bad in (["1", "2", "3", "4", "5"], [""], [1], {"x": 1}):
+        with pytest.raises(RequestError):
+            parse_stop(bad, 4)
+
+
+def test_logit_bias_only_neutral() -> None:
+    check_logit_bias({"12": 0, "7": 0.0})
+    check_logit_bias([[12, 0]])
+    with pytest.raises(RequestError) as e:
+        check_logit_bias({"12": 1})
+    assert e.value.code == "logit_bias_not_supported"
+    with pytest.raises(RequestError):
+        check_logit_bias([[12, False]])
+
+
+@pytest.mark.parametrize("field, neutral, other", [
+    ("repeat_penalty", 1, 1.1), ("typical_p", 1, 0.5), ("mirostat", 0, 2), ("top_n_sigma", -1, 1),
+    ("n_probs", 0, 3), ("t_max_predict_ms", 0, 100), ("dry_multiplier", 0, 0.8),
+])
+def test_llamacpp_controls_only_at_neutral(field: str, neutral: float, other: float) -> None:
+    check_llamacpp_neutral({field: neutral})
+    with pytest.raises(RequestError) as e:
+        check_llamacpp_neutral({field: other})
+    assert e.value.code == f"{field}_not_supported" and e.value.param == field
+
+
+def test_messages_normalized_and_media_refused() -> None:
+    msgs = normalize_messages([
+        {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "user", "content": ""},
+        {"role": "tool", "content": "r", "name": "fn", "tool_call_id": "c1"},
+    ])
+    assert msgs == [{"role": "system", "content": "ab"}, {"role": "user", "content": ""},
+                    {"role": "tool", "content": "r", "tool_call_id": "c1"}]
+    with pytest.raises(RequestError) as e:
+        normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert e.value.code == "vision_disabled" and e.value.param == "messages[0].content[0]"
+    with pytest.raises(RequestError) as e:
+        normalize_messages([{"role": "user", "content": "x", "name": "bob"}])
+    assert e.value.param == "messages[0].name"
+    with pytest.raises(RequestError):
+        normalize_messages([{"role": "robot", "content": "x"}])
+
+
+@pytest.mark.parametrize("body, code", [
+    ({"n": 2}, "n_not_supported"), ({"logit_bias": {"5": 2}}, "logit_bias_not_supported"),
+    ({"guided_json": {"type": "object"}}, "guided_json_not_supported"),
+    ({"grammar": "root ::= x"}, "grammar_not_supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format_not_supported"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools_not_supported"),
+    ({"audio": {"voice": "x"}}, "audio_not_supported"), ({"store": True}, "store_not_supported"),
+    ({"modalities": ["text", "audio"]}, "modalities_not_supported"),
+])
+def test_chat_capabilities_refused_by_field(body: dict, code: str) -> None:
+    with pytest.raises(RequestError) as e:
+        check_capabilities(body)
+    assert e.value.code == code
+
+
+def test_chat_neutral_values_accepted() -> None:
+    check_capabilities({"n": 1, "logit_bias": {"3": 0}, "response_format": {"type": "text"}, "tools": [],
+                        "tool_choice": "none", "verbosity": "medium", "repetition_penalty": 1,
+                        "modalities": ["text"], "store": False, "whatever_unknown": {"x": 1}})
+
+
+def test_template_kwargs() -> None:
+    assert template_kwargs({"reasoning_effort": "none"}) == {"enable_thinking": False}
+    assert template_kwargs({"chat_template_kwargs": {"a": 1}, "enable_thinking": True}) == {"a": 1, "enable_thinking": True}
+    with pytest.raises(RequestError):
+        template_kwargs({"chat_template_kwargs": {"messages": []}})
+    with pytest.raises(RequestError):
+        template_kwargs({"chat_template_kwargs": {"enable_thinking": False}, "enable_thinking": True})
+
+
+def test_response_fields_select_nested_paths() -> None:
+    obj = {"content": "x", "generation_settings": {"n_predict": 5, "seed": 1}, "stop": True}
+    assert _select(obj, ["content", "generation_settings/n_predict", "missing"]) == \
+        {"content": "x", "generation_settings/n_predict": 5}
+
+
+def test_session_digest_is_fnv1a64() -> None:
+    assert session_digest([]) == "cbf29ce484222325"
+    assert session_digest([1, 2, 3]) != session_digest([1, 2, 4])
+    assert len(session_digest([42] * 10)) == 16
