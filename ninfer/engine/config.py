@@ -125,12 +125,12 @@ class SchedulerConfig:
     """Admission and batching knobs; names and defaults follow the spec's server options."""
 
     max_concurrency: int = 1
-    max_pending_requests: int = 64
-    pending_timeout_ms: int = 0  # 0: wait forever
+    max_pending_requests: int = 16
+    pending_timeout_ms: int = 600_000  # 0: wait forever
     prefill_chunk: int = 1024
     decode_rounds_per_prefill: int | None = None  # None: prefill_chunk // 64
     concurrent_prefill: bool = False
-    max_context: int = 0  # 0: model's native context
+    max_context: int = 0  # 0: the spec's default, 8192, or the model's native context if smaller
     default_max_tokens: int | None = None
     prefix_reuse: bool = True
     max_private_continuations: int | None = None  # None: 2 * max_concurrency

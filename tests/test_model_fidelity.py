@@ -1,0 +1,123 @@
+"""Our torch models against Hugging Face transformers on the same weights.
+
+Real model: SmolLM2-135M Q4_1 GGUF, transformers loading the same GGUF (f32). Tiny random-weight
+llama (untied, llama3 rope scaling) and qwen3 (tied, q/k norm) folders, converted with every
+weights format; for quantized formats transformers gets the artifact's dequantized tensors.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ninfer.engine.artifact import Artifact
+from ninfer.engine.backends.torch_runner import TorchModelRunner
+from torch_model_helpers import assert_greedy_agrees, hf_from_gguf, hf_greedy, hf_logits, hf_with_weights, ours_greedy
+
+pytest.importorskip("transformers")
+
+# f32 on the same dequantized weights: measured max |Δlogit| 0.0 on SmolLM2 and the tiny models
+# (same op order); the bound leaves room for other BLAS builds, far below any real discrepancy.
+F32_LOGIT_TOL = 1e-3
+# bf16 compute (the CPU default): measured max |Δlogit| ~1.8 on SmolLM2 (logits span ~±30).
+BF16_LOGIT_TOL = 4.0
+# A greedy divergence is accepted only where the reference's top-2 logits are this close.
+F32_NEAR_TIE = 1e-3
+BF16_NEAR_TIE = 0.5
+
+SMOL_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    None,  # the chat template around a question, filled in below
+]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf: Path, smollm2_artifact: Path):
+    """(transformers model, artifact, prompts as token ids)."""
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = Artifact.open(smollm2_artifact)
+    tok = Tokenizer.from_metadata(artifact.meta)
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the boiling point of water?"}])
+    prompts = [tok.encode(p if p is not None else chat) for p in SMOL_PROMPTS]
+    return hf_from_gguf(smollm2_gguf), artifact, prompts
+
+
+@pytest.mark.slow
+def test_smollm2_weights_match_transformers_dequantization(smol) -> None:
+    hf, artifact, _ = smol
+    ref = hf.state_dict()
+    for name, w in artifact.load_dequantized().items():
+        assert torch.equal(w, ref[name]), name
+
+
+@pytest.mark.slow
+def test_smollm2_f32_logits_and_greedy_match_transformers(smol) -> None:
+    hf, artifact, prompts = smol
+    runner = TorchModelRunner(artifact, num_pages=4, page_size=16, dtype=torch.float32)
+    for ids in prompts:
+        ours, ref = runner.forward_logits(ids), hf_logits(hf, ids)
+        assert (ours - ref).abs().max().item() < F32_LOGIT_TOL
+    for ids in prompts[1:]:
+        # paged incremental decode on scattered pages vs transformers' generate
+        pages = [3, 0, 2, 1][: -(-(len(ids) + 32) // 16)]
+        assert_greedy_agrees(ours_greedy(runner, ids, 32, pages), hf_greedy(hf, ids, 32), hf, ids, F32_NEAR_TIE)
+
+
+@pytest.mark.slow
+def test_smollm2_default_dtype_close_to_transformers(smol) -> None:
+    """The fast CPU path (bf16, packed int4 decode) stays within bf16 error of the f32 reference."""
+    hf, artifact, prompts = smol
+    runner = TorchModelRunner(artifact, num_pages=4)
+    for ids in prompts:
+        ours, ref = runner.forward_logits(ids), hf_logits(hf, ids)
+        assert (ours - ref).abs().max().item() < BF16_LOGIT_TOL
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+    ids = prompts[0]
+    assert_greedy_agrees(ours_greedy(runner, ids, 32), hf_greedy(hf, ids, 32), hf, ids, BF16_NEAR_TIE)
+
+
+@pytest.fixture(scope="module")
+def tiny_artifacts(tiny_hf_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    from ninfer.engine.convert import convert
+
+    root = tmp_path_factory.mktemp("tiny_ninfer")
+    cache: dict[tuple[str, str], Artifact] = {}
+
+    def get(arch: str, weights: str) -> Artifact:
+        if (arch, weights) not in cache:
+            out = convert(tiny_hf_dirs[arch], root / f"{arch}-{weights}.ninfer", weights=weights, progress=False)
+            cache[arch, weights] = Artifact.open(out)
+        return cache[arch, weights]
+
+    return get
+
+
+@pytest.mark.parametrize("weights", ["keep", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_models_match_transformers(arch: str, weights: str, tiny_hf_dirs, tiny_artifacts) -> None:
+    artifact = tiny_artifacts(arch, weights)
+    hf = hf_with_weights(tiny_hf_dirs[arch], artifact.load_dequantized())
+    runner = TorchModelRunner(artifact, num_pages=8, page_size=8, dtype=torch.float32)
+    ids = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183]
+    ours, ref = runner.forward_logits(ids), hf_logits(hf, ids)
+    assert (ours - ref).abs().max().item() < F32_LOGIT_TOL
+    assert_greedy_agrees(ours_greedy(runner, ids, 16, [5, 1, 7, 2]), hf_greedy(hf, ids, 16), hf, ids, F32_NEAR_TIE)
+
+
+def test_tiny_llama_rope_scaling_is_exercised(tiny_hf_dirs, tiny_artifacts) -> None:
+    """The llama fixture must carry llama3 scaling, and our inverse frequencies equal transformers'."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ninfer.engine.models.layers import rope_inv_freq
+
+    config = tiny_artifacts("llama", "keep").meta.config
+    assert (config.rope_scaling or {}).get("rope_type") == "llama3"
+    hf_cfg = transformers.AutoConfig.from_pretrained(str(tiny_hf_dirs["llama"]))
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    ours = rope_inv_freq(config)
+    assert torch.equal(ours, ref)
+    assert not torch.equal(ours, rope_inv_freq(type(config)(**{**config.to_dict(), "rope_scaling": None})))

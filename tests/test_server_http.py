@@ -1,0 +1,506 @@
+"""`ninfer serve` as a real process on the default model, driven with the official openai client
+and raw HTTP: chat, completions, llama.cpp endpoints, ops endpoints, auth, CORS and errors."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-secret"
+MODEL = "smol-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    proc: subprocess.Popen
+    log: Path
+    loading: list[httpx.Response]  # answers seen before the model was ready
+
+
+def _serve_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ninfer.cli.main", "serve", *args]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    cmd = _serve_cmd(str(smollm2_artifact), "--port", str(port), "--api-key", KEY, "--model-id", MODEL,
+                     "--cors", "--max-request-mib", "1", "--max-pending-requests", "2",
+                     "--pending-timeout-ms", "6000")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    loading: list[httpx.Response] = []
+    deadline = time.monotonic() + 240
+    with httpx.Client(timeout=5) as client:
+        while True:
+            assert proc.poll() is None, f"serve exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve never became ready:\n{log.read_text()}"
+            try:
+                r = client.get(f"{url}/health")
+            except httpx.TransportError:
+                time.sleep(0.02)
+                continue
+            if r.status_code == 200:
+                break
+            loading.append(r)
+            for extra in (client.post(f"{url}/v1/messages", json={}), client.options(f"{url}/v1/models")):
+                if extra.status_code == 503:
+                    loading.append(extra)
+    yield Server(url, port, proc, log, loading)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+def client(server: Server, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, **kw)
+
+
+# ---- start-up --------------------------------------------------------------------------------
+
+def test_loading_answers_503_model_loading(server: Server) -> None:
+    assert server.loading, "no answer was seen while the model loaded"
+    for r in server.loading:
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "2"
+        assert r.headers["x-ninfer-version"]
+        body = r.json()
+        if r.request.url.path == "/v1/messages":
+            assert body["type"] == "error" and body["error"]["type"] == "api_error"
+            assert body["request_id"] == r.headers["request-id"]
+        else:
+            assert body["error"]["code"] == "model_loading"
+            assert body["error"]["type"] == "service_unavailable"
+            assert r.headers["x-request-id"]
+    text = server.log.read_text()
+    assert f"API base: http://127.0.0.1:{server.port}/v1" in text
+
+
+def test_port_clash_fails_fast_with_the_port_named(server: Server) -> None:
+    r = subprocess.run(_serve_cmd("--port", str(server.port)), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"--port {server.port}" in r.stderr and "in use" in r.stderr
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--max-concurrency", "9"], "--max-concurrency"), (["--top-p", "1.5"], "--top-p"),
+    (["--kv-capacity", "lots"], "--kv-capacity"), (["--log-level", "loud"], "--log-level"),
+])
+def test_invalid_option_fails_at_start_up(args: list[str], option: str) -> None:
+    r = subprocess.run(_serve_cmd("--port", str(free_port()), *args), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and option in r.stderr, r.stderr
+
+
+# ---- OpenAI clients --------------------------------------------------------------------------
+
+def test_chat_sync_and_stream_agree(server: Server) -> None:
+    c = client(server)
+    raw = c.chat.completions.with_raw_response.create(**CHAT)
+    assert raw.headers["x-request-id"] and raw.headers["x-ninfer-version"]
+    resp = raw.parse()
+    assert resp.model == MODEL and resp.object == "chat.completion"
+    choice = resp.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert choice.message.content and choice.logprobs is None
+    assert resp.usage.completion_tokens == 4
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
+    extra = resp.model_extra
+    assert extra["timings"]["predicted_n"] == 4
+    assert extra["timings"]["cache_n"] + extra["timings"]["prompt_n"] == resp.usage.prompt_tokens
+    assert len(extra["session_digest"]) == 16
+
+    chunks = list(c.chat.completions.create(**CHAT, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == choice.message.content  # greedy: same text either way
+    finish = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert [f.choices[0].finish_reason for f in finish] == ["length"]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 4
+    assert last.usage.prompt_tokens_details.cached_tokens > 0  # the same prompt again reuses its prefix
+    assert "timings" in last.model_extra
+
+
+def test_chat_logprobs(server: Server) -> None:
+    resp = client(server).chat.completions.create(**CHAT, logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 4
+    assert "".join(r.token for r in content) == resp.choices[0].message.content
+    for r in content:
+        assert r.logprob <= 0 and len(r.top_logprobs) == 2 and bytes(r.bytes).decode() == r.token
+        assert r.top_logprobs[0].logprob >= r.top_logprobs[1].logprob
+
+
+def test_async_chat_and_completions_stream(server: Server) -> None:
+    async def go() -> tuple[str, str, str]:
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+        chat = await ac.chat.completions.create(**CHAT)
+        stream = await ac.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                             temperature=0, stream=True)
+        streamed = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+        whole = await ac.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                            temperature=0)
+        await ac.close()
+        return chat.choices[0].message.content, streamed, whole.choices[0].text
+
+    chat_text, streamed, whole = asyncio.run(go())
+    assert chat_text
+    assert streamed == whole and whole
+
+
+def test_completions_echo_and_usage_stream(server: Server) -> None:
+    c = client(server)
+    prompt = "The capital of France is"
+    resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert resp.object == "text_completion" and resp.choices[0].text.startswith(prompt)
+    assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].text == prompt  # the echo opens the stream
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == resp.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_doubled_v1_base_and_models(server: Server) -> None:
+    c = openai.OpenAI(base_url=server.url + "/v1/v1", api_key=KEY, max_retries=0)
+    models = c.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    m = models[0].model_extra
+    assert m["max_model_len"] == m["context_window"] == m["context_length"] == 8192
+    assert m["architecture"] == {"input_modalities": ["text"], "output_modalities": ["text"]}
+    assert m["meta"]["n_vocab"] == 49152 and m["meta"]["n_ctx_train"] == 8192 and m["meta"]["n_params"] > 1e8
+    assert c.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("other-model")
+
+
+def test_openai_errors_are_typed(server: Server) -> None:
+    c = client(server)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(**{**CHAT, "model": "gpt-4o"})
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**CHAT, n=2)
+    assert e.value.body["code"] == "n_not_supported" and e.value.body["param"] == "n"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# ---- raw HTTP: llama.cpp endpoints -------------------------------------------------------------
+
+def _post(server: Server, path: str, body: object, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=AUTH, timeout=120, **kw)
+
+
+def test_llamacpp_completion(server: Server) -> None:
+    body = {"prompt": "The capital of France is", "n_predict": 3, "temperature": 0, "return_tokens": True}
+    r = _post(server, "/completion", body)
+    assert r.status_code == 200
+    obj = r.json()
+    assert obj["stop"] is True and obj["stop_type"] == "limit" and obj["truncated"] is False
+    assert len(obj["tokens"]) == obj["tokens_predicted"] == 3
+    assert obj["tokens_evaluated"] > 0 and obj["prompt"] == "The capital of France is"
+    assert obj["generation_settings"]["n_predict"] == 3 and "timings" in obj
+    r = _post(server, "/completions", {**body, "response_fields": ["content", "generation_settings/n_predict"]})
+    assert r.json() == {"content": obj["content"], "generation_settings/n_predict": 3}
+    # a stop word the greedy continuation starts with
+    first = httpx.post(server.url + "/detokenize", json={"tokens": obj["tokens"][:1]}, headers=AUTH).json()["content"]
+    r = _post(server, "/completion", {**body, "stop": [first]})
+    assert r.json()["stop_type"] == "word" and r.json()["stopping_word"] == first and r.json()["content"] == ""
+
+
+def test_llamacpp_completion_stream(server: Server) -> None:
+    body = {"prompt": "The capital of France is", "n_predict": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/completion", json=body, headers=AUTH, timeout=120) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert all("tokens" not in e for e in events[:-1])
+    final = events[-1]
+    assert final["stop"] is True and final["content"] == "" and len(final["tokens"]) == 3
+    text = "".join(e["content"] for e in events[:-1])
+    whole = _post(server, "/completion", {**body, "stream": False}).json()
+    assert text == whole["content"]
+
+
+def test_llamacpp_prompt_forms_and_refusals(server: Server) -> None:
+    ids = _post(server, "/tokenize", {"content": "The capital of"}).json()["tokens"]
+    mixed = _post(server, "/completion", {"prompt": [*ids, " France is"], "n_predict": 1, "temperature": 0})
+    plain = _post(server, "/completion", {"prompt": "The capital of France is", "n_predict": 1, "temperature": 0})
+    assert mixed.status_code == 200 and mixed.json()["content"] == plain.json()["content"]
+    for body, code in [({"prompt": ["a", "b"]}, "multiple_prompts_not_supported"),
+                       ({"prompt": [[1, 2], [3]]}, "multiple_prompts_not_supported"),
+                       ({"prompt": [49152]}, "invalid_prompt"),
+                       ({"prompt": "x", "repeat_penalty": 1.1}, "repeat_penalty_not_supported"),
+                       ({"prompt": "x", "mirostat": 2}, "mirostat_not_supported"),
+                       ({"prompt": "x", "grammar": "root ::= \"a\""}, "grammar_not_supported")]:
+        r = _post(server, "/completion", body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, (body, r.text)
+    r = _post(server, "/v1/completions", {"prompt": "x", "suffix": "y"})
+    assert r.json()["error"]["code"] == "suffix_not_supported"
+    ok = _post(server, "/completion", {"prompt": "x", "n_predict": 1, "repeat_penalty": 1.0, "n_probs": 0})
+    assert ok.status_code == 200
+
+
+def test_tokenize_detokenize_apply_template(server: Server) -> None:
+    r = _post(server, "/tokenize", {"content": "Hello world<|im_end|>", "with_pieces": True})
+    pieces = r.json()["tokens"]
+    assert pieces[-1] == {"id": 2, "piece": "<|im_end|>"}
+    ids = [p["id"] for p in pieces]
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {"content": "Hello world<|im_end|>"}
+    assert _post(server, "/tokenize", {"content": "é"}).json()["tokens"]
+    prompt = _post(server, "/apply-template", {"messages": [{"role": "user", "content": "Hi"}]}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert _post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
+
+
+# ---- ops endpoints ---------------------------------------------------------------------------
+
+def _get(server: Server, path: str, **kw) -> httpx.Response:
+    return httpx.get(server.url + path, headers=kw.pop("headers", AUTH), timeout=30, **kw)
+
+
+def test_props_load_stats_slots_index(server: Server) -> None:
+    props = _get(server, "/props").json()
+    assert props["model_alias"] == MODEL and props["total_slots"] == 1
+    assert props["default_generation_settings"]["n_ctx"] == 8192
+    assert props["default_generation_settings"]["params"]["n_predict"] == -1
+    assert props["build_info"].startswith("ninfer ") and props["modalities"] == {"vision": False, "audio": False}
+    load = _get(server, "/v1/load").json()
+    assert load["object"] == "ninfer.load" and load["model"] == MODEL
+    assert load["capacity"]["max_admitted_requests"] == 3 and load["capacity"]["kv_page_tokens"] > 0
+    assert load["counters"]["computed_prefill_tokens"] > 0 and load["uptime_seconds"] > 0
+    stats = _get(server, "/stats").json()
+    assert stats["object"] == "ninfer.stats" and stats["requests"]["peak_admitted"] >= 1
+    assert stats["queue"]["depth"] == 0 and stats["queue"]["entries"] == []
+    slots = _get(server, "/slots").json()
+    assert slots and all(s["retained"] for s in slots) and slots[0]["n_prompt_tokens"] > 0
+    index = _get(server, "/v1").json()
+    assert index["model"] == MODEL
+    assert any(e["method"] == "POST" and e["path"] == "/v1/chat/completions" for e in index["endpoints"])
+
+
+def _parse_prometheus(text: str) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("# HELP ") or line.startswith("# TYPE "):
+            continue
+        name, value = line.rsplit(" ", 1)
+        values[name] = float(value)
+    return values
+
+
+def test_metrics_prometheus(server: Server) -> None:
+    before = _parse_prometheus(_get(server, "/metrics").text)
+    _post(server, "/completion", {"prompt": "Once upon a time", "n_predict": 2, "temperature": 0})
+    r = _get(server, "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    after = _parse_prometheus(r.text)
+    for name in ("prompt_tokens_total", "prompt_seconds_total", "tokens_predicted_total",
+                 "tokens_predicted_seconds_total", "prompt_tokens_seconds", "predicted_tokens_seconds",
+                 "n_decode_total", "n_busy_slots_per_decode", "kv_cache_usage_ratio", "kv_cache_tokens",
+                 "requests_processing", "requests_deferred"):
+        assert f"llamacpp:{name}" in after
+    for name in ("requests_total", "requests_failed_total", "requests_rejected_total", "requests_admitted",
+                 "prefix_cache_hit_tokens_total", "reused_prompt_tokens_total", "uptime_seconds"):
+        assert f"ninfer:{name}" in after
+    assert after["ninfer:requests_total"] == before["ninfer:requests_total"] + 1
+    assert after["llamacpp:n_decode_total"] > before["llamacpp:n_decode_total"]
+    assert 0 < after["llamacpp:kv_cache_usage_ratio"] <= 1
+
+
+# ---- transport: auth, CORS, limits, errors -----------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/models", "/metrics", "/v1/load", "/stats", "/slots", "/props", "/v1"])
+def test_auth_required_except_health(server: Server, path: str) -> None:
+    r = httpx.get(server.url + path)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["x-ninfer-version"] and r.headers["x-request-id"]
+    assert httpx.get(server.url + path, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(server.url + path, headers={"x-api-key": KEY}).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_cors_preflight_needs_no_key(server: Server) -> None:
+    r = httpx.options(server.url + "/v1/chat/completions",
+                      headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+                               "Access-Control-Request-Headers": "x-conversation-id"})
+    assert r.status_code == 204
+    assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "x-conversation-id" in r.headers["access-control-allow-headers"]
+    assert "authorization" in r.headers["access-control-allow-headers"]
+
+
+def test_request_too_large_before_parsing(server: Server) -> None:
+    big = b"{" + b" " * (2 * 1024 * 1024) + b"}"
+    r = httpx.post(server.url + "/v1/chat/completions", content=big, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():
+        for _ in range(40):
+            yield b" " * 65536
+
+    r = httpx.post(server.url + "/completion", content=chunks(), headers=AUTH)  # chunked, no length
+    assert r.status_code == 413
+
+
+def test_routes_and_unsupported_protocols(server: Server) -> None:
+    r = _get(server, "/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert _get(server, "/v1/chat/completions").status_code == 405
+    r = _post(server, "/v1/responses", {"model": MODEL, "input": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "endpoint_not_supported"
+    r = _post(server, "/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": []})
+    body = r.json()
+    assert r.status_code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert body["request_id"] == r.headers["request-id"] and "x-request-id" not in r.headers
+
+
+def test_overload_queue_timeout_keepalive_and_disconnect(server: Server) -> None:
+    """One long stream holds the lane; a streamed and a plain request wait in the queue (the
+    stream gets a keep-alive comment); a fourth is refused 429; both waiting requests time out
+    with request_queue_timeout; closing the long stream cancels it and frees the lane."""
+    long_body = {**CHAT, "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    cancelled_before = _get(server, "/stats").json()["scheduler"]["requests_cancelled"]
+    holder = httpx.Client(timeout=120, headers=AUTH)
+    long_stream = holder.stream("POST", server.url + "/v1/chat/completions", json=long_body)
+    resp = long_stream.__enter__()
+    lines = resp.iter_lines()
+    assert next(line for line in lines if line.startswith("data: "))  # it is running
+    results: dict[str, object] = {}
+
+    def queued_stream() -> None:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**CHAT, "stream": True},
+                          headers=AUTH, timeout=120) as r:
+            results["stream_status"] = r.status_code
+            results["stream_lines"] = list(r.iter_lines())
+
+    def queued_plain() -> None:
+        results["plain"] = _post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+
+    threads = [threading.Thread(target=queued_stream), threading.Thread(target=queued_plain)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while _get(server, "/v1/load").json()["requests"]["waiting"] < 2:
+        assert time.monotonic() < deadline, "the two requests never queued"
+        time.sleep(0.05)
+    over = _post(server, "/v1/chat/completions", CHAT)
+    assert over.status_code == 429 and over.json()["error"]["code"] == "server_overloaded"
+    for t in threads:
+        t.join(timeout=120)
+    plain = results["plain"]
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "request_queue_timeout"
+    assert results["stream_status"] == 200
+    stream_lines = results["stream_lines"]
+    assert ": keep-alive" in stream_lines  # the queued stream waited past 5 s
+    errors = [json.loads(line[6:]) for line in stream_lines if line.startswith("data: {\"error\"")]
+    assert errors and errors[0]["error"]["code"] == "request_queue_timeout"
+
+    long_stream.__exit__(None, None, None)  # the client goes away mid-generation
+    holder.close()
+    deadline = time.monotonic() + 30
+    while True:
+        load = _get(server, "/v1/load").json()["requests"]
+        if load["running"] == 0 and load["admitted"] == 0:
+            break
+        assert time.monotonic() < deadline, f"the abandoned request still holds the lane: {load}"
+        time.sleep(0.05)
+    assert _get(server, "/stats").json()["scheduler"]["requests_cancelled"] == cancelled_before + 1
+    metrics = _parse_prometheus(_get(server, "/metrics").text)
+    assert metrics["ninfer:requests_rejected_total"] >= 1 and metrics["ninfer:requests_failed_total"] >= 2
+
+
+# ---- hostile bodies --------------------------------------------------------------------------
+
+def _hostile_bodies() -> list[tuple[str, bytes]]:
+    """(path, body) pairs that must each be answered 4xx: a valid body with one field broken,
+    invalid JSON and UTF-8, deep nesting, huge numbers, wrong roots."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    raw = {"prompt": "hi", "n_predict": 1}
+    wrong = [None, True, -1, 1.5, 1e308, -1e308, 2**63, "x", "", [], {}, [1, "a"], {"a": {"b": []}}]
+    chat_fields = {
+        "messages": wrong, "max_tokens": [True, -2, 1.5, "5", [], {}, 1e300],
+        "max_completion_tokens": [-5, "x", 2.5], "temperature": ["hot", [], {}, True, 1e300],
+        "top_p": [2, -0.5, "x", True], "top_k": [1.5, "x", True, []], "min_p": [1.1, -1, "x"],
+        "presence_penalty": [3, -3, "x"], "frequency_penalty": [9, "x"], "seed": ["x", 1.5, 2**64, []],
+        "stop": [5, [1], ["a", "b", "c", "d", "e"], [""], {"a": 1}], "n": [2, 0, "x"],
+        "logprobs": ["yes", 1], "top_logprobs": [21, -1, "x"], "stream": ["true", 1],
+        "stream_options": ["x", [], {"include_usage": "yes"}], "logit_bias": [{"1": 5}, "x", [[1, 2]]],
+        "response_format": [{"type": "json_object"}, "x", {}], "tools": ["x", [{"type": "function"}]],
+        "tool_choice": ["required", {"type": "function"}], "ignore_eos": ["x", 1],
+        "model": ["other", 5, [], {}], "chat_template_kwargs": ["x", {"messages": 1}],
+        "guided_json": [{"type": "object"}], "grammar": ["x"], "audio": [{"voice": "a"}],
+    }
+    bodies: list[tuple[str, bytes]] = []
+    for field, values in chat_fields.items():
+        for v in values:
+            bodies.append(("/v1/chat/completions", json.dumps({**chat, field: v}).encode()))
+    for v in wrong + [[{"role": "user"}], [{"role": "user", "content": 5}],
+                      [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                      [{"role": "user", "content": [{"type": "nope"}]}], [{"content": "x"}], ["x"]]:
+        bodies.append(("/v1/chat/completions", json.dumps({**chat, "messages": v}).encode()))
+    raw_fields = {"prompt": [None, 5, 1.5, [], [[1], [2]], ["a", "b"], [49152], [-1], {"a": 1}, True],
+                  "n_predict": ["x", 1.5, []], "typical_p": [0.5, "x"], "tfs_z": [0.9], "xtc_probability": [0.5],
+                  "top_n_sigma": [1.0], "n_indent": [2], "lora": [[{"id": 0, "scale": 1}]],
+                  "logit_bias": [[[5, False]]], "json_schema": [{}], "stop": [7, [1]],
+                  "cache_prompt": ["no"], "response_fields": ["x", [1]]}
+    for field, values in raw_fields.items():
+        for v in values:
+            bodies.append(("/completion", json.dumps({**raw, field: v}).encode()))
+            if field not in ("n_predict", "response_fields"):  # /completion's own fields
+                bodies.append(("/v1/completions", json.dumps({**raw, "max_tokens": 1, field: v}).encode()))
+    deep = b"[" * 5000 + b"]" * 5000
+    obj_deep = b'{"a":' * 3000 + b"1" + b"}" * 3000
+    broken = [b"", b"{", b"}", b"null", b"[]", b"42", b'"str"', b"{'a': 1}", b'{"a": NaN}', b'{"a": Infinity}',
+              b"\xff\xfe\x00{", b'{"messages": "\xc3\x28"}', b'{"prompt": "\xed\xa0\x80"}', deep, obj_deep,
+              b'{"max_tokens": 1' + b"0" * 400 + b"}", b'{"temperature": 1e999}', b"\x00" * 64,
+              b'{"prompt": "a"' + b', "x": 1' * 10 + b"", b'{"a":1}{"b":2}']
+    for path in ("/v1/chat/completions", "/v1/completions", "/completion", "/tokenize", "/detokenize",
+                 "/apply-template"):
+        for b in broken:
+            bodies.append((path, b))
+    for path, body in [("/tokenize", {"content": 5}), ("/tokenize", {"content": "a", "parse_special": "no"}),
+                       ("/detokenize", {"tokens": "x"}), ("/detokenize", {"tokens": [1.5]}),
+                       ("/detokenize", {"tokens": [2**40]}), ("/apply-template", {"messages": []}),
+                       ("/apply-template", {"messages": [{"role": "x", "content": "y"}]})]:
+        bodies.append((path, json.dumps(body).encode()))
+    return bodies
+
+
+def test_hostile_bodies_answer_4xx(server: Server) -> None:
+    bodies = _hostile_bodies()
+    assert len(bodies) >= 200
+    failures = []
+    with httpx.Client(timeout=60, headers={**AUTH, "content-type": "application/json"}) as c:
+        for path, body in bodies:
+            r = c.post(server.url + path, content=body)
+            ok = 400 <= r.status_code < 500 and isinstance(r.json().get("error"), dict)
+            if not ok:
+                failures.append((path, body[:120], r.status_code, r.text[:200]))
+        assert not failures, failures[:10]
+        assert c.get(server.url + "/health").status_code == 200
+        load = c.get(server.url + "/v1/load").json()["requests"]
+        assert load["admitted"] == 0 and load["running"] == 0
