@@ -33,50 +33,57 @@ SMOL_PROMPTS = [
 ]
 
 
+GREEDY_STEPS = 32
+
+
+def scattered_pages(num_seqs: int, pages_per_seq: int) -> list[list[int]]:
+    """Non-contiguous, interleaved page tables: seq i gets pages i, i + n, i + 2n, ... reversed."""
+    return [[i + num_seqs * j for j in range(pages_per_seq)][::-1] for i in range(num_seqs)]
+
+
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf: Path, smollm2_artifact: Path):
-    """(transformers model, artifact, prompts as token ids)."""
+    """Artifact, prompts (token ids), and transformers' logits and 32 greedy tokens per prompt."""
     from ninfer.engine.tokenizer import Tokenizer
 
     artifact = Artifact.open(smollm2_artifact)
     tok = Tokenizer.from_metadata(artifact.meta)
     chat = tok.apply_chat_template([{"role": "user", "content": "What is the boiling point of water?"}])
     prompts = [tok.encode(p if p is not None else chat) for p in SMOL_PROMPTS]
-    return hf_from_gguf(smollm2_gguf), artifact, prompts
+    hf = hf_from_gguf(smollm2_gguf)
+    ref_logits = [hf_logits(hf, ids) for ids in prompts]
+    ref_tokens = [hf_greedy(hf, ids, GREEDY_STEPS) for ids in prompts]
+    return artifact, prompts, ref_logits, ref_tokens, hf
 
 
-@pytest.mark.slow
-def test_smollm2_weights_match_transformers_dequantization(smol) -> None:
-    hf, artifact, _ = smol
-    ref = hf.state_dict()
-    for name, w in artifact.load_dequantized().items():
-        assert torch.equal(w, ref[name]), name
+def check_greedy(runner: TorchModelRunner, smol, near_tie: float) -> None:
+    artifact, prompts, _, ref_tokens, hf = smol
+    pages_per_seq = -(-(max(map(len, prompts)) + GREEDY_STEPS) // runner.page_size)
+    outs = ours_greedy(runner, prompts, GREEDY_STEPS, scattered_pages(len(prompts), pages_per_seq))
+    for ids, ours, ref in zip(prompts, outs, ref_tokens):
+        assert_greedy_agrees(ours, ref, hf, ids, near_tie)
 
 
 @pytest.mark.slow
 def test_smollm2_f32_logits_and_greedy_match_transformers(smol) -> None:
-    hf, artifact, prompts = smol
-    runner = TorchModelRunner(artifact, num_pages=4, page_size=16, dtype=torch.float32)
-    for ids in prompts:
-        ours, ref = runner.forward_logits(ids), hf_logits(hf, ids)
-        assert (ours - ref).abs().max().item() < F32_LOGIT_TOL
-    for ids in prompts[1:]:
-        # paged incremental decode on scattered pages vs transformers' generate
-        pages = [3, 0, 2, 1][: -(-(len(ids) + 32) // 16)]
-        assert_greedy_agrees(ours_greedy(runner, ids, 32, pages), hf_greedy(hf, ids, 32), hf, ids, F32_NEAR_TIE)
+    artifact, prompts, ref_logits, _, _ = smol
+    runner = TorchModelRunner(artifact, num_pages=24, page_size=16, dtype=torch.float32)
+    for ids, ref in zip(prompts, ref_logits):
+        assert (runner.forward_logits(ids) - ref).abs().max().item() < F32_LOGIT_TOL
+    # the three prompts as lanes of one batch, paged incremental decode on scattered pages
+    check_greedy(runner, smol, F32_NEAR_TIE)
 
 
 @pytest.mark.slow
 def test_smollm2_default_dtype_close_to_transformers(smol) -> None:
     """The fast CPU path (bf16, packed int4 decode) stays within bf16 error of the f32 reference."""
-    hf, artifact, prompts = smol
-    runner = TorchModelRunner(artifact, num_pages=4)
-    for ids in prompts:
-        ours, ref = runner.forward_logits(ids), hf_logits(hf, ids)
+    artifact, prompts, ref_logits, _, _ = smol
+    runner = TorchModelRunner(artifact, num_pages=24, page_size=16)
+    for ids, ref in zip(prompts, ref_logits):
+        ours = runner.forward_logits(ids)
         assert (ours - ref).abs().max().item() < BF16_LOGIT_TOL
         assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
-    ids = prompts[0]
-    assert_greedy_agrees(ours_greedy(runner, ids, 32), hf_greedy(hf, ids, 32), hf, ids, BF16_NEAR_TIE)
+    check_greedy(runner, smol, BF16_NEAR_TIE)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +111,8 @@ def test_tiny_models_match_transformers(arch: str, weights: str, tiny_hf_dirs, t
     ids = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183]
     ours, ref = runner.forward_logits(ids), hf_logits(hf, ids)
     assert (ours - ref).abs().max().item() < F32_LOGIT_TOL
-    assert_greedy_agrees(ours_greedy(runner, ids, 16, [5, 1, 7, 2]), hf_greedy(hf, ids, 16), hf, ids, F32_NEAR_TIE)
+    (ours_tokens,) = ours_greedy(runner, [ids], 16, [[5, 1, 7, 2]])
+    assert_greedy_agrees(ours_tokens, hf_greedy(hf, ids, 16), hf, ids, F32_NEAR_TIE)
 
 
 def test_tiny_llama_rope_scaling_is_exercised(tiny_hf_dirs, tiny_artifacts) -> None:

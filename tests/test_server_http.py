@@ -34,6 +34,7 @@ def free_port() -> int:
 class Server:
     url: str
     port: int
+    stats_url: str
     proc: subprocess.Popen
     log: Path
     loading: list[httpx.Response]  # answers seen before the model was ready
@@ -45,11 +46,11 @@ def _serve_cmd(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    port = free_port()
+    port, stats_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = _serve_cmd(str(smollm2_artifact), "--port", str(port), "--api-key", KEY, "--model-id", MODEL,
                      "--cors", "--max-request-mib", "1", "--max-pending-requests", "2",
-                     "--pending-timeout-ms", "6000")
+                     "--pending-timeout-ms", "6000", "--stats-port", str(stats_port))
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -70,7 +71,7 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             for extra in (client.post(f"{url}/v1/messages", json={}), client.options(f"{url}/v1/models")):
                 if extra.status_code == 503:
                     loading.append(extra)
-    yield Server(url, port, proc, log, loading)
+    yield Server(url, port, f"http://127.0.0.1:{stats_port}", proc, log, loading)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()
 
@@ -262,6 +263,9 @@ def test_llamacpp_prompt_forms_and_refusals(server: Server) -> None:
     assert r.json()["error"]["code"] == "suffix_not_supported"
     ok = _post(server, "/completion", {"prompt": "x", "n_predict": 1, "repeat_penalty": 1.0, "n_probs": 0})
     assert ok.status_code == 200
+    r = _post(server, "/completion", {"prompt": [1] * 8200, "n_predict": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
 
 
 def test_tokenize_detokenize_apply_template(server: Server) -> None:
@@ -341,6 +345,15 @@ def test_auth_required_except_health(server: Server, path: str) -> None:
     assert httpx.get(server.url + path, headers={"Authorization": "Bearer nope"}).status_code == 401
     assert httpx.get(server.url + path, headers={"x-api-key": KEY}).status_code == 200
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_stats_port_serves_ops_only(server: Server) -> None:
+    assert httpx.get(server.stats_url + "/health").json()["status"] == "ok"
+    assert httpx.get(server.stats_url + "/metrics").status_code == 401
+    r = httpx.get(server.stats_url + "/metrics", headers=AUTH)
+    assert r.status_code == 200 and "llamacpp:n_decode_total" in r.text
+    assert httpx.get(server.stats_url + "/v1/load", headers=AUTH).json()["object"] == "ninfer.load"
+    assert httpx.get(server.stats_url + "/v1/models", headers=AUTH).status_code == 404
 
 
 def test_cors_preflight_needs_no_key(server: Server) -> None:

@@ -51,23 +51,31 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 
 @torch.inference_mode()
 def hf_greedy(model, ids: list[int], steps: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                         pad_token_id=0)
+    """`steps` greedy tokens from transformers' generate, EOS treated as an ordinary token (not
+    suppressed, as min_new_tokens would do, and not stopping)."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == len(ids) + steps
     return out[0, len(ids):].tolist()
 
 
-def ours_greedy(runner: TorchModelRunner, ids: list[int], steps: int, page_ids: list[int] | None = None) -> list[int]:
-    """Prefill then one-token decode steps through run(), on the given pages (default 0..)."""
-    pages = page_ids if page_ids is not None else list(range(-(-(len(ids) + steps) // runner.page_size)))
-    out: list[int] = []
-    tokens, start = list(ids), 0
+def ours_greedy(runner: TorchModelRunner, prompts: list[list[int]], steps: int,
+                page_tables: list[list[int]]) -> list[list[int]]:
+    """Greedy decode of several sequences as lanes of one batch through run(): one step prefills
+    them all, then each step decodes one token per lane. -> generated ids per prompt."""
+    outs: list[list[int]] = [[] for _ in prompts]
+    pending = [list(p) for p in prompts]
+    starts = [0] * len(prompts)
     for _ in range(steps):
-        seq = SequenceWork(seq_id=7, token_ids=tokens, start_pos=start, block_table=pages, sample=True,
-                           sampling=GREEDY, output_token_ids=list(out))
-        out.append(runner.run(ScheduledBatch([seq])).sampled[7])
-        start += len(tokens)
-        tokens = [out[-1]]
-    return out
+        seqs = [SequenceWork(seq_id=i, token_ids=pending[i], start_pos=starts[i], block_table=page_tables[i],
+                             sample=True, sampling=GREEDY, output_token_ids=list(outs[i]))
+                for i in range(len(prompts))]
+        sampled = runner.run(ScheduledBatch(seqs)).sampled
+        for i in range(len(prompts)):
+            outs[i].append(sampled[i])
+            starts[i] += len(pending[i])
+            pending[i] = [sampled[i]]
+    return outs
 
 
 def assert_greedy_agrees(ours: list[int], ref: list[int], ref_model, prompt: list[int], tol: float) -> None:

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         import click
 
         if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+            e.show()  # a bad flag value or usage: exit 1 like every other start-up error
+            sys.exit(1)
         if debug:
             raise
         if isinstance(e, NInferError):
