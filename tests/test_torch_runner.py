@@ -18,8 +18,9 @@ GREEDY = SamplingParams(temperature=0.0)
 PROMPT_A = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183]
 PROMPT_B = [1, 22, 9004, 17, 300, 41, 8]
 DECODE = [310, 44, 2006]  # fixed "sampled" tokens fed back in decode steps
-# f32, same weights, different chunking / batching: only summation order differs (measured <= 2e-6).
-SAME_MATH_TOL = 1e-4
+# f32, same weights, different chunking / batching / pages: only summation order may differ
+# (measured max |Δlogit| 3e-7 on logits of magnitude ~0.8).
+SAME_MATH_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +153,8 @@ def test_packed_int4_linear_matches_dense(symmetric: bool) -> None:
     packed = lin(x.to(torch.bfloat16)).float()  # 3 rows: the packed kernel
     ref = x @ dense.t()
     assert packed.shape == ref.shape
-    # bf16 activations and bf16 scales: relative error ~3e-3 measured
-    assert ((packed - ref).norm() / ref.norm()).item() < 2e-2
+    # bf16 activations and bf16 scales: relative error 2.9e-3 measured
+    assert ((packed - ref).norm() / ref.norm()).item() < 1e-2
 
 
 def test_bf16_packed_decode_close_to_f32(tiny) -> None:
@@ -163,4 +164,4 @@ def test_bf16_packed_decode_close_to_f32(tiny) -> None:
     ref = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.float32).forward_logits(PROMPT_A + DECODE)
     ours = chunked_logits(fast, 0, PROMPT_A + DECODE, [13, 1, 1, 1], [0, 1, 2, 3])  # decode rows: packed path
     rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    assert rel < 0.05
+    assert rel < 0.03  # measured 0.010 (bf16 activations, KV and scales)

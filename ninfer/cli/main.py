@@ -71,9 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         print("ninfer: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
+        if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's (or typer's vendored click's) usage errors
             e.show()  # a bad flag value or usage: exit 1 like every other start-up error
             sys.exit(1)
         if debug:

@@ -40,11 +40,12 @@ def run(
         raise ConfigError("--max-tokens must be >= 1")
     if system is not None and raw:
         raise ConfigError("--system applies to the chat template; it cannot be combined with --raw")
+    flags = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
+    sampling_from_flags(**flags)  # bad values fail before the model loads
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
                          announce=not json_out)
-    sampling = sampling_from_flags(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                   seed=seed, preset=loaded.meta.sampler_presets.get("default"))
+    sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:
         if raw:
