@@ -10,13 +10,13 @@ OUT="${1:?usage: scripts/gpu_check.sh OUTDIR [WHEELDIR]}"
 WHL="${2:-.whl}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# Wheels install into /tmp/site, which an earlier call on the same machine may have filled already.
 if [ -d "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
     || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# NINFER_TEST_ARTIFACT: a .ninfer of the real SmolLM2 for the real-weight and serve tests.
 export NINFER_CACHE="${NINFER_CACHE:-/tmp/ninfer-cache}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"

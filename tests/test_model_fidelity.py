@@ -82,7 +82,10 @@ def test_smollm2_default_dtype_close_to_transformers(smol) -> None:
     for ids, ref in zip(prompts, ref_logits):
         ours = runner.forward_logits(ids)
         assert (ours - ref).abs().max().item() < BF16_LOGIT_TOL
-        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+        # where the top token differs, the reference had a near-tie there
+        top2 = ref.topk(2, dim=-1).values
+        differs = ours.argmax(-1) != ref.argmax(-1)
+        assert ((top2[:, 0] - top2[:, 1])[differs] < BF16_NEAR_TIE).all()
     check_greedy(runner, smol, BF16_NEAR_TIE)
 
 

@@ -95,6 +95,7 @@ def bench(
     backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
     device: int = typer.Option(0, "--device", help="CUDA device index."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
 ) -> None:
     from rich.progress import Progress
 
@@ -131,7 +132,8 @@ def bench(
     scheduler = SchedulerConfig(max_concurrency=max_c, max_pending_requests=8, max_context=span,
                                 prefix_reuse=False)
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
-                          kv_capacity=max_c * (span + 64))
+                          kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
+                          kernel_cache_dir=cache_dir() / "kernels")
     rng = random.Random(seed)
     excluded = set(loaded.tokenizer.special_token_ids) | set(loaded.tokenizer.stop_token_ids)
     vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]

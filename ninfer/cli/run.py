@@ -28,6 +28,7 @@ def run(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, token ids, finish reason, timings."),
     backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
     device: int = typer.Option(0, "--device", help="CUDA device index."),
+    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine
@@ -44,7 +45,7 @@ def run(
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
     sampling_from_flags(**flags)  # bad values fail before the model loads
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
-                         announce=not json_out)
+                         announce=not json_out, cuda_graph=not no_cuda_graph)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:

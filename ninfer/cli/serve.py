@@ -62,6 +62,7 @@ def serve(
     greedy: bool = typer.Option(False, "--greedy", help="Force exact argmax for all requests."),
     backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
     device: int = typer.Option(0, "--device", help="CUDA device index."),
+    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.server.config import SamplerOverrides, ServerConfig
@@ -100,7 +101,7 @@ def serve(
     def load():
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
-                           chat_template=chat_template)
+                           chat_template=chat_template, cuda_graph=not no_cuda_graph)
 
     def announce(line: str) -> None:
         print(line, flush=True)

@@ -76,7 +76,7 @@ def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_p
 
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
-                cache_dir: Path | None = None, announce: bool = True) -> LoadedModel:
+                cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it."""
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
@@ -87,11 +87,13 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
     if chat_template is not None:
         artifact.meta = replace(artifact.meta, chat_template=_read_template(chat_template))
     return start_engine(artifact, backend=backend, torch_device=torch_device,
-                        scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity)
+                        scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
+                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels")
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
-                 kv_capacity: int | str | None) -> LoadedModel:
+                 kv_capacity: int | str | None, cuda_graph: bool = True,
+                 kernel_cache_dir: Path | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it."""
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
@@ -103,14 +105,16 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         raise ConfigError("--max-context must be positive")
     scheduler = replace(scheduler, max_context=max_context)
     tokenizer = Tokenizer.from_metadata(meta)
-    if backend == "cuda":
-        from ninfer.engine.backends.cuda_runner import CudaModelRunner as Runner
-    else:
-        from ninfer.engine.backends.torch_runner import TorchModelRunner as Runner
     c = meta.config  # K and V, every layer; f32 on CPU, bf16 on CUDA
     bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (2 if torch_device != "cpu" else 4)
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
-    runner = Runner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device)
+    if backend == "cuda":
+        from ninfer.engine.backends.cuda_runner import CudaModelRunner
+        runner = CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
+                                 cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir)
+    else:
+        from ninfer.engine.backends.torch_runner import TorchModelRunner
+        runner = TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device)
     engine = Engine(runner, tokenizer, scheduler, model_max_context=max_context)
     engine.start()
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,

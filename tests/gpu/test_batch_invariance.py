@@ -98,7 +98,7 @@ def test_batch_and_prefix_invariance(weights: str) -> None:
         hits.append(Request(i, p, alone[i].pages[:k] + own[k:], start))
     drive(runner, hits, lanes=LANES, admit_per_step=2, copies=copies)
 
-    assert runner.graphs.captures >= 8  # decode graphs of several row counts and split buckets
+    assert runner.graphs.captures >= 4  # decode graphs of several row counts and split buckets
     for a, b, h in zip(alone, batched, hits):
         assert a.tokens == b.tokens == h.tokens, f"request {a.i}: {a.tokens} / {b.tokens} / {h.tokens}"
         for step, (la, lb, lh) in enumerate(zip(a.logits, b.logits, h.logits)):

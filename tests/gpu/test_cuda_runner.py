@@ -1,6 +1,8 @@
-"""The cuda backend's runner against the torch backend (the reference) on the same weights: random
-weights of real shapes in bf16, int8 and int4, a 512-token prompt then 64 teacher-forced decode
-steps, logits compared at every position; on the real SmolLM2, 64 free-running greedy tokens."""
+"""The cuda backend's runner against the torch backend on the same weights. Random weights of real
+shapes in bf16, int8 and int4: a 512-token prompt then 64 teacher-forced decode steps, logits at
+every position measured against the torch runner in fp32 and required to be about as close as the
+torch runner in bf16 is. The real SmolLM2: 64 free-running greedy tokens against the fp32 torch
+runner. Plus bit-exactness of graph replay against eager launches."""
 from __future__ import annotations
 
 import gc
@@ -15,9 +17,8 @@ from ninfer.engine.request import SamplingParams
 from ninfer.engine.synthetic import SyntheticArtifact
 
 PROMPT, STEPS, PAGE = 512, 64, 64
-REL_TOL = 0.03  # ‖cuda − torch‖ / ‖torch‖ per position: bf16 rounding differs in order, not in kind
-TIE_FRACTION = 0.05  # a reference top-2 margin under 5% of the row's std is a near-tie
 GREEDY = SamplingParams(temperature=0.0)
+NEAR_TIE = 0.25  # real-model logits are 10..30: a top-2 margin of two bf16 steps there is a tie in bf16
 
 
 class SharedWeights:
@@ -38,15 +39,25 @@ def seq(tokens: list[int], start: int, pages: list[int], generated: list[int], s
                         sampling=sampling, output_token_ids=list(generated), seed=seed)
 
 
-def compare(ours: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
-    """-> (max relative error over rows, greedy mismatches where the reference is no near-tie, such rows)."""
-    ours, ref = ours.double(), ref.double()
-    assert not torch.isnan(ours).any()
-    rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-    top2 = ref.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) >= TIE_FRACTION * ref.std(dim=-1)
-    mismatch = (ours.argmax(-1) != ref.argmax(-1)) & clear
-    return rel, int(mismatch.sum()), int(clear.sum())
+def compare(got: torch.Tensor, truth: torch.Tensor) -> tuple[float, int]:
+    """-> (max relative error over rows, rows whose argmax matches the truth's)."""
+    got, truth = got.double(), truth.double()
+    assert not torch.isnan(got).any()
+    rel = ((got - truth).norm(dim=-1) / truth.norm(dim=-1)).max().item()
+    return rel, int((got.argmax(-1) == truth.argmax(-1)).sum())
+
+
+def check(label: str, ours: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor) -> None:
+    """bf16 tolerance: against the fp32 torch runner, the cuda runner is about as close as the bf16
+    torch runner is (relative error and greedy agreement)."""
+    rel_ours, agree_ours = compare(ours, truth)
+    rel_ref, agree_ref = compare(ref, truth)
+    rows = truth.shape[0]
+    print(f"{label}: vs fp32 rel cuda {rel_ours:.4f} torch-bf16 {rel_ref:.4f}; greedy agreement cuda "
+          f"{agree_ours}/{rows} torch-bf16 {agree_ref}/{rows}")
+    # bf16 noise, not a bug: a wrong kernel or layout gives errors of order 1 and chance agreement
+    assert rel_ours <= 2.5 * rel_ref + 0.005
+    assert agree_ours >= agree_ref - (3 + rows // 20)
 
 
 def runners(artifact, num_pages: int):
@@ -55,7 +66,8 @@ def runners(artifact, num_pages: int):
 
     ours = CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda")
     ref = TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda")
-    return ours, ref
+    truth = TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda", dtype=torch.float32)
+    return ours, ref, truth
 
 
 CASES = [("smollm2-135m", "bf16"), ("smollm2-135m", "int8"), ("smollm2-135m", "int4"),
@@ -68,31 +80,26 @@ def test_matches_torch_backend(shape: str, weights: str) -> None:
     artifact = SharedWeights(SyntheticArtifact(shape, weights, seed=1))
     vocab = artifact.meta.config.vocab_size
     pages = list(range(-(-(PROMPT + STEPS) // PAGE)))
-    ours, ref = runners(artifact, num_pages=len(pages) + 2)
+    ours, ref, truth = runners(artifact, num_pages=len(pages) + 2)
     del artifact
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
+    print()
+    check(f"{shape} {weights} prompt", ours.forward_logits(prompt), ref.forward_logits(prompt),
+          truth.forward_logits(prompt))
 
-    # the whole prompt at once, every position
-    rel, bad, clear = compare(ours.forward_logits(prompt), ref.forward_logits(prompt))
-    print(f"\n{shape} {weights}: prompt rel {rel:.4f}, greedy mismatches {bad} of {clear} clear rows")
-    assert rel < REL_TOL and bad == 0 and clear >= PROMPT // 2
-
-    # the prompt into each runner's own pages, then teacher-forced decode on the reference's picks
+    # the prompt into each runner's own pages, then teacher-forced decode on the fp32 picks
     first = ScheduledBatch([seq(prompt, 0, pages, [])])
-    ours_rows, ref_rows = [ours.batch_logits(first)], [ref.batch_logits(first)]
+    rows = [[r.batch_logits(first)] for r in (ours, ref, truth)]
     generated: list[int] = []
     for step in range(STEPS):
-        generated.append(int(ref_rows[-1][0].argmax()))
+        generated.append(int(rows[2][-1][0].argmax()))
         batch = ScheduledBatch([seq([generated[-1]], PROMPT + step, pages, generated)])
-        ours_rows.append(ours.batch_logits(batch))
-        ref_rows.append(ref.batch_logits(batch))
-    rel, bad, clear = compare(torch.cat(ours_rows), torch.cat(ref_rows))
-    print(f"{shape} {weights}: decode rel {rel:.4f}, greedy mismatches {bad} of {clear} clear rows, "
-          f"graphs captured {ours.graphs.captures}")
-    assert rel < REL_TOL and bad == 0 and clear >= (STEPS + 1) // 2
+        for r, out in zip((ours, ref, truth), rows):
+            out.append(r.batch_logits(batch))
+    check(f"{shape} {weights} decode", *(torch.cat(r) for r in rows))
     assert ours.graphs.captures >= 1
-    del ours, ref
+    del ours, ref, truth
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -144,7 +151,7 @@ def test_real_smollm2_greedy_matches_torch_backend(real_artifact: Path) -> None:
     prompt = tok.encode("<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a "
                         "message in a bottle.<|im_end|>\n<|im_start|>assistant\n")
     pages = list(range(-(-(len(prompt) + STEPS) // PAGE)))
-    ours, ref = runners(artifact, num_pages=len(pages))
+    ours, _, ref = runners(artifact, num_pages=len(pages))  # the torch backend in fp32
 
     def greedy(step_fn) -> tuple[list[int], list[float]]:
         generated: list[int] = []
@@ -169,7 +176,9 @@ def test_real_smollm2_greedy_matches_torch_backend(real_artifact: Path) -> None:
 
     got, _ = greedy(ours_step)
     want, margins = greedy(ref_step)
-    print(f"\nreal SmolLM2: {tok.decode(got)!r}")
     first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-    assert first_diff is None, (f"tokens differ from step {first_diff} (reference top-2 margin there "
-                                f"{margins[first_diff]:.4f})")
+    print(f"\nreal SmolLM2: {tok.decode(got)!r}\nfirst difference from the fp32 torch runner: step "
+          f"{first_diff} (its top-2 margin there {margins[first_diff] if first_diff is not None else None})")
+    # identical greedy tokens until the reference itself is at a near-tie (after it the streams differ)
+    assert first_diff is None or margins[first_diff] < NEAR_TIE, \
+        f"tokens differ from step {first_diff} where the fp32 top-2 margin is {margins[first_diff]:.4f}"

@@ -23,9 +23,16 @@ def kv_bytes_per_token(config: ModelConfig, device: str | torch.device = "cpu",
                        dtype: torch.dtype | None = None) -> int:
     """Bytes of K and V per token over all layers, for a runner built with these arguments
     (lets a loader size the page pool before building the runner)."""
-    dtype = dtype if dtype is not None else default_dtype(torch.device(device))
-    elem = torch.empty(0, dtype=dtype).element_size()
+    device = torch.device(device)
+    dtype = dtype if dtype is not None else default_dtype(device)
+    elem = torch.empty(0, dtype=attention_dtype(device, dtype)).element_size()
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * elem
+
+
+def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """Attention and KV run in float32 on CPU: torch's CPU attention is several times faster in
+    float32 than in bf16 at decode shapes (measured, docs/PERF.md), and it is the exact path."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -44,6 +51,7 @@ class TorchModelRunner:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        self.kv_dtype = attention_dtype(self.device, self.dtype)
         self.config: ModelConfig = artifact.meta.config
         self.page_size = page_size
         self.num_pages = num_pages
@@ -52,8 +60,9 @@ class TorchModelRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(c, self.device, self.dtype)
         pack_int4 = self.device.type == "cpu" and self.dtype == torch.bfloat16
         with torch.inference_mode():
-            self.model = MODEL_CLASSES[c.architecture].from_artifact(artifact, self.dtype, self.device, pack_int4)
-            self.kv = KVCache(c, num_pages, page_size, self.dtype, self.device)
+            self.model = MODEL_CLASSES[c.architecture].from_artifact(
+                artifact, self.dtype, self.device, attn_dtype=self.kv_dtype, pack_int4=pack_int4)
+            self.kv = KVCache(c, num_pages, page_size, self.kv_dtype, self.device)
 
     @torch.inference_mode()
     def batch_logits(self, batch: ScheduledBatch, all_rows: bool = False) -> torch.Tensor:
@@ -95,7 +104,7 @@ class TorchModelRunner:
         """Logits [T, vocab] float32 for a fresh single sequence, on a private page set
         (the runner's own cache is untouched)."""
         num_pages = -(-len(token_ids) // self.page_size)
-        kv = KVCache(self.config, num_pages, self.page_size, self.dtype, self.device)
+        kv = KVCache(self.config, num_pages, self.page_size, self.kv_dtype, self.device)
         seq = SequenceWork(seq_id=-1, token_ids=list(token_ids), start_pos=0,
                            block_table=list(range(num_pages)), sample=False, sampling=None)  # type: ignore[arg-type]
         return self._forward([seq], kv, all_rows=True)

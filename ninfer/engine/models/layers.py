@@ -20,12 +20,10 @@ from ninfer.engine.quant import TensorFormat, unpack_int4
 PACKED_MAX_ROWS = 8
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., d] -> same shape and dtype; the reduction runs in float32 as in transformers."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x: [..., d] -> float32 `weight * x / rms(x)`, reduced in float32 as transformers does
+    (bit-equal to its RMSNorm for float32 inputs); callers cast to the compute dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -51,7 +49,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables [positions, head_dim] in the compute dtype, grown by doubling on demand."""
+    """cos / signed-sin tables [positions, head_dim] in the compute dtype, grown by doubling."""
 
     __slots__ = ("inv_freq", "dtype", "device", "cos", "sin")
 
@@ -66,12 +64,13 @@ class RotaryEmbedding:
     def _build(self, n: int) -> None:
         # angles in float32 (position * inv_freq), exactly transformers' product, then cast
         freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(self.dtype)
-        self.sin = emb.sin().to(self.dtype)
+        self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
+        # the sign of rotate_half folded in: rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]
+        sin = freqs.sin()
+        self.sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
     def lookup(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads)."""
+        """positions [T] -> cos, signed sin [T, 1, head_dim] (broadcast over heads)."""
         if max_pos >= self.cos.shape[0]:
             n = self.cos.shape[0]
             while n <= max_pos:
@@ -80,26 +79,41 @@ class RotaryEmbedding:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; HF rotate_half convention (first half / second half pairs)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; HF rotate_half convention (dims i and i + d/2 form a pair)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Linear:
-    """y = x @ W^T (+ b). W dense in the compute dtype; optionally also int4-packed for the CPU
-    kernel `_weight_int4pack_mm_for_cpu`, used when few rows come in (decode), where reading
-    4-bit weights instead of 16-bit ones is what decides speed."""
+    """y = x @ W^T (+ b). W dense in the compute dtype; optionally also packed for the CPU kernel
+    `_weight_int4pack_mm_for_cpu`, used when few rows come in (decode), where reading 4- or 8-bit
+    weights instead of 16-bit ones is what decides speed. An int8 weight is packed as two int4
+    halves (high and low nibble of q + 128), each read by the int4 kernel, outputs summed."""
 
     __slots__ = ("weight", "bias", "packed", "scales_zeros", "group_size")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out, in]
         self.bias = bias
-        self.packed: torch.Tensor | None = None
-        self.scales_zeros: torch.Tensor | None = None
+        self.packed: list[torch.Tensor] = []  # one packed int4 weight, or two (int8: high, low nibbles)
+        self.scales_zeros: list[torch.Tensor] = []
         self.group_size = 0
+
+    def _attach(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
+        # q: [out, in] int32 0..15; scales, zeros: [out, in/g]; kernel: w = (q - 8) * scale + zero
+        self.packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # qScaleAndZeros: [in/g, out, 2] bf16, the layout the CPU kernel wants
+        self.scales_zeros.append(torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous())
+        self.group_size = group_size
+
+    def attach_int8(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
+        """Keep a packed copy of an int8 (symmetric, groupwise) weight as two int4 halves.
+        With s rounded to bf16 (the one inexactness): w = s q, u = q + 128 = 16 hi + lo, so
+        w = (hi - 8) 16s + (lo - 8) s + 8s: zeros 0 and 8s, both exact multiples of bf16(s)."""
+        q = torch.cat([p[""] for p in parts_list]).to(torch.int32) + 128  # [out, in] 0..255
+        scales = torch.cat([p[".scales"] for p in parts_list]).to(torch.bfloat16).to(torch.float32)
+        self._attach(q >> 4, 16.0 * scales, torch.zeros_like(scales), fmt.group_size)
+        self._attach(q & 15, scales, 8.0 * scales, fmt.group_size)
 
     def attach_int4(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
         """Keep an int4-packed copy of this weight from the artifact's int4 parts (the weights
@@ -111,16 +125,22 @@ class Linear:
         else:
             mins = torch.cat([p[".mins"] for p in parts_list]).to(torch.float32)
             zeros = mins + 8.0 * scales  # w = q * s + m = (q - 8) * s + (m + 8 s)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # qScaleAndZeros: [in/g, out, 2] bf16, the layout the CPU kernel wants
-        self.scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
-        self.group_size = fmt.group_size
+        self._attach(q, scales, zeros, fmt.group_size)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [rows, in] -> [rows, out] in out_dtype (default x's dtype)."""
+        if self.packed and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
+            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+            if len(self.packed) == 1:
+                y = mm(x, self.packed[0], self.group_size, self.scales_zeros[0])
+            else:  # int8 as two int4 halves, summed in float32
+                y = (mm(x, self.packed[0], self.group_size, self.scales_zeros[0]).float()
+                     + mm(x, self.packed[1], self.group_size, self.scales_zeros[1]).float())
+        else:
+            y = F.linear(x, self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(out_dtype or x.dtype)
 
 
 @dataclass(slots=True)
@@ -197,6 +217,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     flat_k.index_copy_(0, meta.slot_mapping, k)
     flat_v.index_copy_(0, meta.slot_mapping, v)
     ps = meta.page_size
+    num_heads = q.shape[1]
     out = torch.empty_like(q)
     for s in meta.seqs:
         ctx = s.start_pos + s.num_tokens
@@ -218,4 +239,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
         out[s.offset:s.offset + s.num_tokens] = o.squeeze(0).transpose(0, 1)
-    return out.reshape(q.shape[0], -1)
+    return out.reshape(q.shape[0], num_heads * head_dim)
+

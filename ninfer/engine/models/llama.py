@@ -17,15 +17,13 @@ from ninfer.engine.quant import TensorFormat, dequantize
 
 
 class DecoderLayer:
-    __slots__ = ("input_norm", "qkv", "q_norm", "k_norm", "o_proj", "post_norm", "gate_up", "down")
+    __slots__ = ("input_norm", "qkv", "qk_norm", "o_proj", "post_norm", "gate_up", "down")
 
     def __init__(self, input_norm: torch.Tensor, qkv: Linear, o_proj: Linear, post_norm: torch.Tensor,
-                 gate_up: Linear, down: Linear, q_norm: torch.Tensor | None = None,
-                 k_norm: torch.Tensor | None = None) -> None:
-        self.input_norm = input_norm  # [hidden]
+                 gate_up: Linear, down: Linear, qk_norm: torch.Tensor | None = None) -> None:
+        self.input_norm = input_norm  # [hidden] float32 (as are all norm weights)
         self.qkv = qkv  # [(heads + 2 * kv_heads) * head_dim, hidden]
-        self.q_norm = q_norm  # [head_dim] (qwen3)
-        self.k_norm = k_norm
+        self.qk_norm = qk_norm  # [heads + kv_heads, head_dim]: q_norm per q head, then k_norm per k head (qwen3)
         self.o_proj = o_proj  # [hidden, heads * head_dim]
         self.post_norm = post_norm
         self.gate_up = gate_up  # [2 * intermediate, hidden]
@@ -42,8 +40,8 @@ class _WeightLoader:
         self.device = device
         self.pack_int4 = pack_int4
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return dequantize(self.formats[name], self.parts[name], self.dtype).to(self.device)
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.formats[name], self.parts[name], dtype or self.dtype).to(self.device)
 
     def linear(self, names: list[str], bias_names: list[str] | None = None) -> Linear:
         """One Linear whose rows are the named weights stacked in order (a fused projection)."""
@@ -55,8 +53,11 @@ class _WeightLoader:
         fmts = {self.formats[n] for n in names}
         if self.pack_int4 and len(fmts) == 1:
             fmt: TensorFormat = next(iter(fmts))
-            if fmt.format == "int4" and fmt.group_size in (32, 64, 128, 256):
-                lin.attach_int4(fmt, [self.parts[n] for n in names])
+            if fmt.quantized and fmt.group_size in (32, 64, 128, 256):
+                if fmt.format == "int4":
+                    lin.attach_int4(fmt, [self.parts[n] for n in names])
+                elif fmt.symmetric:
+                    lin.attach_int8(fmt, [self.parts[n] for n in names])
         return lin
 
 
@@ -66,69 +67,73 @@ class LlamaModel:
     qk_norm = False  # qwen3 adds per-head RMSNorm on q and k before RoPE
 
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device) -> None:
+                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device,
+                 attn_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden]; shares `embed` when tied
-        self.dtype = dtype
+        self.dtype = dtype  # weights and matmul inputs
+        self.attn_dtype = attn_dtype or dtype  # q/k/v, RoPE and the KV cache
         self.device = device
-        self.rope = RotaryEmbedding(config, dtype, device)
+        self.rope = RotaryEmbedding(config, self.attn_dtype, device)
 
     @classmethod
     def from_artifact(cls, artifact: Artifact, dtype: torch.dtype, device: torch.device,
-                      pack_int4: bool = False) -> LlamaModel:
-        """Build from a validated artifact; `pack_int4` keeps int4 weights packed too (CPU, bf16)."""
+                      attn_dtype: torch.dtype | None = None, pack_int4: bool = False) -> LlamaModel:
+        """Build from a validated artifact. dtype: weights and matmuls; attn_dtype (default dtype):
+        attention and KV; pack_int4 keeps int4 weights packed too (CPU, bf16 decode)."""
         c = artifact.meta.config
         w = _WeightLoader(artifact, dtype, device, pack_int4)
+        f32 = torch.float32
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             attn = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
             bias = [p + f"self_attn.{x}_proj.bias" for x in "qkv"] if c.attention_bias else None
+            qk_norm = None
+            if cls.qk_norm:
+                qk_norm = torch.cat((w.tensor(p + "self_attn.q_norm.weight", f32).expand(c.num_attention_heads, -1),
+                                     w.tensor(p + "self_attn.k_norm.weight", f32).expand(c.num_key_value_heads, -1)))
             layers.append(DecoderLayer(
-                input_norm=w.tensor(p + "input_layernorm.weight"),
+                input_norm=w.tensor(p + "input_layernorm.weight", f32),
                 qkv=w.linear(attn, bias),
                 o_proj=w.linear([p + "self_attn.o_proj.weight"]),
-                post_norm=w.tensor(p + "post_attention_layernorm.weight"),
+                post_norm=w.tensor(p + "post_attention_layernorm.weight", f32),
                 gate_up=w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=w.linear([p + "mlp.down_proj.weight"]),
-                q_norm=w.tensor(p + "self_attn.q_norm.weight") if cls.qk_norm else None,
-                k_norm=w.tensor(p + "self_attn.k_norm.weight") if cls.qk_norm else None,
+                qk_norm=qk_norm,
             ))
         lm_head = w.linear(["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"])
         embed = lm_head.weight if c.tie_word_embeddings else w.tensor("model.embed_tokens.weight")
-        return cls(c, embed, layers, w.tensor("model.norm.weight"), lm_head, dtype, device)
+        return cls(c, embed, layers, w.tensor("model.norm.weight", f32), lm_head, dtype, device, attn_dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache) -> torch.Tensor:
-        """Run all layers over the flat batch, writing its K/V into the cache. -> [T, hidden]."""
+        """Run all layers over the flat batch, writing its K/V into the cache. -> [T, hidden] in the
+        compute dtype. The residual stream stays float32 whatever the compute dtype (matmul inputs
+        are cast), which keeps bf16 runs close to the float32 reference for a few casts."""
         c = self.config
-        eps = c.rms_norm_eps
+        eps, dtype, attn_dtype = c.rms_norm_eps, self.dtype, self.attn_dtype
         num_tokens = input_ids.shape[0]
-        q_size = c.num_attention_heads * c.head_dim
-        kv_size = c.num_key_value_heads * c.head_dim
+        heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = self.rope.lookup(positions, meta.max_pos)  # [T, 1, head_dim]
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = F.embedding(input_ids, self.embed).float()  # [T, hidden] residual
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.input_norm, eps)
-            q, k, v = layer.qkv(x).split((q_size, kv_size, kv_size), dim=-1)
-            q = q.view(num_tokens, c.num_attention_heads, c.head_dim)
-            k = k.view(num_tokens, c.num_key_value_heads, c.head_dim)
-            v = v.view(num_tokens, c.num_key_value_heads, c.head_dim)
-            if layer.q_norm is not None:
-                q = rms_norm(q, layer.q_norm, eps)
-                k = rms_norm(k, layer.k_norm, eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            attn = paged_attention(q, k, v, kv.k[i], kv.v[i], meta)  # [T, heads * head_dim]
-            h = h + layer.o_proj(attn)
-            x = rms_norm(h, layer.post_norm, eps)
-            gate, up = layer.gate_up(x).split(c.intermediate_size, dim=-1)
+            qkv = layer.qkv(rms_norm(h, layer.input_norm, eps).to(dtype)).to(attn_dtype)
+            # q and k side by side as [T, heads + kv_heads, head_dim]: one norm and one RoPE for both
+            qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+            v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
+            if layer.qk_norm is not None:
+                qk = (rms_norm(qk, None, eps) * layer.qk_norm).to(attn_dtype)
+            qk = apply_rotary(qk, cos, sin)
+            attn = paged_attention(qk[:, :heads], qk[:, heads:], v, kv.k[i], kv.v[i], meta)  # [T, heads * d]
+            h = h + layer.o_proj(attn.to(dtype))
+            gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps).to(dtype)).split(c.intermediate_size, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
-        return rms_norm(h, self.norm, eps)
+        return rms_norm(h, self.norm, eps).to(dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, torch.float32)
