@@ -2,7 +2,6 @@
 llama-8b decode shapes. Prints one line per case. Usage: python scripts/gpu_kernels.py"""
 from __future__ import annotations
 
-import math
 import tempfile
 from pathlib import Path
 

@@ -13,6 +13,7 @@ from ninfer.engine.batch import ScheduledBatch, SequenceWork
 from ninfer.engine.models.layers import Linear
 from ninfer.engine.quant import TensorFormat, dequantize, quantize
 from ninfer.engine.request import SamplingParams
+from ninfer.errors import NInferError
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT_A = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183]
@@ -121,9 +122,9 @@ def test_copy_pages_moves_kv_for_every_layer(tiny) -> None:
 
 def test_rejects_bad_block_tables(tiny) -> None:
     runner = TorchModelRunner(tiny["llama"], num_pages=4, page_size=4, dtype=torch.float32)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(NInferError, match="outside"):
         runner.batch_logits(ScheduledBatch([work(1, PROMPT_B, 0, [0, 4])]))
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(NInferError, match="outside"):
         runner.copy_pages([(0, 9)])
 
 
@@ -134,11 +135,13 @@ def test_forward_logits_leaves_runner_cache_alone(tiny) -> None:
 
 
 def test_kv_bytes_per_token(tiny) -> None:
+    """The advertised figure is what the cache tensors hold per token (CPU keeps KV in float32)."""
     c = tiny["llama"].meta.config  # 2 layers, 2 kv heads, head_dim 16
-    f32 = TorchModelRunner(tiny["llama"], num_pages=2, page_size=4, dtype=torch.float32)
-    bf16 = TorchModelRunner(tiny["llama"], num_pages=2, page_size=4, dtype=torch.bfloat16)
-    assert f32.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4 == kv_bytes_per_token(c, "cpu", torch.float32)
-    assert bf16.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 == kv_bytes_per_token(c, "cpu", torch.bfloat16)
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = TorchModelRunner(tiny["llama"], num_pages=2, page_size=4, dtype=dtype)
+        held = sum(t.numel() * t.element_size() for t in (*runner.kv.k, *runner.kv.v)) // (2 * 4)
+        assert runner.kv_bytes_per_token == held == 2 * 2 * 2 * 16 * 4 == kv_bytes_per_token(c, "cpu", dtype)
+    assert kv_bytes_per_token(c, "cuda", torch.bfloat16) == 2 * 2 * 2 * 16 * 2
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
@@ -155,6 +158,25 @@ def test_packed_int4_linear_matches_dense(symmetric: bool) -> None:
     assert packed.shape == ref.shape
     # bf16 activations and bf16 scales: relative error 2.9e-3 measured
     assert ((packed - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_packed_int8_linear_matches_dense() -> None:
+    """int8 (as two int4 halves) through the packed kernel equals the dense weight up to bf16 rounding."""
+    torch.manual_seed(1)
+    fmt = TensorFormat("int8", 32, symmetric=True)
+    w = torch.randn(208, 96)
+    w[0, :32] = 0.0  # an all-zero group (scale 0)
+    parts = quantize(w, fmt)
+    parts[""][1, :4] = torch.tensor([-128, 127, -127, 0], dtype=torch.int8)  # the int8 extremes
+    dense = dequantize(fmt, parts)
+    lin = Linear(dense.to(torch.bfloat16))
+    lin.attach_int8(fmt, [parts])
+    assert len(lin.packed) == 2
+    x = torch.randn(2, 96)
+    packed = lin(x.to(torch.bfloat16), torch.float32)
+    ref = x @ dense.t()
+    assert packed.dtype == torch.float32
+    assert ((packed - ref).norm() / ref.norm()).item() < 1e-2  # measured 3.1e-3
 
 
 def test_bf16_packed_decode_close_to_f32(tiny) -> None:

@@ -13,10 +13,10 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
                                     session_digest, usage_dict)
 from ninfer.server.http import Call
-from ninfer.server.params import (bad, check_logit_bias, check_model, opt_bool, opt_int, opt_object,
+from ninfer.server.params import (bad, check_response_format, check_logit_bias, check_model, opt_bool, opt_int, opt_object,
                                   parse_logprobs, parse_stop, reject_present, sampling_from,
                                   unsupported)
-from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data
+from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_CHAT_STOPS = 4
@@ -154,13 +154,7 @@ def check_capabilities(body: dict[str, Any]) -> None:
             raise unsupported("modalities", "only text output is supported")
     reject_present(body, _CONSTRAINED, "constrained decoding is not available; "
                                        "structured output would use response_format")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise bad("response_format", "response_format must be an object with a type")
-        if fmt["type"] != "text":
-            raise unsupported("response_format", f"response_format {fmt['type']} is not supported: "
-                                                 "this server does not constrain output to JSON")
+    check_response_format(body)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise bad("tools", "tools must be an array")
@@ -356,6 +350,5 @@ async def _stream(call: Call, gen: Generation, opts: ChatOptions) -> None:
     except RequestError as e:
         if not call.started:
             raise
-        await call.write(sse_data({"error": {"message": e.message, "type": e.type, "param": e.param,
-                                             "code": e.code}}))
+        await call.write(sse_error(e))
     await call.end()

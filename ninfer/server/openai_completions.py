@@ -8,7 +8,7 @@ from ninfer.server.generate import Generation, new_request_id, usage_dict
 from ninfer.server.http import Call
 from ninfer.server.params import check_model, opt_bool, opt_int, unsupported
 from ninfer.server.raw_prompt import RawOptions, prepare_raw
-from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data
+from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
 
 
 def _check_openai_only(body: dict[str, Any]) -> None:
@@ -92,6 +92,5 @@ async def _stream(call: Call, gen: Generation, base: dict[str, Any], echo_text: 
     except RequestError as e:
         if not call.started:
             raise
-        await call.write(sse_data({"error": {"message": e.message, "type": e.type, "param": e.param,
-                                             "code": e.code}}))
+        await call.write(sse_error(e))
     await call.end()

@@ -7,7 +7,7 @@ from typing import Any
 
 from ninfer.engine.request import PreparedRequest
 from ninfer.errors import RequestError
-from ninfer.server.params import (bad, check_llamacpp_neutral, opt_bool, opt_object, parse_stop,
+from ninfer.server.params import (bad, check_response_format, check_llamacpp_neutral, opt_bool, opt_object, parse_stop,
                                   sampling_from, unsupported)
 from ninfer.server.state import ServerState
 
@@ -74,13 +74,7 @@ def prepare_raw(body: dict[str, Any], state: ServerState, request_id: str, max_t
                 protocol: str) -> tuple[PreparedRequest, RawOptions]:
     """The PreparedRequest for a raw prompt: sampler, stops, ignore_eos, cache_prompt."""
     check_llamacpp_neutral(body)
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise bad("response_format", "response_format must be an object with a type")
-        if fmt["type"] != "text":
-            raise unsupported("response_format", f"response_format {fmt['type']} is not supported: "
-                                                 "this server does not constrain output to JSON")
+    check_response_format(body)
     schema = body.get("json_schema")
     if schema is not None:
         raise unsupported("json_schema", "json_schema is not supported: this server does not "

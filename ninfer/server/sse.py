@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 import orjson
 
 from ninfer.engine.request import OutputEvent
+from ninfer.errors import RequestError
 
 KEEPALIVE = b": keep-alive\n\n"
 DONE = b"data: [DONE]\n\n"
@@ -22,6 +23,11 @@ class Timeout:
 
 
 TIMEOUT = Timeout()
+
+
+def sse_error(e: RequestError) -> bytes:
+    """An error after the stream started: one data event in the OpenAI error envelope."""
+    return sse_data({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
 
 
 def sse_data(payload: Any) -> bytes:

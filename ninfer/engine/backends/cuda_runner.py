@@ -15,7 +15,6 @@ a row's bits do not depend on the other rows of the batch or on where a prefix h
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path

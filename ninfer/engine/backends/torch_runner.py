@@ -14,7 +14,8 @@ from ninfer.engine.config import ModelConfig
 from ninfer.engine.models.layers import AttentionMetadata, KVCache
 from ninfer.engine.models.llama import LlamaModel
 from ninfer.engine.models.qwen3 import Qwen3Model
-from ninfer.errors import ConfigError
+from ninfer.engine.request import SamplingParams
+from ninfer.errors import ConfigError, NInferError
 
 MODEL_CLASSES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, "qwen3": Qwen3Model}
 
@@ -36,8 +37,8 @@ def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 everywhere: on CPU it halves weight traffic (and enables the packed int4 decode
-    kernel), measured 2.5x faster than f32 decode on the default model (docs/PERF.md)."""
+    """bf16 weights and matmuls: on CPU it halves weight traffic and enables the packed decode
+    kernels; default-model decode 58-70 tok/s vs 15.8 in f32 on 2 cores (docs/PERF.md)."""
     return torch.bfloat16
 
 
@@ -58,10 +59,10 @@ class TorchModelRunner:
         self.vocab_size = self.config.vocab_size
         c = self.config
         self.kv_bytes_per_token = kv_bytes_per_token(c, self.device, self.dtype)
-        pack_int4 = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        pack = self.device.type == "cpu" and self.dtype == torch.bfloat16  # the packed kernels are CPU ones
         with torch.inference_mode():
             self.model = MODEL_CLASSES[c.architecture].from_artifact(
-                artifact, self.dtype, self.device, attn_dtype=self.kv_dtype, pack_int4=pack_int4)
+                artifact, self.dtype, self.device, attn_dtype=self.kv_dtype, pack=pack)
             self.kv = KVCache(c, num_pages, page_size, self.kv_dtype, self.device)
 
     @torch.inference_mode()
@@ -93,7 +94,7 @@ class TorchModelRunner:
             return
         for src, dst in copies:
             if not (0 <= src < self.num_pages and 0 <= dst < self.num_pages):
-                raise ValueError(f"page copy {src} -> {dst} outside 0..{self.num_pages - 1}")
+                raise NInferError(f"page copy {src} -> {dst} outside 0..{self.num_pages - 1}")
         src = torch.tensor([c[0] for c in copies], dtype=torch.int64, device=self.device)
         dst = torch.tensor([c[1] for c in copies], dtype=torch.int64, device=self.device)
         for cache in (*self.kv.k, *self.kv.v):
@@ -106,15 +107,15 @@ class TorchModelRunner:
         num_pages = -(-len(token_ids) // self.page_size)
         kv = KVCache(self.config, num_pages, self.page_size, self.kv_dtype, self.device)
         seq = SequenceWork(seq_id=-1, token_ids=list(token_ids), start_pos=0,
-                           block_table=list(range(num_pages)), sample=False, sampling=None)  # type: ignore[arg-type]
+                           block_table=list(range(num_pages)), sample=False, sampling=SamplingParams())
         return self._forward([seq], kv, all_rows=True)
 
     def _forward(self, seqs: list[SequenceWork], kv: KVCache, all_rows: bool) -> torch.Tensor:
         for s in seqs:
             if not s.token_ids:
-                raise ValueError(f"sequence {s.seq_id} has no tokens to compute")
+                raise NInferError(f"sequence {s.seq_id} has no tokens to compute")
             if any(not 0 <= p < kv.num_pages for p in s.block_table):
-                raise ValueError(f"sequence {s.seq_id}: block table has page ids outside 0..{kv.num_pages - 1}")
+                raise NInferError(f"sequence {s.seq_id}: block table has page ids outside 0..{kv.num_pages - 1}")
         meta, positions = AttentionMetadata.build(
             [(s.start_pos, len(s.token_ids), s.block_table) for s in seqs], self.page_size, self.device)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)

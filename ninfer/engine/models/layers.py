@@ -1,8 +1,9 @@
 """Building blocks shared by the torch model code: RMSNorm, RoPE, linear weights, paged attention.
 
 Numerics follow Hugging Face transformers (the reference the fidelity tests compare against):
-RMSNorm in float32 then cast back, RoPE with the rotate_half convention and float32 angles,
-attention through `scaled_dot_product_attention` with the default 1/sqrt(head_dim) scale.
+RMSNorm reduced in float32, RoPE with the rotate_half convention and float32 angles, attention
+through `scaled_dot_product_attention` with the default 1/sqrt(head_dim) scale. In float32 the
+model is bit-equal to transformers on the tested prompts.
 """
 from __future__ import annotations
 
@@ -18,6 +19,17 @@ from ninfer.engine.quant import TensorFormat, unpack_int4
 # At most this many rows take the packed int4 kernel (decode); more rows (prefill) take the
 # dense matmul, which is ~4x faster than the packed kernel at 128 rows on CPU.
 PACKED_MAX_ROWS = 8
+PACKED_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def packable(fmt: TensorFormat, shape: tuple[int, ...]) -> bool:
+    """Whether a weight of this stored format and logical [out, in] shape can take the packed CPU
+    kernel (it wants out % 16 == 0 and one of its group sizes)."""
+    if not fmt.quantized or fmt.group_size not in PACKED_GROUP_SIZES or len(shape) != 2:
+        return False
+    if fmt.format == "int8" and not fmt.symmetric:
+        return False
+    return shape[0] % 16 == 0 and shape[1] % fmt.group_size == 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -49,7 +61,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos / signed-sin tables [positions, head_dim] in the compute dtype, grown by doubling."""
+    """cos / signed-sin tables [positions, head_dim] in the attention dtype, grown by doubling."""
 
     __slots__ = ("inv_freq", "dtype", "device", "cos", "sin")
 
@@ -108,8 +120,8 @@ class Linear:
 
     def attach_int8(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
         """Keep a packed copy of an int8 (symmetric, groupwise) weight as two int4 halves.
-        With s rounded to bf16 (the one inexactness): w = s q, u = q + 128 = 16 hi + lo, so
-        w = (hi - 8) 16s + (lo - 8) s + 8s: zeros 0 and 8s, both exact multiples of bf16(s)."""
+        w = s q and u = q + 128 = 16 hi + lo give w = (hi - 8) 16s + (lo - 8) s + 8s: zeros 0 and
+        8s, exact multiples of bf16(s). Inexact only by s rounded to bf16 and each half's bf16 output."""
         q = torch.cat([p[""] for p in parts_list]).to(torch.int32) + 128  # [out, in] 0..255
         scales = torch.cat([p[".scales"] for p in parts_list]).to(torch.bfloat16).to(torch.float32)
         self._attach(q >> 4, 16.0 * scales, torch.zeros_like(scales), fmt.group_size)
@@ -117,7 +129,7 @@ class Linear:
 
     def attach_int4(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
         """Keep an int4-packed copy of this weight from the artifact's int4 parts (the weights
-        fused into this Linear, in order of their rows). Exact up to bf16 scales."""
+        fused into this Linear, in order of their rows). Exact up to bf16 rounding of scales and zeros."""
         q = torch.cat([unpack_int4(p[""]) for p in parts_list]).to(torch.int32)  # [out, in] 0..15
         scales = torch.cat([p[".scales"] for p in parts_list]).to(torch.float32)  # [out, in/g]
         if fmt.symmetric:
@@ -218,7 +230,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     flat_v.index_copy_(0, meta.slot_mapping, v)
     ps = meta.page_size
     num_heads = q.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if len(meta.seqs) > 1 else None  # rows of several sequences
     for s in meta.seqs:
         ctx = s.start_pos + s.num_tokens
         if s.contiguous_from >= 0:  # a view, no copy
@@ -238,6 +250,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             rows = torch.arange(s.num_tokens, device=q.device)[:, None] + s.start_pos
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
+        if out is None:  # one sequence is the whole batch
+            return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], num_heads * head_dim)
         out[s.offset:s.offset + s.num_tokens] = o.squeeze(0).transpose(0, 1)
+    assert out is not None
     return out.reshape(q.shape[0], num_heads * head_dim)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ninfer.engine.artifact import Artifact
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models.layers import (AttentionMetadata, KVCache, Linear, RotaryEmbedding, apply_rotary,
-                                         paged_attention, rms_norm)
+                                         packable, paged_attention, rms_norm)
 from ninfer.engine.quant import TensorFormat, dequantize
 
 
@@ -33,30 +33,30 @@ class DecoderLayer:
 class _WeightLoader:
     """Reads an artifact's stored parts and builds compute-dtype tensors and Linears."""
 
-    def __init__(self, artifact: Artifact, dtype: torch.dtype, device: torch.device, pack_int4: bool) -> None:
-        self.parts = artifact.load_parts("cpu")
+    def __init__(self, artifact: Artifact, dtype: torch.dtype, device: torch.device, pack: bool) -> None:
+        self.parts = artifact.load_parts(device)  # expand on the target device (fast on a GPU)
         self.formats = artifact.meta.tensor_formats
         self.dtype = dtype
         self.device = device
-        self.pack_int4 = pack_int4
+        self.pack = pack
 
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.formats[name], self.parts[name], dtype or self.dtype).to(self.device)
+        return dequantize(self.formats[name], self.parts[name], dtype or self.dtype)
 
     def linear(self, names: list[str], bias_names: list[str] | None = None) -> Linear:
         """One Linear whose rows are the named weights stacked in order (a fused projection)."""
-        weight = torch.cat([dequantize(self.formats[n], self.parts[n], self.dtype) for n in names]).to(self.device)
+        weight = torch.cat([dequantize(self.formats[n], self.parts[n], self.dtype) for n in names])
         bias = None
         if bias_names:
             bias = torch.cat([self.tensor(n) for n in bias_names])
         lin = Linear(weight.contiguous(), bias)
         fmts = {self.formats[n] for n in names}
-        if self.pack_int4 and len(fmts) == 1:
+        if self.pack and len(fmts) == 1:
             fmt: TensorFormat = next(iter(fmts))
-            if fmt.quantized and fmt.group_size in (32, 64, 128, 256):
+            if packable(fmt, tuple(weight.shape)):
                 if fmt.format == "int4":
                     lin.attach_int4(fmt, [self.parts[n] for n in names])
-                elif fmt.symmetric:
+                else:
                     lin.attach_int8(fmt, [self.parts[n] for n in names])
         return lin
 
@@ -81,11 +81,11 @@ class LlamaModel:
 
     @classmethod
     def from_artifact(cls, artifact: Artifact, dtype: torch.dtype, device: torch.device,
-                      attn_dtype: torch.dtype | None = None, pack_int4: bool = False) -> LlamaModel:
+                      attn_dtype: torch.dtype | None = None, pack: bool = False) -> LlamaModel:
         """Build from a validated artifact. dtype: weights and matmuls; attn_dtype (default dtype):
-        attention and KV; pack_int4 keeps int4 weights packed too (CPU, bf16 decode)."""
+        attention and KV; pack keeps int4/int8 weights packed too, for the decode kernel (CPU, bf16)."""
         c = artifact.meta.config
-        w = _WeightLoader(artifact, dtype, device, pack_int4)
+        w = _WeightLoader(artifact, dtype, device, pack)
         f32 = torch.float32
         layers = []
         for i in range(c.num_hidden_layers):
