@@ -105,18 +105,18 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         raise ConfigError("--max-context must be positive")
     scheduler = replace(scheduler, max_context=max_context)
     tokenizer = Tokenizer.from_metadata(meta)
-    c = meta.config  # K and V, every layer; f32 on CPU, bf16 on CUDA
-    bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (2 if torch_device != "cpu" else 4)
+    from ninfer.engine.backends.torch_runner import kv_bytes_per_token
+    bytes_per_token = kv_bytes_per_token(meta.config, torch_device)  # both backends keep bf16 KV on CUDA
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
-    if backend == "cuda":
-        from ninfer.engine.backends.cuda_runner import CudaModelRunner
-        runner = CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
-                                 cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir)
-    else:
+    def build_runner():
+        if backend == "cuda":
+            from ninfer.engine.backends.cuda_runner import CudaModelRunner
+            return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
+                                   cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir)
         from ninfer.engine.backends.torch_runner import TorchModelRunner
-        runner = TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device)
-    engine = Engine(runner, tokenizer, scheduler, model_max_context=max_context)
-    engine.start()
+        return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device)
+
+    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device)
 
