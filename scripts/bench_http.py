@@ -70,8 +70,10 @@ def engine_request(rid: str, ids: list[int], max_tokens: int, *, cache_prompt: b
                            raw_prompt=True, hints=dict(HINTS))
 
 
-def engine_latency(engine: Any, ids: list[int], n: int, warmup: int, cache_prompt: bool) -> list[float]:
-    out = []
+def engine_latency(engine: Any, ids: list[int], n: int, warmup: int,
+                   cache_prompt: bool) -> tuple[list[float], list[float]]:
+    """(submit-to-final-event seconds, the engine's own prompt_ms / 1e3) per timed request."""
+    out, compute = [], []
     for i in range(warmup + n):
         req = engine_request(f"lat-{i}", ids, 1, cache_prompt=cache_prompt)
         t0 = time.perf_counter()
@@ -82,7 +84,8 @@ def engine_latency(engine: Any, ids: list[int], n: int, warmup: int, cache_promp
             raise SystemExit(f"engine request ended with {event.finish_reason}: {event.error}")
         if i >= warmup:
             out.append(dt)
-    return out
+            compute.append(event.timings.prompt_ms / 1e3)
+    return out, compute
 
 
 def engine_round(engine: Any, prompts: list[list[int]], tokens: int, tag: str, cache_prompt: bool) -> tuple[int, float]:
@@ -141,9 +144,11 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def http_latency(client: httpx.Client, ids: list[int], n: int, warmup: int, cache_prompt: bool) -> list[float]:
+def http_latency(client: httpx.Client, ids: list[int], n: int, warmup: int,
+                 cache_prompt: bool) -> tuple[list[float], list[float]]:
+    """(request-to-parsed-response seconds, the server engine's prompt_ms / 1e3) per timed request."""
     body = {"prompt": ids, "max_tokens": 1, "cache_prompt": cache_prompt, **GREEDY_BODY}
-    out = []
+    out, compute = [], []
     for i in range(warmup + n):
         t0 = time.perf_counter()
         r = client.post("/v1/completions", json=body)
@@ -153,7 +158,8 @@ def http_latency(client: httpx.Client, ids: list[int], n: int, warmup: int, cach
             raise SystemExit(f"/v1/completions answered {r.status_code}: {r.text[:300]}")
         if i >= warmup:
             out.append(dt)
-    return out
+            compute.append(payload["timings"]["prompt_ms"] / 1e3)
+    return out, compute
 
 
 def http_health(client: httpx.Client, n: int, warmup: int) -> list[float]:
@@ -215,7 +221,7 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[int], lis
         if tok.add_bos_token and tok.bos_token_id is not None:
             ids = [tok.bos_token_id] + ids  # what the server does for a text prompt
         prompts = client_prompts(ids, tok, args.clients)
-        lat = engine_latency(loaded.engine, ids, args.n, args.warmup, not args.no_cache_prompt)
+        lat, compute = engine_latency(loaded.engine, ids, args.n, args.warmup, not args.no_cache_prompt)
         rounds = [engine_round(loaded.engine, prompts, args.tokens, f"tp{r}", not args.no_cache_prompt)
                   for r in range(args.rounds + 1)][1:]
         for n, _ in rounds:
@@ -223,7 +229,7 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[int], lis
                 raise SystemExit(f"engine round produced {n} tokens, expected {args.clients * args.tokens}")
     finally:
         loaded.engine.shutdown()
-    return {"latency": summary_ms(lat), "throughput": tok_s(rounds)}, ids, prompts
+    return {"latency": summary_ms(lat), "compute": summary_ms(compute), "throughput": tok_s(rounds)}, ids, prompts
 
 
 def run_http(args: argparse.Namespace, ids: list[int], prompts: list[list[int]]) -> dict[str, Any]:
@@ -236,7 +242,7 @@ def run_http(args: argparse.Namespace, ids: list[int], prompts: list[list[int]])
     try:
         with httpx.Client(base_url=base_url, timeout=60.0) as client:
             health = http_health(client, args.n, args.warmup)
-            lat = http_latency(client, ids, args.n, args.warmup, not args.no_cache_prompt)
+            lat, compute = http_latency(client, ids, args.n, args.warmup, not args.no_cache_prompt)
         rounds = asyncio.run(http_rounds(base_url, prompts, args.tokens, args.rounds + 1,
                                          not args.no_cache_prompt))[1:]
         for n, _ in rounds:
@@ -244,7 +250,8 @@ def run_http(args: argparse.Namespace, ids: list[int], prompts: list[list[int]])
                 raise SystemExit(f"HTTP round produced {n} tokens, expected {args.clients * args.tokens}")
     finally:
         stop_server(proc)
-    return {"latency": summary_ms(lat), "health": summary_ms(health), "throughput": tok_s(rounds),
+    return {"latency": summary_ms(lat), "compute": summary_ms(compute), "health": summary_ms(health),
+            "throughput": tok_s(rounds),
             "server_startup_s": startup_s}
 
 
@@ -262,6 +269,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
+    load_before = os.getloadavg()[0]  # the machine may be shared: record how busy it was
     engine, ids, prompts = run_engine(args)
     http = run_http(args, ids, prompts)
     el, hl = engine["latency"], http["latency"]
@@ -269,7 +277,8 @@ def main() -> None:
     result = {
         "config": {"n": args.n, "warmup": args.warmup, "clients": args.clients, "tokens": args.tokens,
                    "rounds": args.rounds, "cache_prompt": not args.no_cache_prompt, "prompt_tokens": len(ids),
-                   "max_concurrency": MAX_CONCURRENCY, "cpu_count": os.cpu_count()},
+                   "max_concurrency": MAX_CONCURRENCY, "cpu_count": os.cpu_count(),
+                   "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]},
         "engine": engine, "http": http,
         "overhead_ms": {"p50": hl["p50_ms"] - el["p50_ms"], "p99": hl["p99_ms"] - el["p99_ms"]},
         "throughput_ratio_pct": 100 * ht["median_tok_s"] / et["median_tok_s"],
@@ -281,6 +290,9 @@ def main() -> None:
     print(f"  {'HTTP /v1/completions':26} {hl['p50_ms']:8.2f} {hl['p99_ms']:8.2f} {hl['mean_ms']:8.2f}")
     print(f"  {'HTTP - engine':26} {result['overhead_ms']['p50']:8.2f} {result['overhead_ms']['p99']:8.2f}"
           f" {hl['mean_ms'] - el['mean_ms']:8.2f}")
+    ec, hc = engine["compute"], http["compute"]
+    print(f"  {'engine compute, direct':26} {ec['p50_ms']:8.2f} {ec['p99_ms']:8.2f} {ec['mean_ms']:8.2f}")
+    print(f"  {'engine compute, in server':26} {hc['p50_ms']:8.2f} {hc['p99_ms']:8.2f} {hc['mean_ms']:8.2f}")
     hh = http["health"]
     print(f"  {'HTTP GET /health (floor)':26} {hh['p50_ms']:8.2f} {hh['p99_ms']:8.2f} {hh['mean_ms']:8.2f}")
     print(f"{args.clients} concurrent streams x {args.tokens} tokens, {args.rounds} rounds:")
@@ -289,6 +301,7 @@ def main() -> None:
         rounds_s = ", ".join(f"{r:.1f}" for r in t["rounds_tok_s"])
         print(f"  {name:26} {t['median_tok_s']:8.1f} {t['best_tok_s']:8.1f}   {rounds_s}")
     print(f"  HTTP / engine (median): {result['throughput_ratio_pct']:.1f} %")
+    print(f"1-minute load average: {load_before:.2f} before, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -1,0 +1,111 @@
+"""The `ninfer` command as a user runs it: version, run, tokenize, convert, bench, and one-line errors."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer.version import version_string
+
+
+def ninfer(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = None
+    if cache is not None:
+        import os
+        env = dict(os.environ, NINFER_CACHE=str(cache))
+    return subprocess.run([sys.executable, "-m", "ninfer.cli.main", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_version_prints_version_and_build_id() -> None:
+    out = ninfer("--version")
+    assert out.returncode == 0
+    assert out.stdout.strip() == version_string()
+    assert re.fullmatch(r"\d+\.\d+\.\d+\+\S+", out.stdout.strip())
+
+
+@pytest.mark.parametrize("args, message", [
+    (("run", "/no/such/model.gguf", "hi"), "no such file"),
+    (("run", "--top-p", "3", "hi"), "--top-p"),
+    (("run", "--max-tokens", "0", "hi"), "--max-tokens"),
+    (("convert", "/no/such.gguf", "-o", "x.ninfer"), "/no/such.gguf"),
+    (("bench", "--synthetic", "nope"), "known shapes"),
+    (("serve", "--port", "abc"), "--port"),
+    (("serve", "--max-concurrency", "9"), "--max-concurrency"),
+])
+def test_errors_are_one_line_without_traceback(args: tuple[str, ...], message: str) -> None:
+    out = ninfer(*args)
+    assert out.returncode == 1
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_bad_artifact_names_the_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ninfer"
+    bad.write_bytes(b"not a safetensors file at all")
+    out = ninfer("run", str(bad), "hi")
+    assert out.returncode == 1 and str(bad) in out.stderr and "Traceback" not in out.stderr
+    debug = ninfer("--debug", "run", str(bad), "hi")
+    assert "Traceback" in debug.stderr  # --debug shows it
+
+
+def test_empty_prompt_is_refused(smollm2_artifact: Path) -> None:
+    out = ninfer("run", str(smollm2_artifact), "   ")
+    assert out.returncode == 1 and "prompt is empty" in out.stderr
+
+
+@pytest.mark.slow
+def test_run_json_is_one_object_and_seeded(smollm2_artifact: Path) -> None:
+    args = ("run", str(smollm2_artifact), "--json", "--seed", "7", "--temperature", "0.8", "--max-tokens", "8",
+            "Tell me a story")
+    first, second = ninfer(*args), ninfer(*args)
+    assert first.returncode == 0, first.stderr
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    assert a["text"] == b["text"] and a["token_ids"] == b["token_ids"]  # same seed, same output
+    assert 1 <= len(a["token_ids"]) <= 8
+    assert a["finish_reason"] in ("stop", "length")
+    assert a["timings"]["predicted_n"] == len(a["token_ids"])
+
+
+@pytest.mark.slow
+def test_run_streams_text_then_rates(smollm2_artifact: Path) -> None:
+    out = ninfer("run", str(smollm2_artifact), "--temperature", "0", "--max-tokens", "12",
+                 "What is the capital of France?")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert re.search(r"prompt: \d+ tokens, [\d.]+ tok/s \| decode: \d+ tokens, [\d.]+ tok/s", out.stderr)
+
+
+def test_tokenize_json_with_pieces(smollm2_artifact: Path) -> None:
+    out = ninfer("tokenize", str(smollm2_artifact), "--json", "--with-pieces", "<|im_start|>Hello world")
+    assert out.returncode == 0, out.stderr
+    tokens = json.loads(out.stdout)["tokens"]
+    assert tokens[0] == {"id": 1, "piece": "<|im_start|>"}
+    assert [t["piece"] for t in tokens[1:]] == ["Hello", "Ġworld"]
+
+
+def test_convert_writes_a_valid_artifact(tiny_hf_dirs: dict[str, Path], tmp_path: Path) -> None:
+    out_path = tmp_path / "tiny.ninfer"
+    out = ninfer("convert", str(tiny_hf_dirs["qwen3"]), "-o", str(out_path), "--weights", "int8", "-q")
+    assert out.returncode == 0, out.stderr
+    from ninfer.engine.artifact import Artifact
+    meta = Artifact.open(out_path).meta
+    assert meta.architecture == "qwen3"
+    assert meta.source["kind"] == "hf" and len(meta.source["sha256"]) == 64
+    assert {f.format for f in meta.tensor_formats.values()} >= {"int8", "f32"}
+
+
+@pytest.mark.slow
+def test_bench_json_has_llama_bench_fields(tmp_path: Path) -> None:
+    out = ninfer("bench", "--synthetic", "smollm2-135m", "--backend", "torch", "-p", "16", "-n", "4", "-r", "2",
+                 "--concurrency", "1,2", "-o", "jsonl")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(r["n_prompt"], r["n_gen"], r["n_concurrency"]) for r in rows] == [(16, 0, 1), (0, 4, 1), (0, 4, 2)]
+    for r in rows:
+        assert len(r["samples_ts"]) == 2 and r["avg_ts"] > 0 and r["stddev_ts"] >= 0
+        assert {"avg_ns", "stddev_ns", "model_size", "model_n_params", "build_commit"} <= set(r)
