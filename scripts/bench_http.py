@@ -6,8 +6,10 @@ down before the server starts, so the two never share the cores):
 - latency: --n sequential 1-token greedy completions of one fixed raw prompt (the same token
   ids on both sides, prefix reuse on as the server does by default), p50/p99 from submit to the
   final event (engine) and from request to parsed response (HTTP, one persistent httpx client
-  on /v1/completions). The difference is the HTTP overhead. GET /health is timed too: the
-  transport floor (client + Granian + ASGI app, no engine).
+  on /v1/completions). The difference is the HTTP overhead. The engine's own prompt_ms (the
+  compute of the one step) is shown for both sides, so a slower engine inside the server shows
+  apart from the HTTP path. GET /health is timed too: the transport floor (client + Granian +
+  ASGI app, no engine).
 - throughput: --clients concurrent requests of --tokens tokens each (ignore_eos, so lengths
   are fixed), --rounds rounds after a warm-up round; aggregate tok/s = all output tokens /
   wall time of the round. Engine-direct: one thread per handle; HTTP: streaming
@@ -88,7 +90,8 @@ def engine_latency(engine: Any, ids: list[int], n: int, warmup: int,
     return out, compute
 
 
-def engine_round(engine: Any, prompts: list[list[int]], tokens: int, tag: str, cache_prompt: bool) -> tuple[int, float]:
+def engine_round(engine: Any, prompts: list[list[int]], tokens: int, tag: str,
+                 cache_prompt: bool) -> tuple[int, float]:
     """One throughput round: all requests submitted at once, drained by one thread each."""
     counts = [0] * len(prompts)
 
