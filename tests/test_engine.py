@@ -18,7 +18,7 @@ import pytest
 from ninfer.engine.batch import ScheduledBatch, StepOutput
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.engine import Engine
-from ninfer.engine.request import PreparedRequest, SamplingParams
+from ninfer.engine.request import PreparedRequest, SamplingParams, Timings
 from ninfer.errors import RequestError
 
 EOS = 0
@@ -255,6 +255,83 @@ def test_hundred_cancellations_return_the_pool_to_baseline(prefix_reuse: bool) -
         assert (len(retained) > 0) == prefix_reuse
     finally:
         runner.steps.release(100_000)
+        engine.shutdown()
+
+
+def test_timings_follow_the_spec_arithmetic() -> None:
+    # the spec's terminal example: generation rates span predicted_n - 1 intervals
+    t = Timings(cache_n=4096, prompt_n=4096, prompt_ms=83.0, predicted_n=129, predicted_ms=1140.0).to_dict()
+    assert t["prompt_per_token_ms"] == 0.020263671875 and t["prompt_per_second"] == pytest.approx(49349.39759036145)
+    assert t["predicted_per_token_ms"] == 8.90625 and t["predicted_per_second"] == pytest.approx(112.28070175438596)
+    # its progress example: prompt_n is the whole suffix, the rates span the 2,048 processed so far
+    t = Timings(4096, 4096, 41.5, 0, 0.0, prompt_processed_n=2048).to_dict()
+    assert t["prompt_n"] == 4096 and t["prompt_per_token_ms"] == 0.020263671875
+    assert t["prompt_per_second"] == pytest.approx(49349.39759036145)
+    assert t["predicted_per_token_ms"] == t["predicted_per_second"] == 0.0
+    one = Timings(0, 5, 0.0, 1, 0.0).to_dict()  # zero-duration and one-token cases: finite zeros
+    assert one["prompt_per_second"] == one["predicted_per_second"] == one["predicted_per_token_ms"] == 0.0
+
+
+def test_prompt_progress_and_per_token_timings() -> None:
+    engine = engine_over(CountingRunner(num_pages=64, page_size=16), max_concurrency=1, prefill_chunk=32)
+    prompt = [1 + i % 20 for i in range(80)]
+    hints = {"return_progress": True, "timings_per_token": True}
+    try:
+        events = list(engine.submit(req("a", prompt, max_tokens=3, ignore_eos=True, hints=hints)))
+        progress = [e for e in events if e.progress is not None]
+        assert [(p.progress.total, p.progress.cache, p.progress.processed) for p in progress] == [
+            (80, 0, 0), (80, 0, 32), (80, 0, 64), (80, 0, 80)]  # admission, then each prefill unit
+        assert events[:4] == progress and all(not p.token_ids and p.finish_reason is None for p in progress)
+        for p in progress:  # prompt-only snapshots: the whole suffix, rates over what was processed
+            t = p.timings
+            assert (t.cache_n, t.prompt_n, t.prompt_processed_n, t.predicted_n) == (0, 80, p.progress.processed, 0)
+            assert t.prompt_ms == p.progress.elapsed_ms
+        assert [p.progress.elapsed_ms for p in progress] == sorted(p.progress.elapsed_ms for p in progress)
+        outputs = events[4:]
+        assert [e.timings.predicted_n for e in outputs] == [1, 2, 3]  # a running snapshot on every event
+        assert all(e.timings.prompt_processed_n is None and e.timings.prompt_n == 80 for e in outputs)
+        assert outputs[-1].finish_reason == "length"
+        assert outputs[0].timings.prompt_ms >= progress[-1].timings.prompt_ms
+
+        # the next turn reuses the retained session: the first progress event has processed == cache
+        turn = prompt + [e.token_ids[0] for e in outputs] + [5, 6]
+        events = list(engine.submit(req("b", turn, max_tokens=2, ignore_eos=True, hints=hints)))
+        first = events[0].progress
+        assert first.cache == first.processed > 0 and first.total == len(turn)
+        assert events[0].timings.prompt_n == len(turn) - first.cache
+
+        # without the hints: no progress events; the first output event carries the prompt phase
+        events = list(engine.submit(req("c", [7, 8, 9], max_tokens=3, ignore_eos=True)))
+        assert all(e.progress is None for e in events) and len(events) == 3
+        assert (events[0].timings.prompt_n, events[0].timings.predicted_n) == (3, 1)
+        assert events[1].timings is None and events[2].timings.predicted_n == 3
+    finally:
+        engine.shutdown()
+
+
+def test_final_event_names_the_slot_the_session_was_retained_in() -> None:
+    engine = engine_over(CountingRunner(num_pages=64, page_size=16), max_concurrency=1,
+                         max_private_continuations=2)
+    try:
+        finals = [collect(engine.submit(req(r, p, max_tokens=2, ignore_eos=True)))[2]
+                  for r, p in (("a", [1, 2]), ("b", [5, 6]))]
+        assert [f.slot_id for f in finals] == [0, 1]
+        _, _, c = collect(engine.submit(req("c", [9, 9], max_tokens=2, ignore_eos=True)))
+        assert c.slot_id == 0  # the catalog was full: the LRU session ("a") gave up its cell
+        wait_for(lambda: engine.snapshot().requests_finished == 3)
+        cells = {ci.slot: ci for ci in engine.snapshot().continuations}
+        assert sorted(cells) == [0, 1]
+        # the session includes the last sampled token, which is not yet executed
+        assert cells[0].session == (9, 9, 10, 11) and cells[0].n_tokens == 3
+        assert cells[1].session == (5, 6, 7, 8)
+        _, _, d = collect(engine.submit(req("d", [3, 3], max_tokens=2, cache_prompt=False)))
+        assert d.slot_id is None and d.finish_reason == "length"  # kept out of the context cache
+    finally:
+        engine.shutdown()
+    engine = engine_over(CountingRunner(), prefix_reuse=False)
+    try:
+        assert collect(engine.submit(req("a", [1, 2], max_tokens=2)))[2].slot_id is None
+    finally:
         engine.shutdown()
 
 

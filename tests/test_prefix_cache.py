@@ -85,3 +85,16 @@ def test_reuse_path_names() -> None:
     assert reuse_path(599, 700, 600, True) == "private_long_anchor"
     assert reuse_path(300, 700, 600, False) == "shared_stable_prefix"
     assert reuse_path(99, 700, 100, True) == "shared_stable_prefix"  # short raw prompt
+
+
+def test_entries_keep_a_stable_cell_and_reuse_freed_ones() -> None:
+    cache = PrefixCache(PagePool(16, P), max_entries=3)
+    for tokens in ([1, 1], [2, 2], [3, 3]):
+        _retain(cache, tokens)
+    assert {e.slot: e.token_ids for e in cache.entries()} == {0: [1, 1], 1: [2, 2], 2: [3, 3]}
+    _retain(cache, [2, 2, 2])  # extends entry 1: takes the cell it frees, the others keep theirs
+    _retain(cache, [4, 4])  # full: the LRU entry ([1, 1], cell 0) goes, and its cell is reused
+    assert {e.slot: e.token_ids for e in cache.entries()} == {2: [3, 3], 1: [2, 2, 2], 0: [4, 4]}
+    pages = cache.pool.allocate(1)
+    cache.insert([5, 5], pages, session=[5, 5, 6])
+    assert cache.newest().session == (5, 5, 6) and cache.newest().token_ids == [5, 5]

@@ -283,6 +283,119 @@ def test_tokenize_detokenize_apply_template(server: Server) -> None:
     assert _post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
 
 
+def test_tokenize_parse_special_false(server: Server) -> None:
+    text = "Hello world<|im_end|>"
+    special = _post(server, "/tokenize", {"content": text}).json()["tokens"]
+    r = _post(server, "/tokenize", {"content": text, "parse_special": False})
+    assert r.status_code == 200
+    plain = r.json()["tokens"]
+    assert special[-1] == 2 and 2 not in plain and len(plain) > len(special)
+    assert plain[:len(special) - 1] == special[:-1]  # only the special-token text tokenizes differently
+    assert _post(server, "/detokenize", {"tokens": plain}).json() == {"content": text}
+    assert _post(server, "/tokenize", {"content": text, "parse_special": "no"}).json()["error"]["param"] == "parse_special"
+
+
+def _sse(server: Server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:]) for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def _check_progress(progress: list[dict], with_timings: bool) -> None:
+    """The spec's prompt-progress records: processed == cache first, == total last, never backwards."""
+    records = [p["prompt_progress"] for p in progress]
+    assert records[0]["processed"] == records[0]["cache"] and records[-1]["processed"] == records[-1]["total"]
+    assert [r["processed"] for r in records] == sorted(r["processed"] for r in records)
+    assert all(isinstance(r["time_ms"], int) for r in records)
+    for p in progress:
+        assert ("timings" in p) == with_timings
+        if with_timings:
+            t = p["timings"]
+            assert t["predicted_n"] == 0 and t["predicted_ms"] == 0.0
+            assert t["cache_n"] == p["prompt_progress"]["cache"]
+            assert t["cache_n"] + t["prompt_n"] == p["prompt_progress"]["total"]
+
+
+def test_chat_stream_return_progress_and_timings_per_token(server: Server) -> None:
+    body = {**CHAT, "messages": [{"role": "user", "content": "Count from one to ten."}], "max_tokens": 5}
+    chunks = list(client(server).chat.completions.create(
+        **body, stream=True, extra_body={"return_progress": True, "timings_per_token": True, "ignore_eos": True}))
+    extras = [ch.model_extra or {} for ch in chunks]
+    progress_at = [i for i, e in enumerate(extras) if "prompt_progress" in e]
+    content_at = [i for i, ch in enumerate(chunks) if ch.choices and ch.choices[0].delta.content]
+    assert progress_at and content_at and progress_at[-1] < content_at[0]  # progress precedes the output
+    assert chunks[0].choices[0].delta.role == "assistant" and progress_at[0] > 0
+    assert all(chunks[i].choices == [] for i in progress_at)
+    _check_progress([extras[i] for i in progress_at], with_timings=True)
+    predicted = [extras[i]["timings"]["predicted_n"] for i in content_at]  # a snapshot on each visible chunk
+    assert predicted == sorted(predicted) and predicted[0] >= 1
+    final = extras[-1]
+    assert chunks[-1].choices[0].finish_reason == "length" and final["timings"]["predicted_n"] == 5
+    total = extras[progress_at[-1]]["prompt_progress"]["total"]
+    assert final["timings"]["cache_n"] + final["timings"]["prompt_n"] == total
+    assert final["id_slot"] in (0, 1) and len(final["session_digest"]) == 16
+
+    chunks = list(client(server).chat.completions.create(**body, stream=True, extra_body={"return_progress": True}))
+    extras = [ch.model_extra or {} for ch in chunks]
+    _check_progress([e for e in extras if "prompt_progress" in e], with_timings=False)
+    assert all("timings" not in e for e in extras[:-1]) and "timings" in extras[-1]  # terminal timings always
+
+
+def test_completion_stream_return_progress_and_timings_per_token(server: Server) -> None:
+    body = {"prompt": "The capital of France is", "n_predict": 3, "temperature": 0, "stream": True,
+            "return_progress": True, "timings_per_token": True}
+    events = _sse(server, "/completion", body)
+    progress_at = [i for i, e in enumerate(events) if "prompt_progress" in e]
+    content_at = [i for i, e in enumerate(events) if e.get("content")]
+    assert progress_at and content_at and progress_at[-1] < content_at[0]
+    _check_progress([events[i] for i in progress_at], with_timings=True)
+    assert all("timings" in events[i] for i in content_at)
+    assert events[-1]["stop"] is True and events[-1]["id_slot"] in (0, 1)
+
+
+def _poll(fetch, ok, deadline_s: float = 30.0):
+    end = time.monotonic() + deadline_s
+    while True:
+        value = fetch()
+        if ok(value):
+            return value
+        assert time.monotonic() < end, f"not reached before the deadline: {value}"
+        time.sleep(0.01)
+
+
+def test_id_slot_reports_the_retained_slot(server: Server) -> None:
+    from ninfer.server.generate import session_digest
+
+    prompt = "Slots are cells of the context cache:"
+    r = _post(server, "/completion", {"prompt": prompt, "n_predict": 3, "temperature": 0, "return_tokens": True,
+                                      "ignore_eos": True, "id_slot": 1})
+    assert r.status_code == 200
+    obj = r.json()
+    session = _post(server, "/tokenize", {"content": prompt}).json()["tokens"] + obj["tokens"]
+    # the engine publishes the cell at the end of the step that retained it: poll /slots for it
+    slots = _poll(lambda: _get(server, "/slots").json(),
+                  lambda s: any(c["id"] == obj["id_slot"] and c["n_prompt_tokens"] == len(session) for c in s))
+    cell = next(c for c in slots if c["id"] == obj["id_slot"])
+    assert cell["session_digest"] == session_digest(session) and cell["retained"] is True
+    # the last sampled token is not executed yet: the endpoint checkpoint is one short
+    assert cell["checkpoints"] == [{"frontier": len(session) - 1, "session_digest": session_digest(session[:-1])}]
+
+    resp = client(server).chat.completions.create(**{**CHAT, "max_tokens": 2}, extra_body={"id_slot": -1})
+    extra = resp.model_extra
+    slots = _poll(lambda: _get(server, "/slots").json(),
+                  lambda s: any(c["session_digest"] == extra["session_digest"] for c in s))
+    assert next(c for c in slots if c["session_digest"] == extra["session_digest"])["id"] == extra["id_slot"]
+
+    for path, body in (("/v1/chat/completions", {**CHAT, "id_slot": 2}), ("/completion", {"prompt": "x", "id_slot": 9}),
+                       ("/completion", {"prompt": "x", "id_slot": -2})):
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text
+        assert r.json()["error"]["code"] == "invalid_slot" or body["id_slot"] < 0
+    r = _post(server, "/v1/chat/completions", {**CHAT, "id_slot": "zero"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot"
+
+
 # ---- ops endpoints ---------------------------------------------------------------------------
 
 def _get(server: Server, path: str, **kw) -> httpx.Response:

@@ -12,7 +12,7 @@ from ninfer.server.config import SamplerOverrides, ServerConfig
 from ninfer.server.generate import session_digest
 from ninfer.server.llamacpp import _select
 from ninfer.server.openai_chat import check_capabilities, normalize_messages, template_kwargs
-from ninfer.server.params import (check_llamacpp_neutral, check_logit_bias, parse_stop,
+from ninfer.server.params import (check_id_slot, check_llamacpp_neutral, check_logit_bias, parse_stop,
                                   sampling_from)
 from ninfer.server.runner import api_base, check_bindable
 
@@ -110,6 +110,17 @@ def test_llamacpp_controls_only_at_neutral(field: str, neutral: float, other: fl
     with pytest.raises(RequestError) as e:
         check_llamacpp_neutral({field: other})
     assert e.value.code == f"{field}_not_supported" and e.value.param == field
+
+
+def test_id_slot_names_a_context_cache_slot() -> None:
+    for body in ({}, {"id_slot": None}, {"id_slot": -1}, {"id_slot": 0}, {"id_slot": 3.0}):
+        check_id_slot(body, 4)
+    for body, num_slots, code in (({"id_slot": 4}, 4, "invalid_slot"), ({"id_slot": 0}, 0, "invalid_slot"),
+                                  ({"id_slot": -2}, 4, "invalid_value"), ({"id_slot": True}, 4, "invalid_value"),
+                                  ({"id_slot": "1"}, 4, "invalid_value")):
+        with pytest.raises(RequestError) as e:
+            check_id_slot(body, num_slots)
+        assert (e.value.param, e.value.code) == ("id_slot", code), body
 
 
 def test_messages_normalized_and_media_refused() -> None:

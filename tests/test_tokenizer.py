@@ -111,3 +111,16 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
     assert b"".join(ours.token_bytes(i) for i in ids) == b" hello world"
     assert ours.token_bytes(3 + 0x41) == b"A"  # <0x41>
     assert ours.encode("<tool>") == [3 + 256 + len(SPM_PIECES)]  # user-defined token stays whole
+
+
+def test_parse_special_false_tokenizes_special_text_as_text(tok: Tokenizer, ref) -> None:
+    text = "Hello<|im_start|>user\nhi<|im_end|>"
+    assert 1 in tok.encode(text) and 2 in tok.encode(text)  # default: special-token text is the token
+    plain = tok.encode(text, parse_special=False)
+    assert not set(plain) & tok.special_token_ids
+    assert tok.decode(plain) == text
+    # transformers' split_special_tokens is the same contract
+    for s in varied_strings():
+        assert tok.encode(s, parse_special=False) == ref.encode(s, add_special_tokens=False,
+                                                                split_special_tokens=True), s
+    assert tok.encode(text) == ref.encode(text, add_special_tokens=False)  # the shared instance is untouched

@@ -27,6 +27,8 @@ class ContinuationInfo:
     entry_id: int
     n_tokens: int  # tokens whose KV it holds (its executed frontier)
     n_pages: int
+    slot: int  # its stable cell, 0..max_private_continuations-1
+    session: tuple[int, ...] = ()  # the retained session's token ids (the entry's own tuple, not a copy)
 
 
 @dataclass(slots=True, frozen=True)

@@ -25,7 +25,7 @@ from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnap
                                     QueueEntry)
 from ninfer.engine.kv_cache import PagePool
 from ninfer.engine.output import OutputProcessor
-from ninfer.engine.request import OutputEvent, PreparedRequest, Timings, TokenLogprob, Usage
+from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
 from ninfer.errors import NInferError, RequestError
 
@@ -46,7 +46,7 @@ class _Live:
     sink: Sink
     submitted_at: float
     deadline: float | None
-    prefill_started: float | None = None
+    admitted_at: float | None = None  # when admission committed its reuse choice: prompt time starts
     first_token_at: float | None = None
     last_token_at: float | None = None
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per published-able token
@@ -284,10 +284,14 @@ class Engine:
                 self._cancel_now(request_id)
             self._expire_waiting()
             batch = self.scheduler.schedule()
+            admitted_at = time.monotonic()
             for seq in self.scheduler.newly_admitted:
                 c = self._counters
                 c.reused_prompt_tokens += seq.num_cached_tokens
                 c.context_selections[seq.reuse_path] = c.context_selections.get(seq.reuse_path, 0) + 1
+                live = self._by_seq[seq.seq_id]
+                live.admitted_at = admitted_at
+                self._progress(live, admitted_at)  # processed == cache
             if batch is None:
                 self._publish()
                 with self._cv:
@@ -303,11 +307,9 @@ class Engine:
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _step(self, batch: ScheduledBatch) -> None:
-        first = self._by_seq[batch.seqs[0].seq_id].seq
-        is_prefill = first.status is SeqStatus.PREFILLING
+        first = self._by_seq[batch.seqs[0].seq_id]
+        is_prefill = first.seq.status is SeqStatus.PREFILLING
         t0 = time.monotonic()
-        if is_prefill and self._by_seq[first.seq_id].prefill_started is None:
-            self._by_seq[first.seq_id].prefill_started = t0
         try:
             if batch.page_copies:
                 self._copy_pages(batch.page_copies)
@@ -331,12 +333,28 @@ class Engine:
             c.committed_decode_tokens += len(batch.seqs)
             c.predicted_seconds_total += dt
         now = time.monotonic()
-        for seq, token in self.scheduler.update(batch, output):
+        sampled = self.scheduler.update(batch, output)
+        if is_prefill:  # the unit committed: its progress precedes the first token it may have sampled
+            self._progress(first, now)
+        for seq, token in sampled:
             self._on_token(self._by_seq[seq.seq_id], token, output.logprobs.get(seq.seq_id), now)
+
+    def _progress(self, live: _Live, now: float) -> None:
+        """A prompt-progress event with its prompt-only timings, for a request that asked."""
+        if not live.req.hints.get("return_progress") or live.admitted_at is None:
+            return
+        seq = live.seq
+        cache, processed = seq.num_cached_tokens, min(seq.num_computed_tokens, seq.prompt_len)
+        elapsed_ms = (now - live.admitted_at) * 1e3
+        timings = Timings(cache_n=cache, prompt_n=seq.prompt_len - cache, prompt_ms=elapsed_ms,
+                          predicted_n=0, predicted_ms=0.0, prompt_processed_n=processed - cache)
+        self._emit(live, OutputEvent(request_id=seq.request_id, timings=timings,
+                                     progress=PromptProgress(seq.prompt_len, cache, processed, elapsed_ms)))
 
     def _on_token(self, live: _Live, token: int, logprob: TokenLogprob | None, now: float) -> None:
         seq, proc = live.seq, live.proc
-        if live.first_token_at is None:
+        first = live.first_token_at is None
+        if first:
             live.first_token_at = now
         live.last_token_at = now
         step = proc.append(token)
@@ -353,8 +371,11 @@ class Engine:
             else:
                 self._finish(live, "length", None, text, token)
         else:
+            # the first event carries the finished prompt phase; every event does when asked
+            timings = self._timings(live) if first or live.req.hints.get("timings_per_token") else None
             self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=(token,), text=text,
-                                         logprobs=self._take_logprobs(live, proc.tokens_published)))
+                                         logprobs=self._take_logprobs(live, proc.tokens_published),
+                                         timings=timings))
 
     def _take_logprobs(self, live: _Live, published: int) -> tuple[TokenLogprob, ...]:
         records = live.logprobs[live.logprobs_sent:published]
@@ -402,7 +423,7 @@ class Engine:
                       cached_tokens=seq.num_cached_tokens)
         self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, logprobs=logprobs,
                                      finish_reason=reason, stop_reason=stop_reason, usage=usage,
-                                     timings=self._timings(live), error=error))
+                                     timings=self._timings(live), error=error, slot_id=seq.slot))
 
     def _emit(self, live: _Live, event: OutputEvent) -> None:
         try:
@@ -414,8 +435,8 @@ class Engine:
     def _timings(self, live: _Live) -> Timings:
         seq = live.seq
         prompt_ms = predicted_ms = 0.0
-        if live.prefill_started is not None and live.first_token_at is not None:
-            prompt_ms = (live.first_token_at - live.prefill_started) * 1e3
+        if live.admitted_at is not None and live.first_token_at is not None:
+            prompt_ms = (live.first_token_at - live.admitted_at) * 1e3
         if live.first_token_at is not None and live.last_token_at is not None:
             predicted_ms = (live.last_token_at - live.first_token_at) * 1e3
         return Timings(cache_n=seq.num_cached_tokens, prompt_n=seq.prompt_len - seq.num_cached_tokens,
@@ -429,7 +450,7 @@ class Engine:
     def _make_snapshot(self) -> EngineSnapshot:
         s, c, pool = self.scheduler, self._counters, self.pool
         cache = s.prefix_cache
-        continuations = tuple(ContinuationInfo(e.entry_id, len(e.token_ids), len(e.pages))
+        continuations = tuple(ContinuationInfo(e.entry_id, len(e.token_ids), len(e.pages), e.slot, e.session)
                               for e in cache.entries()) if cache else ()
         lanes = tuple(LaneInfo(q.lane, q.request_id, q.status is SeqStatus.PREFILLING, q.prompt_len,
                                q.num_cached_tokens, q.num_computed_tokens, len(q.output_token_ids),

@@ -24,6 +24,8 @@ class CacheEntry:
     token_ids: list[int]  # tokens whose KV the pages hold
     pages: list[int]  # pages_for_tokens(len(token_ids)) pages; this entry holds one ref on each
     last_used: int  # LRU clock value of the last insert or hit
+    slot: int  # its cell in 0..max_entries-1 (the /slots id, a response's id_slot); stable while retained
+    session: tuple[int, ...]  # the session: token_ids plus any sampled tokens not yet executed
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,25 +106,37 @@ class PrefixCache:
         if e is not None:
             e.last_used = self._tick()
 
-    def insert(self, token_ids: list[int], pages: list[int]) -> list[int]:
+    def insert(self, token_ids: list[int], pages: list[int], session: list[int] | None = None) -> list[int]:
         """Retain a finished sequence: the caller hands over one reference on each page.
+        `session` (default `token_ids`) is the whole conversation, which may run past the KV
+        frontier by the last sampled token.
 
         Entries whose tokens are a prefix of the new one are dropped (the new entry serves
-        every prompt they could); then the least recently used go while over `max_entries`.
-        Returns the ids of the entries removed, in order."""
+        every prompt they could); then the least recently used go while the catalog is full.
+        The new entry takes the lowest free cell. Returns the ids of the entries removed, in order."""
         assert len(pages) == pages_for_tokens(len(token_ids), self.pool.page_size)
+        assert self.max_entries >= 1
         removed = [e.entry_id for e in self.entries()
                    if len(e.token_ids) <= len(token_ids) and token_ids[:len(e.token_ids)] == e.token_ids]
         for entry_id in removed:
             self.drop(entry_id)
-        entry = CacheEntry(self._next_id, list(token_ids), list(pages), self._tick())
-        self._next_id += 1
-        self._entries[entry.entry_id] = entry
-        while len(self._entries) > self.max_entries:
+        # evict before inserting so the new entry can take the victim's cell; the victims are the
+        # same as after inserting, since the new entry is the most recently used
+        while len(self._entries) >= self.max_entries:
             victim = self.entries()[0]
             self.drop(victim.entry_id)
             removed.append(victim.entry_id)
+        used = {e.slot for e in self._entries.values()}
+        slot = next(i for i in range(self.max_entries) if i not in used)
+        entry = CacheEntry(self._next_id, list(token_ids), list(pages), self._tick(), slot,
+                           tuple(session if session is not None else token_ids))
+        self._next_id += 1
+        self._entries[entry.entry_id] = entry
         return removed
+
+    def newest(self) -> CacheEntry:
+        """The entry inserted last (an insert makes it the most recently used)."""
+        return max(self._entries.values(), key=lambda e: e.last_used)
 
     def drop(self, entry_id: int) -> list[int]:
         """Remove one entry and release its page references; returns the pages freed."""

@@ -83,34 +83,58 @@ class TokenLogprob:
 
 @dataclass(slots=True, frozen=True)
 class Timings:
-    """The spec's `timings` object (llama.cpp's names)."""
+    """The spec's `timings` object (llama.cpp's names).
+
+    A prompt-phase snapshot (a prompt-progress event) sets `prompt_processed_n`, the suffix
+    tokens computed so far: prompt_n stays the whole suffix while the prompt rates span only
+    what was processed. Generation rates use max(predicted_n - 1, 0) intervals: the first token
+    belongs to prompt latency."""
 
     cache_n: int
     prompt_n: int
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    prompt_processed_n: int | None = None  # None: the prompt is done (rates span prompt_n)
+
+    @property
+    def _prompt_rate_n(self) -> int:
+        return self.prompt_n if self.prompt_processed_n is None else self.prompt_processed_n
 
     @property
     def prompt_per_second(self) -> float:
-        return self.prompt_n / (self.prompt_ms / 1e3) if self.prompt_ms > 0 else 0.0
+        return self._prompt_rate_n / (self.prompt_ms / 1e3) if self.prompt_ms > 0 else 0.0
 
     @property
     def predicted_per_second(self) -> float:
-        return self.predicted_n / (self.predicted_ms / 1e3) if self.predicted_ms > 0 else 0.0
+        intervals = max(self.predicted_n - 1, 0)
+        return intervals / (self.predicted_ms / 1e3) if self.predicted_ms > 0 else 0.0
 
     def to_dict(self) -> dict[str, float | int]:
+        n_prompt = self._prompt_rate_n
+        intervals = max(self.predicted_n - 1, 0)
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
-            "prompt_per_token_ms": self.prompt_ms / self.prompt_n if self.prompt_n else 0.0,
+            "prompt_per_token_ms": self.prompt_ms / n_prompt if n_prompt else 0.0,
             "prompt_per_second": self.prompt_per_second,
             "predicted_n": self.predicted_n,
             "predicted_ms": self.predicted_ms,
-            "predicted_per_token_ms": self.predicted_ms / self.predicted_n if self.predicted_n else 0.0,
+            "predicted_per_token_ms": self.predicted_ms / intervals if intervals else 0.0,
             "predicted_per_second": self.predicted_per_second,
         }
+
+
+@dataclass(slots=True, frozen=True)
+class PromptProgress:
+    """Where a request's prompt processing stands: `processed` counts the reused prefix
+    (`cache`) plus the suffix tokens computed so far; elapsed_ms runs from committed admission."""
+
+    total: int
+    cache: int
+    processed: int
+    elapsed_ms: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,7 +149,10 @@ class OutputEvent:
     """One step of a request's output. `text` is the newly committed text (stop strings withheld).
 
     finish_reason: None while running; "stop" (EOS, stop token or stop string), "length"
-    (output budget or context capacity), "cancelled", or "error".
+    (output budget or context capacity), "cancelled", or "error". A request submitted with
+    hints["return_progress"] also gets token-less events with `progress` set: one at admission
+    (processed == cache) and one after each prefill unit, the last (processed == total) just
+    before the first output event.
     """
 
     request_id: str
@@ -135,5 +162,7 @@ class OutputEvent:
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     usage: Usage | None = None  # on the final event
-    timings: Timings | None = None  # on the final event (and per token when asked)
+    timings: Timings | None = None  # final and first output events; every event with hints["timings_per_token"]
     error: str | None = None
+    progress: PromptProgress | None = None  # a prompt-progress event (hints["return_progress"]): no tokens
+    slot_id: int | None = None  # final event: the context-cache slot the session was retained in

@@ -56,6 +56,7 @@ class Sequence:
     copy_src: int | None = None  # a page we hold a ref on until its copy has run
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    slot: int | None = None  # the context-cache cell it was retained in, once finished
 
     @property
     def prompt_len(self) -> int:
@@ -149,9 +150,10 @@ class Scheduler:
         if retain and n > 0:
             keep = pages_for_tokens(n, self.page_size)
             self.pool.decref(table[keep:])
-            tokens = (seq.prompt_token_ids + seq.output_token_ids)[:n]
+            session = seq.prompt_token_ids + seq.output_token_ids
             assert self.prefix_cache is not None
-            self.prefix_cache.insert(tokens, table[:keep])
+            self.prefix_cache.insert(session[:n], table[:keep], session)
+            seq.slot = self.prefix_cache.newest().slot
         else:
             self.pool.decref(table)
 

@@ -55,6 +55,8 @@ class Tokenizer:
         self._special_ids = frozenset(t["id"] for t in added if t.get("special"))
         self._stop_ids = frozenset(special.stop_token_ids) | (
             {special.eos_token_id} if special.eos_token_id is not None else set())
+        self._tokenizer_json = tokenizer_json
+        self._plain_tok: _HFTokenizer | None = None  # parse_special=False encoder, built on first use
         self._bytes: list[bytes] | None = None  # token_bytes table, built on first use
         self._templates: dict[str, jinja2.Template] = {}
 
@@ -106,13 +108,25 @@ class Tokenizer:
 
     # ---- text <-> ids ----------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special-token text maps to its id. With add_special_tokens, BOS is
-        prepended when the model wants one (add_bos_token)."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`. parse_special: special-token text maps to its id; when False it
+        is tokenized as ordinary text. With add_special_tokens, BOS is prepended when the model
+        wants one (add_bos_token)."""
+        tok = self._tok if parse_special else self._plain_encoder()
+        ids = tok.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def _plain_encoder(self) -> _HFTokenizer:
+        # A second instance with encode_special_tokens set (special tokens' text goes through the
+        # normalizer and model like any text): toggling the flag on the shared instance would race
+        # with encodes on other threads.
+        if self._plain_tok is None:
+            plain = _HFTokenizer.from_str(self._tokenizer_json)
+            plain.encode_special_tokens = True
+            self._plain_tok = plain
+        return self._plain_tok
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

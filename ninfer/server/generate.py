@@ -138,13 +138,22 @@ class Generation:
         return out
 
 
-def prompt_progress(event: OutputEvent) -> dict[str, Any] | None:
-    """The final prompt_progress record (processed == total) from an event's timing snapshot, or
-    None when the engine attached none to it (then nothing truthful can be said)."""
-    t = event.timings
-    if t is None:
+def prompt_progress(event: OutputEvent, with_timings: bool) -> dict[str, Any] | None:
+    """The spec's prompt-processing record for a progress event (None for any other event):
+    prompt_progress with integral time_ms, plus the prompt-only timings when asked."""
+    p = event.progress
+    if p is None:
         return None
-    total = t.cache_n + t.prompt_n
-    return {"prompt_progress": {"total": total, "cache": t.cache_n, "processed": total,
-                                "time_ms": int(t.prompt_ms)},
-            "timings": t.to_dict()}
+    piece: dict[str, Any] = {"prompt_progress": {"total": p.total, "cache": p.cache, "processed": p.processed,
+                                                 "time_ms": int(p.elapsed_ms)}}
+    if with_timings and event.timings is not None:
+        piece["timings"] = event.timings.to_dict()
+    return piece
+
+
+def slot_extras(event: OutputEvent, session: list[int]) -> dict[str, Any]:
+    """id_slot and session_digest of a final event whose session the context cache retained
+    (empty when it retained none: no slot holds it, so no digest identifies one)."""
+    if event.slot_id is None:
+        return {}
+    return {"id_slot": event.slot_id, "session_digest": session_digest(session)}

@@ -7,7 +7,7 @@ from ninfer.engine.request import OutputEvent, PreparedRequest
 from ninfer.errors import RequestError
 from ninfer.server.generate import Generation, new_request_id, prompt_progress
 from ninfer.server.http import Call
-from ninfer.server.params import bad, check_model, opt_bool, opt_int
+from ninfer.server.params import bad, check_id_slot, check_model, opt_bool, opt_int
 from ninfer.server.raw_prompt import prepare_raw
 from ninfer.server.sse import KEEPALIVE, TIMEOUT, sse_data
 
@@ -86,6 +86,8 @@ def _final_object(call: Call, req: PreparedRequest, final: OutputEvent, content:
     }
     if return_tokens or stream:
         obj["tokens"] = token_ids
+    # llama.cpp always names a slot; -1 (its "any slot") when the context cache retained nothing
+    obj["id_slot"] = final.slot_id if final.slot_id is not None else -1
     if final.timings is not None:
         obj["timings"] = final.timings.to_dict()
     return obj
@@ -100,8 +102,10 @@ async def handle_completion(call: Call) -> None:
         max_tokens = _n_predict(body)
         return_tokens = bool(opt_bool(body, "return_tokens"))
         return_progress = bool(opt_bool(body, "return_progress"))
+        check_id_slot(body, state.loaded.engine.snapshot().max_private_continuations)
         fields = _response_fields(body)
         req, opts = prepare_raw(body, state, rid, max_tokens, "completion")
+        req.hints["return_progress"] = return_progress and opts.stream  # progress shapes a stream only
     except RequestError:
         state.requests_rejected += 1
         raise
@@ -119,7 +123,6 @@ async def handle_completion(call: Call) -> None:
             return
         token_ids: list[int] = []
         predicted = 0
-        progress_sent = False
         try:
             async for event in gen.events(state.config.keepalive_seconds):
                 if not call.started:
@@ -127,27 +130,21 @@ async def handle_completion(call: Call) -> None:
                 if event is TIMEOUT:
                     await call.write(KEEPALIVE)
                     continue
-                if return_progress and not progress_sent:
-                    progress_sent = True
-                    piece = prompt_progress(event)
-                    if piece is not None:
-                        if not opts.timings_per_token:
-                            piece.pop("timings")
-                        await call.write(sse_data({"index": 0, "content": "", "stop": False, **piece}))
+                piece = prompt_progress(event, opts.timings_per_token)
+                if piece is not None:  # the engine sends these only when return_progress asked
+                    await call.write(sse_data({"index": 0, "content": "", "stop": False, **piece}))
+                    continue
                 token_ids.extend(event.token_ids)
                 predicted += len(event.token_ids)
-                if event.finish_reason is not None:
-                    obj = _final_object(call, req, event, "", token_ids, prompt_text, True, return_tokens)
-                    if event.text:  # the last piece of text arrives with the final event
-                        await call.write(sse_data({"index": 0, "content": event.text, "stop": False,
-                                                   "tokens_predicted": predicted}))
-                    await call.write(sse_data(shape(obj)))
-                elif event.text:
+                if event.text:  # the last piece of text may arrive with the final event
                     data: dict[str, Any] = {"index": 0, "content": event.text, "stop": False,
                                             "tokens_predicted": predicted}
                     if opts.timings_per_token and event.timings is not None:
                         data["timings"] = event.timings.to_dict()
                     await call.write(sse_data(data))
+                if event.finish_reason is not None:
+                    obj = _final_object(call, req, event, "", token_ids, prompt_text, True, return_tokens)
+                    await call.write(sse_data(shape(obj)))
         except RequestError as e:
             if not call.started:
                 raise
@@ -162,12 +159,9 @@ async def handle_tokenize(call: Call) -> None:
     if not isinstance(content, str):
         raise bad("content", "content must be a string")
     parse_special = opt_bool(body, "parse_special")
-    if parse_special is False:
-        raise RequestError("parse_special: false is not supported by this tokenizer",
-                           param="parse_special", code="parse_special_not_supported")
     add_special = opt_bool(body, "add_special") or False
     with_pieces = opt_bool(body, "with_pieces") or False
-    ids = tok.encode(content, add_special_tokens=add_special)
+    ids = tok.encode(content, add_special_tokens=add_special, parse_special=parse_special is not False)
     if not with_pieces:
         await call.respond(200, {"tokens": ids})
         return

@@ -11,10 +11,10 @@ from typing import Any
 from ninfer.engine.request import OutputEvent, PreparedRequest
 from ninfer.errors import RequestError
 from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
-                                    session_digest, usage_dict)
+                                    slot_extras, usage_dict)
 from ninfer.server.http import Call
-from ninfer.server.params import (bad, check_response_format, check_logit_bias, check_model, opt_bool, opt_int, opt_object,
-                                  parse_logprobs, parse_stop, reject_present, sampling_from,
+from ninfer.server.params import (bad, check_id_slot, check_response_format, check_logit_bias, check_model, opt_bool,
+                                  opt_int, opt_object, parse_logprobs, parse_stop, reject_present, sampling_from,
                                   unsupported)
 from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
 
@@ -199,6 +199,7 @@ def prepare_chat(call: Call, body: dict[str, Any], request_id: str) -> tuple[Pre
     check_model(body, state)
     messages = normalize_messages(body.get("messages"))
     check_capabilities(body)
+    check_id_slot(body, loaded.engine.snapshot().max_private_continuations)
     max_tokens = opt_int(body, "max_completion_tokens", lo=-1)
     if max_tokens is None:
         max_tokens = opt_int(body, "max_tokens", lo=-1)
@@ -225,8 +226,9 @@ def prepare_chat(call: Call, body: dict[str, Any], request_id: str) -> tuple[Pre
         raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
     req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
                           max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
-                          hints={"protocol": "chat", "timings_per_token": options.timings_per_token,
-                                 "return_progress": options.return_progress})
+                          # both options shape a stream only; the engine does the work only then
+                          hints={"protocol": "chat", "timings_per_token": stream and options.timings_per_token,
+                                 "return_progress": stream and options.return_progress})
     return req, options
 
 
@@ -256,12 +258,11 @@ async def handle_chat(call: Call) -> None:
             await _aggregate(call, gen, opts)
 
 
-def _final_extras(call: Call, req: PreparedRequest, final: OutputEvent, token_ids: list[int]) -> dict[str, Any]:
+def _final_extras(req: PreparedRequest, final: OutputEvent, token_ids: list[int]) -> dict[str, Any]:
     extras: dict[str, Any] = {}
     if final.timings is not None:
         extras["timings"] = final.timings.to_dict()
-    if final.finish_reason in ("stop", "length") and req.cache_prompt and token_ids is not None:
-        extras["session_digest"] = session_digest(list(req.prompt_token_ids) + token_ids)
+    extras.update(slot_extras(final, list(req.prompt_token_ids) + token_ids))
     return extras
 
 
@@ -284,7 +285,7 @@ async def _aggregate(call: Call, gen: Generation, opts: ChatOptions) -> None:
                      "logprobs": lp,
                      "finish_reason": final.finish_reason}],
         "usage": usage_dict(final.usage),
-        **_final_extras(call, gen.req, final, out.token_ids),
+        **_final_extras(gen.req, final, out.token_ids),
     }
     await call.respond(200, payload)
 
@@ -306,7 +307,6 @@ async def _stream(call: Call, gen: Generation, opts: ChatOptions) -> None:
         await call.write(chunk({"role": "assistant", "content": ""}))
 
     token_ids: list[int] = []
-    progress_sent = False
     try:
         async for event in gen.events(state.config.keepalive_seconds):
             if event is TIMEOUT:
@@ -316,13 +316,10 @@ async def _stream(call: Call, gen: Generation, opts: ChatOptions) -> None:
                 continue
             if not call.started:
                 await open_stream()
-            if opts.return_progress and not progress_sent:
-                progress_sent = True
-                piece = prompt_progress(event)
-                if piece is not None:
-                    if not opts.timings_per_token:
-                        piece.pop("timings")
-                    await call.write(sse_data({**base, "choices": [], **piece}))
+            piece = prompt_progress(event, opts.timings_per_token)
+            if piece is not None:  # the engine sends these only when return_progress asked
+                await call.write(sse_data({**base, "choices": [], **piece}))
+                continue
             token_ids.extend(event.token_ids)
             if event.text or event.logprobs and opts.logprobs:
                 lp = None
@@ -334,7 +331,7 @@ async def _stream(call: Call, gen: Generation, opts: ChatOptions) -> None:
                     data["timings"] = event.timings.to_dict()
                 await call.write(sse_data(data))
             if event.finish_reason is not None:
-                extras = _final_extras(call, gen.req, event, token_ids)
+                extras = _final_extras(gen.req, event, token_ids)
                 finish = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
                                                "finish_reason": event.finish_reason}]}
                 if opts.include_usage:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ninfer.errors import RequestError
+from ninfer.server.generate import session_digest
 from ninfer.server.http import Call
 from ninfer.version import version_string
 
@@ -163,18 +164,27 @@ async def handle_stats(call: Call) -> None:
 
 
 async def handle_slots(call: Call) -> None:
-    """The private context-cache cells: retained continuations, then the lanes publishing into one."""
+    """The private context-cache cells: retained sessions under their stable slot ids (the id_slot
+    a response reported), then the lanes that will publish into a cell when they finish."""
     state = call.state
     snap = state.loaded.engine.snapshot()
+    digests: dict[int, tuple[str, str]] = {}
     slots: list[dict[str, Any]] = []
-    for i, c in enumerate(snap.continuations):
-        slots.append({"id": i, "is_processing": False, "retained": True, "n_ctx": snap.max_context,
-                      "n_prompt_tokens": c.n_tokens, "n_prompt_tokens_cache": c.n_tokens,
-                      "n_pages": c.n_pages, "speculative": False})
+    for c in sorted(snap.continuations, key=lambda c: c.slot):
+        known = state.slot_digests.get(c.entry_id)
+        digests[c.entry_id] = known or (session_digest(list(c.session)), session_digest(list(c.session[:c.n_tokens])))
+        session, endpoint = digests[c.entry_id]
+        # the session depth as both counts; the endpoint checkpoint sits at the executed frontier
+        slots.append({"id": c.slot, "is_processing": False, "retained": True, "session_digest": session,
+                      "checkpoints": [{"frontier": c.n_tokens, "session_digest": endpoint}],
+                      "n_ctx": snap.max_context, "n_prompt_tokens": len(c.session),
+                      "n_prompt_tokens_cache": len(c.session), "n_pages": c.n_pages, "speculative": False})
+    state.slot_digests = digests  # only live entries stay memoized
     for lane in snap.lanes:
-        slots.append({"id": len(slots), "is_processing": True, "retained": False, "n_ctx": snap.max_context,
-                      "n_prompt_tokens": lane.n_prompt_tokens, "n_prompt_tokens_cache": lane.n_cached_tokens,
-                      "speculative": False})
+        # the cell a lane publishes into is chosen when it finishes: listed after the cells, by lane
+        slots.append({"id": snap.max_private_continuations + lane.lane, "lane": lane.lane, "is_processing": True,
+                      "retained": False, "n_ctx": snap.max_context, "n_prompt_tokens": lane.n_prompt_tokens,
+                      "n_prompt_tokens_cache": lane.n_cached_tokens, "speculative": False})
     await call.respond(200, slots)
 
 

@@ -45,6 +45,17 @@ def opt_int(body: dict[str, Any], name: str, lo: int | None = None, hi: int | No
     return value
 
 
+def check_id_slot(body: dict[str, Any], num_slots: int) -> None:
+    """llama.cpp's id_slot: -1 (any slot, its default) or a context-cache slot 0..num_slots-1.
+    A valid one is accepted without effect (spec): the prefix cache already picks the cell
+    sharing the longest prefix, which is what pinning a slot is for."""
+    value = opt_int(body, "id_slot", lo=-1)
+    if value is None or value < num_slots:
+        return
+    valid = f"ids 0..{num_slots - 1}, or -1 for any" if num_slots else "it retains no sessions: use -1"
+    raise bad("id_slot", f"id_slot {value} names no slot of this server ({valid})", code="invalid_slot")
+
+
 def opt_number(body: dict[str, Any], name: str, lo: float | None = None,
                hi: float | None = None) -> float | None:
     value = body.get(name)

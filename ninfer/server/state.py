@@ -88,6 +88,8 @@ class ServerState:
     requests_total: int = 0  # completed with an outcome
     requests_failed: int = 0  # accepted, then ended in an error
     requests_rejected: int = 0  # rejected during preparation
+    # /slots digests by cache entry id (an entry's tokens never change): (session, endpoint checkpoint)
+    slot_digests: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
