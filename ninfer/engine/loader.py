@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ninfer.engine.artifact import Artifact, ArtifactMetadata
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.model_store import resolve_model
 from ninfer.errors import ConfigError
+
+if TYPE_CHECKING:  # imported lazily at run time: they pull in torch
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.tokenizer import Tokenizer
 
 PAGE_SIZE = 64
 DEFAULT_MAX_CONTEXT = 8192  # --max-context default (spec)
@@ -17,8 +22,8 @@ BACKENDS = ("auto", "torch", "cuda")
 
 @dataclass(slots=True)
 class LoadedModel:
-    engine: object  # ninfer.engine.engine.Engine (started)
-    tokenizer: object  # ninfer.engine.tokenizer.Tokenizer
+    engine: Engine  # started
+    tokenizer: Tokenizer
     meta: ArtifactMetadata
     path: Path
     model_id: str
@@ -95,6 +100,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                  kv_capacity: int | str | None, cuda_graph: bool = True,
                  kernel_cache_dir: Path | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it."""
+    from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
 
@@ -105,10 +111,10 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         raise ConfigError("--max-context must be positive")
     scheduler = replace(scheduler, max_context=max_context)
     tokenizer = Tokenizer.from_metadata(meta)
-    from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     bytes_per_token = kv_bytes_per_token(meta.config, torch_device)  # both backends keep bf16 KV on CUDA
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
-    def build_runner():
+
+    def build_runner():  # runs on the engine's worker thread (Engine.spawn says why)
         if backend == "cuda":
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
