@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -81,18 +82,11 @@ def bench_ours(artifact: Artifact, ids: list[int], dtype: torch.dtype, repeat: i
 
 
 def load_transformers(gguf: Path):
-    """transformers' own GGUF loading (dequantize + un-permute) in f32, without `accelerate`."""
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    """transformers' own GGUF loading in f32, the same reference the fidelity tests compare with."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from torch_model_helpers import hf_from_gguf
 
-    cfg = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False, assign=True)
-    model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)  # its buffer was on meta
-    return model.eval()
+    return hf_from_gguf(gguf)
 
 
 def bench_transformers(gguf: Path, ids: list[int], repeat: int) -> dict[str, list[float]]:

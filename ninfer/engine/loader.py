@@ -111,6 +111,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         raise ConfigError("--max-context must be positive")
     scheduler = replace(scheduler, max_context=max_context)
     tokenizer = Tokenizer.from_metadata(meta)
+    tokenizer.token_bytes(0)  # build the byte table now (~0.4 s), not on the first request's first token
     bytes_per_token = kv_bytes_per_token(meta.config, torch_device)  # both backends keep bf16 KV on CUDA
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
 
