@@ -181,12 +181,14 @@ def test_async_stream_and_cancel_on_close() -> None:
         async for ev in engine.stream(req("a", [3], max_tokens=4)):
             ids += ev.token_ids
         reasons: list[str | None] = []
+        runner.steps = threading.Semaphore(3)  # the worker cannot run ahead to the length limit
         agen = engine.stream(req("b", [3], max_tokens=10_000, ignore_eos=True))
         async for ev in agen:
             reasons.append(ev.finish_reason)
             if len(reasons) == 3:
                 break
         await agen.aclose()
+        runner.steps.release(100)  # far fewer than the length limit: only the cancel can end it
         return ids, reasons
 
     try:
