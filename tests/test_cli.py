@@ -71,6 +71,15 @@ def test_run_json_is_one_object_and_seeded(smollm2_artifact: Path) -> None:
     assert a["timings"]["predicted_n"] == len(a["token_ids"])
 
 
+def test_run_dtype(smollm2_artifact: Path) -> None:
+    out = ninfer("run", str(smollm2_artifact), "--json", "--dtype", "float32", "--temperature", "0",
+                 "--max-tokens", "6", "What is the capital of France?")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in json.loads(out.stdout)["text"]
+    bad = ninfer("run", str(smollm2_artifact), "--dtype", "float16", "hi")
+    assert bad.returncode == 1 and "--dtype must be one of auto, bfloat16, float32" in bad.stderr
+
+
 @pytest.mark.slow
 def test_run_streams_text_then_rates(smollm2_artifact: Path) -> None:
     out = ninfer("run", str(smollm2_artifact), "--temperature", "0", "--max-tokens", "12",

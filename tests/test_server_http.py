@@ -109,6 +109,7 @@ def test_port_clash_fails_fast_with_the_port_named(server: Server) -> None:
 @pytest.mark.parametrize("args, option", [
     (["--max-concurrency", "9"], "--max-concurrency"), (["--top-p", "1.5"], "--top-p"),
     (["--kv-capacity", "lots"], "--kv-capacity"), (["--log-level", "loud"], "--log-level"),
+    (["--dtype", "float16"], "--dtype"),
 ])
 def test_invalid_option_fails_at_start_up(args: list[str], option: str) -> None:
     r = subprocess.run(_serve_cmd("--port", str(free_port()), *args), capture_output=True, text=True, timeout=120)

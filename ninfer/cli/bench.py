@@ -96,12 +96,13 @@ def bench(
     device: int = typer.Option(0, "--device", help="CUDA device index."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or float32 (exact, slower)."),
 ) -> None:
     from rich.progress import Progress
 
     from ninfer.engine.artifact import Artifact
     from ninfer.engine.config import SchedulerConfig
-    from ninfer.engine.loader import resolve_backend, start_engine
+    from ninfer.engine.loader import resolve_backend, resolve_dtype, start_engine
     from ninfer.engine.model_store import resolve_model
     from ninfer.paths import cache_dir
     from ninfer.version import build_id, version_string
@@ -122,6 +123,7 @@ def bench(
         raise ConfigError("nothing to run: every -p and -n value is 0")
 
     backend, torch_device = resolve_backend(backend, device)
+    compute_dtype = resolve_dtype(dtype)
     if synthetic is not None:
         from ninfer.engine.synthetic import SyntheticArtifact
         artifact = SyntheticArtifact(synthetic, weights)
@@ -133,7 +135,7 @@ def bench(
                                 prefix_reuse=False)
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
-                          kernel_cache_dir=cache_dir() / "kernels")
+                          kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype)
     rng = random.Random(seed)
     excluded = set(loaded.tokenizer.special_token_ids) | set(loaded.tokenizer.stop_token_ids)
     vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]

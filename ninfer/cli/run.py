@@ -29,6 +29,7 @@ def run(
     backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
     device: int = typer.Option(0, "--device", help="CUDA device index."),
     no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or float32 (exact, slower)."),
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine
@@ -45,7 +46,7 @@ def run(
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
     sampling_from_flags(**flags)  # bad values fail before the model loads
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
-                         announce=not json_out, cuda_graph=not no_cuda_graph)
+                         announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:

@@ -63,8 +63,10 @@ def serve(
     backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
     device: int = typer.Option(0, "--device", help="CUDA device index."),
     no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
+    dtype: str = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or float32 (exact, slower)."),
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.loader import resolve_dtype
     from ninfer.server.config import SamplerOverrides, ServerConfig
     from ninfer.server.runner import serve_forever
 
@@ -72,6 +74,7 @@ def serve(
         raise ConfigError(f"--backend must be one of auto, torch, cuda, got {backend!r}")
     if device < 0:
         raise ConfigError("--device must be >= 0")
+    resolve_dtype(dtype)  # a bad value fails before the server starts
     if max_context < 1:
         raise ConfigError("--max-context must be >= 1")
     if seed is not None and seed < 0:
@@ -101,7 +104,7 @@ def serve(
     def load():
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
-                           chat_template=chat_template, cuda_graph=not no_cuda_graph)
+                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype)
 
     def announce(line: str) -> None:
         print(line, flush=True)

@@ -53,6 +53,17 @@ def resolve_backend(backend: str, device: int) -> tuple[str, str]:
     return backend, (f"cuda:{device}" if has_cuda else "cpu")
 
 
+def resolve_dtype(name: str):
+    """--dtype: None for auto (the backend's default, bf16), else torch.bfloat16 or torch.float32.
+    float32 runs activations and the KV cache in fp32: the faithful mode, for small models."""
+    import torch
+
+    dtypes = {"auto": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    if name not in dtypes:
+        raise ConfigError(f"--dtype must be one of {', '.join(dtypes)}, got {name!r}")
+    return dtypes[name]
+
+
 def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_per_token: int,
                      device: str) -> int:
     """Pages in the shared KV pool. None: follow --max-context; "auto": device memory (CUDA: free
@@ -81,25 +92,28 @@ def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_p
 
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
-                cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True) -> LoadedModel:
+                cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
+                dtype: str = "auto") -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it."""
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
         cache_dir = default_cache_dir()
     backend, torch_device = resolve_backend(backend, device)
+    compute_dtype = resolve_dtype(dtype)
     path = resolve_model(model, cache_dir, announce=announce)
     artifact = Artifact.open(path)
     if chat_template is not None:
         artifact.meta = replace(artifact.meta, chat_template=_read_template(chat_template))
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
-                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels")
+                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
                  kv_capacity: int | str | None, cuda_graph: bool = True,
-                 kernel_cache_dir: Path | None = None) -> LoadedModel:
-    """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it."""
+                 kernel_cache_dir: Path | None = None, dtype=None) -> LoadedModel:
+    """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
+    dtype: None (the backend's default) or a torch dtype from `resolve_dtype`."""
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
@@ -112,16 +126,17 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     scheduler = replace(scheduler, max_context=max_context)
     tokenizer = Tokenizer.from_metadata(meta)
     tokenizer.token_bytes(0)  # build the byte table now (~0.4 s), not on the first request's first token
-    bytes_per_token = kv_bytes_per_token(meta.config, torch_device)  # both backends keep bf16 KV on CUDA
+    bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype)  # the same for both backends
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
 
     def build_runner():  # runs on the engine's worker thread (Engine.spawn says why)
         if backend == "cuda":
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
-                                   cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir)
+                                   cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
+                                   **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
-        return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device)
+        return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype)
 
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,

@@ -1,8 +1,8 @@
 // Paged attention, one kernel for decode and prefill: every query token attends the keys
 // 0..n_keys-1 of its own sequence, read from the paged cache. Compiled per shape with
 // -DHEAD_DIM=.. -DGQA=.. (query heads per kv head).
-//   q [T, Hq, D] bf16 (token stride q_stride), out [T, Hq, D] bf16 (token stride out_stride)
-//   k_cache/v_cache [num_pages, page_size, Hkv, D] bf16; block_tables [B, max_pages] int32
+//   q [T, Hq, D] act (token stride q_stride), out [T, Hq, D] act (token stride out_stride)
+//   k_cache/v_cache [num_pages, page_size, Hkv, D] act (act: bf16, or fp32 with -DACT_F32=1); block_tables [B, max_pages] int32
 //   decode  (cu_seqlens == nullptr): token t is sequence t, n_keys = lens[t] (context length)
 //   prefill (cu_seqlens [B+1]):      token t of sequence b sits at position
 //            lens[b] + (t - cu_seqlens[b]) (lens = start_pos) and sees keys 0..that position.
@@ -24,18 +24,8 @@
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert(GQA * HEAD_DIM <= 2048, "GQA * HEAD_DIM too large for registers and shared memory");
 
-// A lane's EPL contiguous bf16 -> floats: 4, 8 or 16 bytes, coalesced across the warp.
-__device__ __forceinline__ void load_lane(const u16* p, float* f) {
-#if EPL == 2
-  const u32 w = *(const u32*)p;
-  f[0] = bf16_lo(w); f[1] = bf16_hi(w);
-#elif EPL == 4
-  const uint2 w = *(const uint2*)p;
-  f[0] = bf16_lo(w.x); f[1] = bf16_hi(w.x); f[2] = bf16_lo(w.y); f[3] = bf16_hi(w.y);
-#else
-  unpack8(*(const uint4*)p, f);
-#endif
-}
+// A lane's EPL contiguous activations -> floats, coalesced across the warp.
+__device__ __forceinline__ void load_lane(const act* p, float* f) { load_act<EPL>(p, f); }
 
 // Which sequence token t belongs to and how many keys it sees.
 __device__ __forceinline__ int token_keys(int t, const i32* cu_seqlens, const i32* lens, int num_seqs, int* seq) {
@@ -63,10 +53,10 @@ __device__ __forceinline__ void softmax_update(float s, const float* v, float& m
 // Grid: (Hkv, T, max_parts); block: NWARPS warps. A block serves all GQA query heads of one
 // kv head, so each K/V row is read once for the group. Warp w takes keys k0+w, k0+w+NWARPS, ...
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
-paged_attention(const u16* __restrict__ q, i64 q_stride, const u16* __restrict__ k_cache,
-                const u16* __restrict__ v_cache, const i32* __restrict__ block_tables, int max_pages,
+paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__ k_cache,
+                const act* __restrict__ v_cache, const i32* __restrict__ block_tables, int max_pages,
                 const i32* __restrict__ cu_seqlens, const i32* __restrict__ lens, int num_seqs,
-                u16* __restrict__ out, i64 out_stride, float* __restrict__ part_out,
+                act* __restrict__ out, i64 out_stride, float* __restrict__ part_out,
                 float* __restrict__ part_ml, int max_parts, int Hkv, int page_size, int partition,
                 float scale) {
   __shared__ float sm_acc[NWARPS][GQA][HEAD_DIM];
@@ -155,7 +145,7 @@ paged_attention(const u16* __restrict__ q, i64 q_stride, const u16* __restrict__
     }
     const int head = kvh * GQA + g;
     if (nparts == 1) {
-      out[t * out_stride + (i64)head * HEAD_DIM + d] = f32_to_bf16(A / L);
+      out[t * out_stride + (i64)head * HEAD_DIM + d] = to_act(A / L);
     } else {
       const i64 p = ((i64)t * Hq + head) * max_parts + part;
       part_out[p * HEAD_DIM + d] = A / L;
@@ -172,7 +162,7 @@ paged_attention(const u16* __restrict__ q, i64 q_stride, const u16* __restrict__
 extern "C" __global__ void paged_attention_combine(const float* __restrict__ part_out,
                                                    const float* __restrict__ part_ml,
                                                    const i32* __restrict__ cu_seqlens, const i32* __restrict__ lens,
-                                                   int num_seqs, u16* __restrict__ out, i64 out_stride,
+                                                   int num_seqs, act* __restrict__ out, i64 out_stride,
                                                    int max_parts, int partition) {
   const int head = blockIdx.x, t = blockIdx.y, Hq = gridDim.x;
   int b;
@@ -189,6 +179,6 @@ extern "C" __global__ void paged_attention_combine(const float* __restrict__ par
       num += w * part_out[(base + p) * HEAD_DIM + d];
       den += w;
     }
-    out[t * out_stride + (i64)head * HEAD_DIM + d] = f32_to_bf16(num / den);
+    out[t * out_stride + (i64)head * HEAD_DIM + d] = to_act(num / den);
   }
 }

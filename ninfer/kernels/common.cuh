@@ -12,6 +12,7 @@ typedef unsigned long long u64;
 
 #define WARP 32
 #define NEG_INF (__int_as_float(0xff800000))
+#define NAN_F (__int_as_float(0x7fc00000))
 
 __device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
@@ -51,6 +52,67 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
   v.z = pack_bf16x2(f[4], f[5]);
   v.w = pack_bf16x2(f[6], f[7]);
   return v;
+}
+
+// Activations (hidden states, q/k/v, the KV cache, norm weights) are bf16 by default and fp32
+// when a module is compiled with -DACT_F32=1; kernels read and write them through these helpers
+// and always compute in fp32. Weights of the gemv keep their own formats.
+#ifndef ACT_F32
+#define ACT_F32 0
+#endif
+#if ACT_F32
+typedef float act;
+__device__ __forceinline__ float act_f32(act a) { return a; }
+__device__ __forceinline__ act to_act(float f) { return f; }
+#else
+typedef u16 act;
+__device__ __forceinline__ float act_f32(act a) { return bf16_to_f32(a); }
+__device__ __forceinline__ act to_act(float f) { return f32_to_bf16(f); }
+#endif
+// f rounded as storing it as an activation would round it.
+__device__ __forceinline__ float act_round(float f) { return act_f32(to_act(f)); }
+
+// N (2, 4 or 8) consecutive activations at p <-> floats; p is aligned to N activations.
+template <int N>
+__device__ __forceinline__ void load_act(const act* p, float* f) {
+#if ACT_F32
+  if constexpr (N == 2) {
+    const float2 v = *(const float2*)p;
+    f[0] = v.x; f[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 v = *(const float4*)(p + i);
+      f[i] = v.x; f[i + 1] = v.y; f[i + 2] = v.z; f[i + 3] = v.w;
+    }
+  }
+#else
+  if constexpr (N == 2) {
+    const u32 w = *(const u32*)p;
+    f[0] = bf16_lo(w); f[1] = bf16_hi(w);
+  } else if constexpr (N == 4) {
+    const uint2 w = *(const uint2*)p;
+    f[0] = bf16_lo(w.x); f[1] = bf16_hi(w.x); f[2] = bf16_lo(w.y); f[3] = bf16_hi(w.y);
+  } else {
+    unpack8(*(const uint4*)p, f);
+  }
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void store_act(act* p, const float* f) {
+#if ACT_F32
+  if constexpr (N == 2) {
+    *(float2*)p = make_float2(f[0], f[1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) *(float4*)(p + i) = make_float4(f[i], f[i + 1], f[i + 2], f[i + 3]);
+  }
+#else
+  if constexpr (N == 2) *(u32*)p = pack_bf16x2(f[0], f[1]);
+  else if constexpr (N == 4) *(uint2*)p = make_uint2(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]));
+  else *(uint4*)p = pack8(f);
+#endif
 }
 
 // Butterfly sum: a fixed order of additions, and every lane ends with the same value.

@@ -24,8 +24,16 @@ MAX_GEMV_ROWS = 8
 TOPK_MAX = 20
 GEMV_WARPS = 8  # gemv.cu
 ATTN_THREADS = 128  # attention.cu: NWARPS * 32
-GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3}
-GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32}  # weights a lane reads per 16-byte load
+GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
+GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
+ACT_DTYPES = (BF16, F32_DT)  # activations: bf16, or fp32 (modules compiled with ACT_F32=1)
+
+
+def _act(dtype: torch.dtype, name: str) -> dict[str, int]:
+    """The compile defines for activations of `dtype` (the dtype of tensor `name`)."""
+    if dtype not in ACT_DTYPES:
+        raise KernelError(f"{name} must be bfloat16 or float32 (the activation dtypes), got {dtype}")
+    return {"ACT_F32": 1} if dtype == F32_DT else {}
 
 
 def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: Sequence[int | None], device: int,
@@ -59,22 +67,24 @@ def _rows(t: torch.Tensor, name: str, width: int) -> int:
 
 
 def embedding(kc: KernelCompiler, ids: torch.Tensor, table: torch.Tensor, out: torch.Tensor) -> None:
-    """out[t] = table[ids[t]]; ids [T] int32, table [V, H] bf16, out [T, H] bf16, H % 8 == 0."""
+    """out[t] = table[ids[t]]; ids [T] int32, table [V, H] and out [T, H] bf16 or fp32 (the same), H % 8 == 0."""
     V, H = table.shape
     T = ids.shape[0]
+    defines = _act(out.dtype, "out")
     _check(ids, "ids", I32_DT, [T], kc.device)
-    _check(table, "table", BF16, [V, H], kc.device, align16=True)
-    _check(out, "out", BF16, [T, H], kc.device, align16=True)
+    _check(table, "table", out.dtype, [V, H], kc.device, align16=True)
+    _check(out, "out", out.dtype, [T, H], kc.device, align16=True)
     if H % 8:
         raise KernelError(f"hidden size {H} must be a multiple of 8")
     if T:
-        kc.kernel("elementwise.cu", "embedding_bf16").launch(
+        kc.kernel("elementwise.cu", "embedding", defines).launch(
             (T, 1, 1), (128, 1, 1), [ptr(ids), ptr(table), ptr(out), I32(V), I32(H)])
 
 
 def embedding_quant(kc: KernelCompiler, ids: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
                     out: torch.Tensor) -> None:
-    """Gather rows of a groupwise int8/int4 table (quant.py parts '', '.scales', '.mins') into bf16 out [T, H]."""
+    """Gather rows of a groupwise int8/int4 table (quant.py parts '', '.scales', '.mins') into out [T, H]
+    (bf16 or fp32)."""
     if not fmt.quantized:
         raise KernelError(f"embedding_quant needs an int8/int4 table, got {fmt.format}")
     T, H = out.shape
@@ -87,13 +97,14 @@ def embedding_quant(kc: KernelCompiler, ids: torch.Tensor, fmt: TensorFormat, pa
     mins = parts.get(".mins") if kind == 2 else None
     if kind == 2:
         _check(mins, "mins", F16, [V, H // g], kc.device)
-    _check(out, "out", BF16, [T, H], kc.device, align16=True)
+    defines = _act(out.dtype, "out")
+    _check(out, "out", out.dtype, [T, H], kc.device, align16=True)
     if H % 8 or g % 8 or H % g:
         raise KernelError(f"hidden size {H} and group size {g} must be multiples of 8, and H of g")
     if q.data_ptr() % 8:
         raise KernelError("table must start on an 8-byte boundary")
     if T:
-        kc.kernel("elementwise.cu", "embedding_quant").launch(
+        kc.kernel("elementwise.cu", "embedding_quant", defines).launch(
             (T, 1, 1), (128, 1, 1),
             [ptr(ids), ptr(q), ptr(parts[".scales"]), ptr(mins), ptr(out), I32(V), I32(H), I32(g), I32(kind)])
 
@@ -102,39 +113,41 @@ def rmsnorm_residual(kc: KernelCompiler, x: torch.Tensor, weight: torch.Tensor, 
                      residual: torch.Tensor | None = None) -> None:
     """out = rmsnorm(x) * weight; with `residual`: residual += x first and out = rmsnorm(residual) * weight.
 
-    x, residual, out: [T, H] bf16 row-major (row strides may exceed H); weight [H] bf16.
+    x, residual, out: [T, H] row-major (row strides may exceed H); weight [H]; all bf16 or all fp32.
     """
     T, H = x.shape
-    _check(x, "x", BF16, [T, H], kc.device, contiguous=False, align16=True)
-    _check(weight, "weight", BF16, [H], kc.device, align16=True)
-    _check(out, "out", BF16, [T, H], kc.device, contiguous=False, align16=True)
+    defines = _act(x.dtype, "x")
+    _check(x, "x", x.dtype, [T, H], kc.device, contiguous=False, align16=True)
+    _check(weight, "weight", x.dtype, [H], kc.device, align16=True)
+    _check(out, "out", x.dtype, [T, H], kc.device, contiguous=False, align16=True)
     if H % 8:
         raise KernelError(f"hidden size {H} must be a multiple of 8")
     res_stride = 0
     if residual is not None:
-        _check(residual, "residual", BF16, [T, H], kc.device, contiguous=False, align16=True)
+        _check(residual, "residual", x.dtype, [T, H], kc.device, contiguous=False, align16=True)
         res_stride = _rows(residual, "residual", H)
         if residual.data_ptr() == out.data_ptr() or residual.data_ptr() == x.data_ptr():
             raise KernelError("residual must not alias x or out")
     if T:
-        kc.kernel("elementwise.cu", "rmsnorm_residual").launch(
+        kc.kernel("elementwise.cu", "rmsnorm_residual", defines).launch(
             (T, 1, 1), (256 if H >= 2048 else 128, 1, 1),
             [ptr(x), ptr(residual), ptr(weight), ptr(out), I32(H), I64(_rows(x, "x", H)), I64(res_stride),
              I64(_rows(out, "out", H)), F32(eps)])
 
 
 def swiglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; bf16, I % 8 == 0."""
+    """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; bf16 or fp32 (both the same), I % 8 == 0."""
     T, I2 = gate_up.shape
     inter = I2 // 2
-    _check(gate_up, "gate_up", BF16, [T, 2 * inter], kc.device, contiguous=False, align16=True)
-    _check(out, "out", BF16, [T, inter], kc.device, contiguous=False, align16=True)
+    defines = _act(gate_up.dtype, "gate_up")
+    _check(gate_up, "gate_up", gate_up.dtype, [T, 2 * inter], kc.device, contiguous=False, align16=True)
+    _check(out, "out", gate_up.dtype, [T, inter], kc.device, contiguous=False, align16=True)
     if I2 % 2 or inter % 8:
         raise KernelError(f"gate_up width {I2} must be 2 * I with I a multiple of 8")
     n = T * inter // 8
     if n:
         blocks = min(math.ceil(n / 256), 132 * 16)
-        kc.kernel("elementwise.cu", "swiglu").launch(
+        kc.kernel("elementwise.cu", "swiglu", defines).launch(
             (blocks, 1, 1), (256, 1, 1),
             [ptr(gate_up), ptr(out), I32(T), I32(inter), I64(_rows(gate_up, "gate_up", I2)),
              I64(_rows(out, "out", inter))])
@@ -155,31 +168,34 @@ def rope_kv_write(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch
                   eps: float = 1e-6) -> None:
     """Rotate q in place and write rotated k and v into the paged cache at slot_mapping[t].
 
-    q [T, Hq, D], k/v [T, Hkv, D] bf16 (token strides free, heads packed); cos/sin [P, D/2] fp32;
-    positions, slot_mapping [T] int32 (slot < 0: no write); caches [pages, page_size, Hkv, D] bf16;
-    q_norm/k_norm [D] bf16: per-head RMSNorm before RoPE (qwen3), both or neither.
+    q [T, Hq, D], k/v [T, Hkv, D] (token strides free, heads packed); cos/sin [P, D/2] fp32;
+    positions, slot_mapping [T] int32 (slot < 0: no write); caches [pages, page_size, Hkv, D];
+    q_norm/k_norm [D]: per-head RMSNorm before RoPE (qwen3), both or neither. q, k, v, the caches
+    and the norms are all bf16 or all fp32.
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
+    act, defines = q.dtype, _act(q.dtype, "q")
+    pair = 2 * q.element_size()  # a lane moves two activations at a time
     for name, t, heads in (("q", q, Hq), ("k", k, Hkv), ("v", v, Hkv)):
-        _check(t, name, BF16, [T, heads, D], kc.device, contiguous=False)
-        if t.stride(1) != D or t.stride(0) < heads * D or t.data_ptr() % 4 or t.stride(0) % 2:
-            raise KernelError(f"{name} must have packed heads and 4-byte aligned rows, got strides {t.stride()}")
+        _check(t, name, act, [T, heads, D], kc.device, contiguous=False)
+        if t.stride(1) != D or t.stride(0) < heads * D or t.data_ptr() % pair or t.stride(0) % 2:
+            raise KernelError(f"{name} must have packed heads and {pair}-byte aligned rows, got strides {t.stride()}")
     if D % 4:
         raise KernelError(f"head_dim {D} must be a multiple of 4")
     _check(cos, "cos", F32_DT, [None, D // 2], kc.device)
     _check(sin, "sin", F32_DT, list(cos.shape), kc.device)
     _check(positions, "positions", I32_DT, [T], kc.device)
     _check(slot_mapping, "slot_mapping", I32_DT, [T], kc.device)
-    _check(k_cache, "k_cache", BF16, [None, None, Hkv, D], kc.device)
-    _check(v_cache, "v_cache", BF16, list(k_cache.shape), kc.device)
+    _check(k_cache, "k_cache", act, [None, None, Hkv, D], kc.device)
+    _check(v_cache, "v_cache", act, list(k_cache.shape), kc.device)
     if (q_norm is None) != (k_norm is None):
         raise KernelError("pass both q_norm and k_norm, or neither")
     if q_norm is not None:
-        _check(q_norm, "q_norm", BF16, [D], kc.device)
-        _check(k_norm, "k_norm", BF16, [D], kc.device)
+        _check(q_norm, "q_norm", act, [D], kc.device)
+        _check(k_norm, "k_norm", act, [D], kc.device)
     if T:
-        kc.kernel("rope_kv.cu", "rope_kv_write").launch(
+        kc.kernel("rope_kv.cu", "rope_kv_write", defines).launch(
             (T, 1, 1), (128, 1, 1),
             [ptr(q), ptr(k), ptr(v), ptr(cos), ptr(sin), ptr(positions), ptr(slot_mapping), ptr(k_cache),
              ptr(v_cache), ptr(q_norm), ptr(k_norm), I32(Hq), I32(Hkv), I32(D), I64(q.stride(0)),
@@ -193,12 +209,14 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
+    act = q.dtype
+    defines = {"HEAD_DIM": D, "GQA": Hq // Hkv, **_act(act, "q")}
     for name, t in (("q", q), ("out", out)):
-        _check(t, name, BF16, [T, Hq, D], kc.device, contiguous=False, align16=True)
-        if t.stride(1) != D or (t.stride(0) * 2) % 16:
+        _check(t, name, act, [T, Hq, D], kc.device, contiguous=False, align16=True)
+        if t.stride(1) != D or (t.stride(0) * t.element_size()) % 16:
             raise KernelError(f"{name} must have packed heads and 16-byte aligned rows, got strides {t.stride()}")
-    _check(k_cache, "k_cache", BF16, [None, None, Hkv, D], kc.device, align16=True)
-    _check(v_cache, "v_cache", BF16, list(k_cache.shape), kc.device, align16=True)
+    _check(k_cache, "k_cache", act, [None, None, Hkv, D], kc.device, align16=True)
+    _check(v_cache, "v_cache", act, list(k_cache.shape), kc.device, align16=True)
     _check(block_tables, "block_tables", I32_DT, [B, None], kc.device)
     _check(lens, "context_lens" if cu_seqlens is None else "start_pos", I32_DT, [B], kc.device)
     if cu_seqlens is not None:
@@ -223,7 +241,6 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         if workspace[0].shape[0] < T or workspace[0].shape[2] != max_parts or workspace[1].shape[:3] != workspace[0].shape[:3]:
             raise KernelError(f"workspace must be [>= {T}, {Hq}, {max_parts}, {D}] and [.., 2]")
     part_out, part_ml = workspace if max_parts > 1 else (None, None)
-    defines = {"HEAD_DIM": D, "GQA": Hq // Hkv}
     seq_args = [ptr(cu_seqlens), ptr(lens), I32(B)]
     kc.kernel("attention.cu", "paged_attention", defines).launch(
         (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
@@ -242,7 +259,7 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One query token per sequence attends its whole context (context_lens[b] keys, this token's included).
 
-    q, out [B, Hq, D] bf16; caches [pages, page_size, Hkv, D] bf16; block_tables [B, max_pages] int32;
+    q, out [B, Hq, D] and caches [pages, page_size, Hkv, D]: all bf16 or all fp32; block_tables [B, max_pages] int32;
     context_lens [B] int32; max_context_len: a host bound on context_lens, sizing the split-K grid.
     Contexts longer than `partition` keys are split and merged in a fixed order; the split depends
     only on each sequence's own length, so results are batch-invariant. `workspace` (optional,
@@ -268,14 +285,15 @@ def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
          out: torch.Tensor) -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
-    '.scales' / '.mins'), bf16 or groupwise int8/int4. x bf16; out bf16 or fp32 (e.g. logits).
-    Row strides of x and out may exceed their widths (16-byte multiples)."""
+    '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
+    out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
+    (16-byte multiples)."""
     M, K = x.shape
     w = parts[""]
     N = w.shape[0]
-    if fmt.format == "bf16":
-        code, g = 0, 0
-        _check(w, "weight", BF16, [N, K], kc.device, align16=True)
+    if fmt.format in ("bf16", "f32"):
+        code, g = GEMV_FORMATS[fmt.format], 0
+        _check(w, "weight", BF16 if code == 0 else F32_DT, [N, K], kc.device, align16=True)
     elif fmt.format == "int8":
         code, g = 1, fmt.group_size
         _check(w, "weight", torch.int8, [N, K], kc.device, align16=True)
@@ -285,23 +303,24 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     else:
         raise KernelError(f"gemv has no kernel for {fmt.format} weights")
     chunk = GEMV_CHUNK[code]
-    if K % chunk or (code and (g % chunk or K % g)):
+    if K % chunk or (fmt.quantized and (g % chunk or K % g)):
         raise KernelError(f"K={K} and group size {g} must be multiples of {chunk} (and K of the group size)")
-    if code:
+    if fmt.quantized:
         _check(parts[".scales"], "scales", F16, [N, K // g], kc.device)
     mins = parts.get(".mins") if code == 3 else None
     if code == 3:
         _check(mins, "mins", F16, [N, K // g], kc.device)
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use torch.matmul for more")
-    _check(x, "x", BF16, [M, K], kc.device, contiguous=False, align16=True)
-    if out.dtype not in (BF16, F32_DT):
-        raise KernelError(f"out must be bfloat16 or float32, got {out.dtype}")
+    defines = {"GEMV_FMT": code, **_act(x.dtype, "x")}
+    _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
+    if out.dtype not in (x.dtype, F32_DT):
+        raise KernelError(f"out must be {' or '.join(sorted({str(x.dtype), str(F32_DT)}))}, got {out.dtype}")
     _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
     out_stride = out.stride(0) if M > 1 else N
     if M > 1 and out_stride < N:
         raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
-    kc.kernel("gemv.cu", "gemv", {"GEMV_FMT": code}).launch(
+    kc.kernel("gemv.cu", "gemv", defines).launch(
         (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1),
         [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
          I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)])

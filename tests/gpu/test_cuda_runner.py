@@ -60,11 +60,12 @@ def check(label: str, ours: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor
     assert agree_ours >= agree_ref - (3 + rows // 20)
 
 
-def runners(artifact, num_pages: int):
+def runners(artifact, num_pages: int, dtype: torch.dtype = torch.bfloat16):
+    """(the cuda runner in `dtype`, the torch runner in bf16, the torch runner in fp32)."""
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
     from ninfer.engine.backends.torch_runner import TorchModelRunner
 
-    ours = CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda")
+    ours = CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda", dtype=dtype)
     ref = TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda")
     truth = TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE, device="cuda", dtype=torch.float32)
     return ours, ref, truth
@@ -100,6 +101,39 @@ def test_matches_torch_backend(shape: str, weights: str) -> None:
     check(f"{shape} {weights} decode", *(torch.cat(r) for r in rows))
     assert ours.graphs.captures >= 1
     del ours, ref, truth
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+FP32_CASES = [("smollm2-135m", "f32"), ("smollm2-135m", "bf16"), ("smollm2-135m", "int4"), ("qwen3-8b", "int8")]
+
+
+@pytest.mark.parametrize("shape,weights", FP32_CASES, ids=[f"{s}-{w}" for s, w in FP32_CASES])
+def test_fp32_mode_matches_fp32_torch_backend(shape: str, weights: str) -> None:
+    """dtype=float32: activations and KV in fp32, so the cuda runner differs from the fp32 torch
+    runner by summation order only: relative error near 1e-6 where bf16 gives ~1e-2."""
+    artifact = SharedWeights(SyntheticArtifact(shape, weights, seed=4))
+    vocab = artifact.meta.config.vocab_size
+    pages = list(range(-(-(PROMPT + STEPS) // PAGE)))
+    ours, _, truth = runners(artifact, num_pages=len(pages) + 2, dtype=torch.float32)
+    del artifact
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
+    rows = [[r.batch_logits(ScheduledBatch([seq(prompt, 0, pages, [])]))] for r in (ours, truth)]
+    generated: list[int] = []
+    for step in range(STEPS):
+        generated.append(int(rows[1][-1][0].argmax()))
+        batch = ScheduledBatch([seq([generated[-1]], PROMPT + step, pages, generated)])
+        for r, out in zip((ours, truth), rows):
+            out.append(r.batch_logits(batch))
+    rel, agree = compare(torch.cat(rows[0]), torch.cat(rows[1]))
+    rel_prompt, _ = compare(ours.forward_logits(prompt), truth.forward_logits(prompt))
+    print(f"\n{shape} {weights} fp32 mode: rel vs fp32 torch prompt {rel_prompt:.2e} decode {rel:.2e}, "
+          f"greedy agreement {agree}/{STEPS + 1}")
+    assert rel_prompt < 1e-4 and rel < 1e-4
+    assert agree == STEPS + 1
+    assert ours.graphs.captures >= 1
+    del ours, truth
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -142,7 +176,8 @@ def real_artifact(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue("smollm2_artifact")
 
 
-def test_real_smollm2_greedy_matches_torch_backend(real_artifact: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_real_smollm2_greedy_matches_torch_backend(real_artifact: Path, dtype: torch.dtype) -> None:
     from ninfer.engine.artifact import Artifact
     from ninfer.engine.tokenizer import Tokenizer
 
@@ -151,7 +186,7 @@ def test_real_smollm2_greedy_matches_torch_backend(real_artifact: Path) -> None:
     prompt = tok.encode("<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a "
                         "message in a bottle.<|im_end|>\n<|im_start|>assistant\n")
     pages = list(range(-(-(len(prompt) + STEPS) // PAGE)))
-    ours, _, ref = runners(artifact, num_pages=len(pages))  # the torch backend in fp32
+    ours, _, ref = runners(artifact, num_pages=len(pages), dtype=dtype)  # ref: the torch backend in fp32
 
     def greedy(step_fn) -> tuple[list[int], list[float]]:
         generated: list[int] = []
@@ -179,6 +214,8 @@ def test_real_smollm2_greedy_matches_torch_backend(real_artifact: Path) -> None:
     first_diff = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
     print(f"\nreal SmolLM2: {tok.decode(got)!r}\nfirst difference from the fp32 torch runner: step "
           f"{first_diff} (its top-2 margin there {margins[first_diff] if first_diff is not None else None})")
-    # identical greedy tokens until the reference itself is at a near-tie (after it the streams differ)
+    if dtype == torch.float32:  # the fp32 mode: identical, near-ties included
+        assert first_diff is None, f"fp32 mode: tokens differ from step {first_diff}"
+    # bf16: identical greedy tokens until the reference itself is at a near-tie (then the streams differ)
     assert first_diff is None or margins[first_diff] < NEAR_TIE, \
         f"tokens differ from step {first_diff} where the fp32 top-2 margin is {margins[first_diff]:.4f}"

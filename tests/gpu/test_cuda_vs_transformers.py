@@ -152,7 +152,11 @@ def real_artifact(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.mark.usefixtures("fp32_reference")
-def test_real_smollm2_greedy_matches_transformers(real_artifact: Path) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_real_smollm2_greedy_matches_transformers(real_artifact: Path, dtype: torch.dtype) -> None:
+    """64 greedy tokens on three chat prompts against transformers in fp32. The fp32 mode must give
+    the same tokens at every step; bf16 the same until the reference's own top-2 margin is a near-tie
+    (bf16 activations move real logits by ~0.05, and these prompts have margins down to 0.01)."""
     from ninfer.engine.artifact import Artifact
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
     from ninfer.engine.tokenizer import Tokenizer
@@ -169,7 +173,8 @@ def test_real_smollm2_greedy_matches_transformers(real_artifact: Path) -> None:
     # ours: the three prompts as lanes of one batch (prefill, then 3-row decode graphs), greedy
     per_lane = -(-(max(map(len, prompts)) + STEPS) // PAGE)
     tables = [list(range(i * per_lane, (i + 1) * per_lane)) for i in range(len(prompts))]
-    runner = CudaModelRunner(artifact, num_pages=per_lane * len(prompts), page_size=PAGE, device="cuda")
+    runner = CudaModelRunner(artifact, num_pages=per_lane * len(prompts), page_size=PAGE, device="cuda",
+                             dtype=dtype)
     generated: list[list[int]] = [[] for _ in prompts]
     batch = ScheduledBatch([seq(ids, 0, tables[i], [], seq_id=i) for i, ids in enumerate(prompts)])
     for step in range(STEPS):
@@ -190,11 +195,11 @@ def test_real_smollm2_greedy_matches_transformers(real_artifact: Path) -> None:
         margins = (top2[:, 0] - top2[:, 1]).tolist()
         first_diff = next((s for s, (a, b) in enumerate(zip(got, want)) if a != b), None)
         first_tie = next((s for s, m in enumerate(margins) if m < NEAR_TIE), None)
-        print(f"prompt {i}: {first_diff if first_diff is not None else STEPS}/{STEPS} greedy steps identical to "
+        print(f"{dtype} prompt {i}: {first_diff if first_diff is not None else STEPS}/{STEPS} greedy steps identical to "
               f"transformers fp32 (first reference near-tie at step {first_tie}, smallest margin "
               f"{min(margins):.3f}); ours: {tok.decode(got)!r}")
-        # identical until the reference itself is at a near-tie (after that the streams differ)
-        if first_diff is not None and margins[first_diff] >= NEAR_TIE:
+        # identical (bf16: until the reference itself is at a near-tie; after that the streams differ)
+        if first_diff is not None and (dtype == torch.float32 or margins[first_diff] >= NEAR_TIE):
             failures.append(f"prompt {i}: tokens differ at step {first_diff} (ours {got[first_diff]}, "
                             f"transformers {want[first_diff]}) where its top-2 margin is {margins[first_diff]:.4f}")
     assert not failures, "; ".join(failures)

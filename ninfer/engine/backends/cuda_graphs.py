@@ -17,23 +17,24 @@ MAX_DECODE_ROWS = 8  # the gemv kernel's row limit, and the engine's lane count
 
 @dataclass(slots=True)
 class Activations:
-    """Per-row scratch of one forward; row counts may exceed the rows in use (padding)."""
+    """Per-row scratch of one forward, in the activation dtype (bf16 or fp32); row counts may
+    exceed the rows in use (padding)."""
 
-    residual: torch.Tensor  # [rows, hidden] bf16: the residual stream
-    x: torch.Tensor  # [rows, hidden] bf16: normed input of the next projection
-    qkv: torch.Tensor  # [rows, (heads + 2 * kv_heads) * head_dim] bf16
-    attn: torch.Tensor  # [rows, heads * head_dim] bf16
-    proj: torch.Tensor  # [rows, hidden] bf16: o_proj and down outputs
-    gate_up: torch.Tensor  # [rows, 2 * intermediate] bf16
-    act: torch.Tensor  # [rows, intermediate] bf16
+    residual: torch.Tensor  # [rows, hidden]: the residual stream
+    x: torch.Tensor  # [rows, hidden]: normed input of the next projection
+    qkv: torch.Tensor  # [rows, (heads + 2 * kv_heads) * head_dim]
+    attn: torch.Tensor  # [rows, heads * head_dim]
+    proj: torch.Tensor  # [rows, hidden]: o_proj and down outputs
+    gate_up: torch.Tensor  # [rows, 2 * intermediate]
+    act: torch.Tensor  # [rows, intermediate]
     positions: torch.Tensor  # [rows] int32
     slots: torch.Tensor  # [rows] int32: page * page_size + pos % page_size
 
     @classmethod
     def allocate(cls, rows: int, hidden: int, qkv: int, attn: int, inter: int, device: torch.device,
-                 positions: torch.Tensor, slots: torch.Tensor) -> Activations:
+                 positions: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> Activations:
         # Zeroed where a padded row is a matmul input, so padding stays finite.
-        bf = dict(dtype=torch.bfloat16, device=device)
+        bf = dict(dtype=dtype, device=device)
         return cls(torch.empty(rows, hidden, **bf), torch.zeros(rows, hidden, **bf), torch.empty(rows, qkv, **bf),
                    torch.zeros(rows, attn, **bf), torch.empty(rows, hidden, **bf),
                    torch.empty(rows, 2 * inter, **bf), torch.zeros(rows, inter, **bf), positions, slots)
@@ -50,7 +51,7 @@ class DecodeState:
     HEAD = 5 * MAX_DECODE_ROWS  # int32 entries before the block tables
 
     def __init__(self, *, hidden: int, qkv: int, attn: int, inter: int, vocab: int, heads: int, head_dim: int,
-                 max_pages: int, max_parts: int, device: torch.device) -> None:
+                 max_pages: int, max_parts: int, device: torch.device, dtype: torch.dtype) -> None:
         R = MAX_DECODE_ROWS
         self.max_pages = max_pages
         self.max_parts = max_parts
@@ -62,7 +63,7 @@ class DecodeState:
         self.block_tables = v[self.HEAD:].view(R, max_pages)
         self.temperature, self.top_p, self.min_p, self.presence, self.frequency = self.f32.view(5, R).unbind(0)
         self.seeds, self.steps = self.i64.view(2, R).unbind(0)
-        self.act = Activations.allocate(R, hidden, qkv, attn, inter, device, v[R:2 * R], v[2 * R:3 * R])
+        self.act = Activations.allocate(R, hidden, qkv, attn, inter, device, v[R:2 * R], v[2 * R:3 * R], dtype)
         self.counts = torch.zeros(R, vocab, dtype=torch.int32, device=device)  # generated-token counts
         self.logits = torch.empty(R, vocab, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(R, dtype=torch.int32, device=device)

@@ -5,9 +5,14 @@ A step splits its sequences in two paths:
   per layer rmsnorm -> gemv qkv -> rope_kv_write -> paged_attention_decode -> gemv o_proj ->
   rmsnorm_residual -> gemv gate_up -> swiglu -> gemv down, then the final norm, gemv lm_head to fp32
   logits and sample_tokens; replayed from a CUDA graph per row count (cuda_graphs.py).
-- prompt rows (prefill, chunks, prefix-hit suffixes): the same layers with torch.mm (cuBLAS) on bf16
-  weights (quantized weights dequantized per projection on the fly) and paged_attention_prefill;
+- prompt rows (prefill, chunks, prefix-hit suffixes): the same layers with torch.mm (cuBLAS) on
+  dense weights (quantized weights dequantized per projection on the fly) and paged_attention_prefill;
   rows that sample take the lm_head gemv and the sampler like decode rows.
+
+Activations, the KV cache and the norm weights are bf16, or fp32 with dtype=torch.float32 (the
+faithful mode: every kernel computes in fp32 anyway, so then only the summation order differs from
+an fp32 reference). Linear weights keep their stored format: int8/int4 groupwise, bf16, or f32/f16
+as bf16 (fp32 in the fp32 mode).
 
 Batch invariance: every kernel computes a row from that row alone, the attention split depends only
 on a sequence's own length, and cuBLAS always sees blocks of exactly PREFILL_ROWS rows (padded), so
@@ -33,7 +38,7 @@ from ninfer.kernels.compiler import KernelCompiler, default_cache_dir
 
 PREFILL_ROWS = 128  # cuBLAS row block: every prompt matmul is [PREFILL_ROWS, K] @ [K, N]
 PARTITION = 512  # decode attention split-K partition (keys); fixed, for batch invariance
-BF16 = TensorFormat("bf16")
+DTYPES = {torch.bfloat16: TensorFormat("bf16"), torch.float32: TensorFormat("f32")}  # activation dtypes
 _MASK64 = (1 << 64) - 1
 
 
@@ -45,17 +50,18 @@ class Weight:
     fmt: TensorFormat
     parts: dict[str, torch.Tensor]
 
-    def dense(self) -> torch.Tensor:
-        """[N, K] bf16 (a fresh dequantized tensor for int8/int4)."""
-        return self.parts[""] if not self.fmt.quantized else dequantize(self.fmt, self.parts, torch.bfloat16)
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in `dtype` (the stored tensor where it already is one, else a fresh expanded copy)."""
+        w = self.parts[""]
+        return w if w.dtype == dtype and not self.fmt.quantized else dequantize(self.fmt, self.parts, dtype)
 
 
 @dataclass(slots=True)
 class Layer:
-    input_norm: torch.Tensor  # [hidden] bf16
+    input_norm: torch.Tensor  # [hidden], activation dtype like every vector here
     qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # [head_dim] bf16 (qwen3)
+    q_norm: torch.Tensor | None  # [head_dim] (qwen3)
     k_norm: torch.Tensor | None
     o_proj: Weight  # [hidden, heads * head_dim]
     post_norm: torch.Tensor
@@ -65,8 +71,8 @@ class Layer:
 
 def _gemv_ok(fmt: TensorFormat, k: int) -> bool:
     """Whether the gemv kernel takes this format at input width k (launchers.gemv's checks)."""
-    if fmt.format == "bf16":
-        return k % 8 == 0
+    if fmt.format in ("bf16", "f32"):
+        return k % L.GEMV_CHUNK[L.GEMV_FORMATS[fmt.format]] == 0
     if fmt.format not in ("int8", "int4"):
         return False
     code = 1 if fmt.format == "int8" else (2 if fmt.symmetric else 3)
@@ -75,24 +81,27 @@ def _gemv_ok(fmt: TensorFormat, k: int) -> bool:
 
 
 class _Loader:
-    """Turns an artifact's stored parts (on the device) into fused Weights and bf16 vectors."""
+    """Turns an artifact's stored parts (on the device) into fused Weights and vectors in the
+    activation dtype."""
 
-    def __init__(self, artifact, device: torch.device) -> None:
+    def __init__(self, artifact, device: torch.device, dtype: torch.dtype) -> None:
         self.parts: dict[str, dict[str, torch.Tensor]] = artifact.load_parts(device)
         self.formats: dict[str, TensorFormat] = artifact.meta.tensor_formats
+        self.dtype = dtype
 
     def tensor(self, name: str) -> torch.Tensor:
-        return dequantize(self.formats[name], self.parts[name], torch.bfloat16).contiguous()
+        return dequantize(self.formats[name], self.parts[name], self.dtype).contiguous()
 
     def linear(self, names: list[str]) -> Weight:
         fmts = [self.formats[n] for n in names]
         k = self.parts[names[0]][""].shape[1] * (2 if fmts[0].format == "int4" else 1)
-        if fmts[0].quantized and all(f == fmts[0] for f in fmts) and _gemv_ok(fmts[0], k):
+        if all(f == fmts[0] for f in fmts) and _gemv_ok(fmts[0], k) and (
+                fmts[0].quantized or fmts[0].format == "bf16"):  # bf16 is exact in either dtype
             return Weight(fmts[0], {sfx: torch.cat([self.parts[n][sfx] for n in names]).contiguous()
                                     for sfx in self.parts[names[0]]})
-        # float formats, mixed formats or shapes the gemv kernel does not take: bf16
-        return Weight(BF16, {"": torch.cat([dequantize(self.formats[n], self.parts[n], torch.bfloat16)
-                                            for n in names]).contiguous()})
+        # f32/f16, mixed formats or shapes the gemv kernel does not take: the activation dtype
+        return Weight(DTYPES[self.dtype], {"": torch.cat([dequantize(self.formats[n], self.parts[n], self.dtype)
+                                                          for n in names]).contiguous()})
 
     def drop(self, names: list[str]) -> None:
         for n in names:
@@ -104,12 +113,17 @@ class CudaModelRunner:
 
     cuda_graph: replay decode from CUDA graphs (False: launch every kernel each step).
     kernel_cache_dir: where compiled cubins are kept (None: `default_cache_dir()`).
+    dtype: the activation and KV dtype, torch.bfloat16 or torch.float32.
     """
 
     def __init__(self, artifact, *, num_pages: int, page_size: int = 64, device: str = "cuda",
-                 cuda_graph: bool = True, kernel_cache_dir: Path | None = None) -> None:
+                 cuda_graph: bool = True, kernel_cache_dir: Path | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
+        if dtype not in DTYPES:
+            raise ConfigError(f"the cuda backend computes in bfloat16 or float32, not {dtype}")
+        self.dtype = dtype
         dev = torch.device(device)
         if dev.type != "cuda":
             raise ConfigError(f"the cuda backend runs on a CUDA device, got {device!r}")
@@ -119,7 +133,7 @@ class CudaModelRunner:
         self.page_size = page_size
         self.num_pages = num_pages
         self.vocab_size = c.vocab_size
-        self.kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
+        self.kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize
         self._check_shapes(c)
         self.kc = KernelCompiler(kernel_cache_dir if kernel_cache_dir is not None else default_cache_dir(),
                                  device=self.device.index)
@@ -133,16 +147,14 @@ class CudaModelRunner:
             self.cos, self.sin = L.rope_cos_sin(c.head_dim, c.max_position_embeddings, c.rope_theta, self.device,
                                                 inv_freq=rope_inv_freq(c))
             shape = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
-            self.k_cache = [torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
-                            for _ in range(c.num_hidden_layers)]
-            self.v_cache = [torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
-                            for _ in range(c.num_hidden_layers)]
+            self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_hidden_layers)]
+            self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_hidden_layers)]
             self.max_context = min(c.max_position_embeddings, num_pages * page_size)
             max_pages = -(-self.max_context // page_size)
             self.state = DecodeState(hidden=c.hidden_size, qkv=self.q_size + 2 * self.kv_size, attn=self.q_size,
                                      inter=c.intermediate_size, vocab=c.vocab_size, heads=c.num_attention_heads,
                                      head_dim=c.head_dim, max_pages=max_pages,
-                                     max_parts=-(-self.max_context // PARTITION), device=self.device)
+                                     max_parts=-(-self.max_context // PARTITION), device=self.device, dtype=dtype)
         self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=cuda_graph)
 
     @staticmethod
@@ -156,7 +168,7 @@ class CudaModelRunner:
 
     def _load(self, artifact) -> None:
         c = self.config
-        w = _Loader(artifact, self.device)
+        w = _Loader(artifact, self.device, self.dtype)
         self.layers: list[Layer] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -180,8 +192,8 @@ class CudaModelRunner:
         H = c.hidden_size
         if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and _gemv_ok(fmt, H):
             self.embed = Weight(fmt, dict(w.parts[emb_name]))
-        else:
-            self.embed = Weight(BF16, {"": w.tensor(emb_name)})
+        else:  # the embedding kernel copies rows of the activation dtype
+            self.embed = Weight(DTYPES[self.dtype], {"": w.tensor(emb_name)})
         self.lm_head = self.embed if c.tie_word_embeddings else w.linear(["lm_head.weight"])
         self.norm = w.tensor("model.norm.weight")
 
@@ -226,8 +238,8 @@ class CudaModelRunner:
             pages = -(-n // self.page_size)
             c = self.config
             shape = (pages, self.page_size, c.num_key_value_heads, c.head_dim)
-            k_cache = [torch.zeros(shape, dtype=torch.bfloat16, device=self.device) for _ in self.layers]
-            v_cache = [torch.zeros(shape, dtype=torch.bfloat16, device=self.device) for _ in self.layers]
+            k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+            v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
             seq = SequenceWork(seq_id=-1, token_ids=list(token_ids), start_pos=0, block_table=list(range(pages)),
                                sample=False, sampling=None)  # type: ignore[arg-type]
             hidden = self._prefill_forward([seq], k_cache, v_cache)  # [n, hidden]
@@ -416,7 +428,7 @@ class CudaModelRunner:
     def _prefill_forward(self, seqs: list[SequenceWork], k_cache: list[torch.Tensor],
                          v_cache: list[torch.Tensor]) -> torch.Tensor:
         """Every token of `seqs` through the model (K/V written into the given caches).
-        -> final normed hidden [tokens, hidden] bf16 (a view of scratch)."""
+        -> final normed hidden [tokens, hidden] (a view of scratch)."""
         c, kc, ps = self.config, self.kc, self.page_size
         n = sum(len(s.token_ids) for s in seqs)
         rows = -(-n // PREFILL_ROWS) * PREFILL_ROWS
@@ -441,10 +453,10 @@ class CudaModelRunner:
         tables_d = dev[3 * n + 2 * S + 1:].view(S, max_pages)
         max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs)
         a = Activations.allocate(rows, c.hidden_size, self.q_size + 2 * self.kv_size, self.q_size,
-                                 c.intermediate_size, self.device, pos_d, slot_d)
+                                 c.intermediate_size, self.device, pos_d, slot_d, self.dtype)
 
         def project(w: Weight, x: torch.Tensor, y: torch.Tensor) -> None:
-            dense_t = w.dense().t()  # [K, N]
+            dense_t = w.dense(self.dtype).t()  # [K, N]
             for r0 in range(0, rows, PREFILL_ROWS):
                 torch.mm(x[r0:r0 + PREFILL_ROWS], dense_t, out=y[r0:r0 + PREFILL_ROWS])
 
