@@ -19,6 +19,7 @@ from typing import List, Optional
 
 import typer
 
+from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH
 from ninfer.errors import ConfigError
 
 
@@ -92,11 +93,11 @@ def bench(
     output: str = typer.Option("md", "-o", "--output", help="md, json or jsonl."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic", help="Random weights of a named shape (e.g. smollm2-135m, llama-8b, qwen3-8b)."),
     weights: str = typer.Option("bf16", "--weights", help="Synthetic weight format: bf16, f32, int8, int4."),
-    backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
-    device: int = typer.Option(0, "--device", help="CUDA device index."),
+    backend: str = BACKEND,
+    device: int = DEVICE,
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
-    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or float32 (exact, slower)."),
+    no_cuda_graph: bool = NO_CUDA_GRAPH,
+    dtype: str = DTYPE,
 ) -> None:
     from rich.progress import Progress
 

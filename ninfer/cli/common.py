@@ -1,8 +1,18 @@
 """Pieces several commands share: the [MODEL] TEXT argument pair, sampler flags, backend flags."""
 from __future__ import annotations
 
+import typer
+
 from ninfer.engine.request import SamplingParams
 from ninfer.errors import ConfigError, RequestError
+
+
+# The backend flags of serve, run and bench (typer reads these as the parameters' defaults).
+BACKEND = typer.Option("auto", "--backend", help="auto, torch or cuda.")
+DEVICE = typer.Option(0, "--device", help="CUDA device index.")
+NO_CUDA_GRAPH = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend).")
+DTYPE = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or "
+                                             "float32 (exact, slower).")
 
 
 def split_model_and_text(args: list[str], what: str) -> tuple[str | None, str]:

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import sampling_from_flags, split_model_and_text
+from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH, sampling_from_flags, split_model_and_text
 from ninfer.errors import ConfigError
 
 
@@ -26,10 +26,10 @@ def run(
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, token ids, finish reason, timings."),
-    backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
-    device: int = typer.Option(0, "--device", help="CUDA device index."),
-    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or float32 (exact, slower)."),
+    backend: str = BACKEND,
+    device: int = DEVICE,
+    no_cuda_graph: bool = NO_CUDA_GRAPH,
+    dtype: str = DTYPE,
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine

@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH
 from ninfer.errors import ConfigError
 
 
@@ -60,10 +61,10 @@ def serve(
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Process-level frequency-penalty override."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Fixed seed when a request omits one."),
     greedy: bool = typer.Option(False, "--greedy", help="Force exact argmax for all requests."),
-    backend: str = typer.Option("auto", "--backend", help="auto, torch or cuda."),
-    device: int = typer.Option(0, "--device", help="CUDA device index."),
-    no_cuda_graph: bool = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend)."),
-    dtype: str = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or float32 (exact, slower)."),
+    backend: str = BACKEND,
+    device: int = DEVICE,
+    no_cuda_graph: bool = NO_CUDA_GRAPH,
+    dtype: str = DTYPE,
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
