@@ -5,11 +5,14 @@ down before the server starts, so the two never share the cores):
 
 - latency: --n sequential 1-token greedy completions of one fixed raw prompt (the same token
   ids on both sides, prefix reuse on as the server does by default), p50/p99 from submit to the
-  final event (engine) and from request to parsed response (HTTP, one persistent httpx client
-  on /v1/completions). The difference is the HTTP overhead. The engine's own prompt_ms (the
-  compute of the one step) is shown for both sides, so a slower engine inside the server shows
-  apart from the HTTP path. GET /health is timed too: the transport floor (client + Granian +
-  ASGI app, no engine).
+  final event (engine) and from request to parsed response (HTTP on /v1/completions, over one
+  persistent connection of a lean client: each HTTP/1.1 request written in one send on a raw
+  socket, the Content-Length body read back and JSON-decoded). The difference is the HTTP
+  overhead. The same requests through httpx are timed too, for comparison: that client's own
+  cost is several hundred microseconds. The engine's own prompt_ms (the compute of the one
+  step) is shown for both sides, so a slower engine inside the server shows apart from the HTTP
+  path; "net of it" is the difference of p50/p99 of each request's latency minus its prompt_ms.
+  GET /health is timed too (both clients): the transport floor (client + Granian + ASGI app).
 - throughput: --clients concurrent requests of --tokens tokens each (ignore_eos, so lengths
   are fixed), --rounds rounds after a warm-up round; aggregate tok/s = all output tokens /
   wall time of the round. Engine-direct: one thread per handle; HTTP: streaming
@@ -29,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +60,12 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
     ms = [s * 1e3 for s in seconds]
     return {"p50_ms": pct(ms, 50), "p99_ms": pct(ms, 99), "mean_ms": statistics.fmean(ms),
             "min_ms": min(ms), "max_ms": max(ms), "n": len(ms)}
+
+
+def beyond(latency: list[float], compute: list[float]) -> dict[str, float]:
+    """Each request's latency minus its engine's own prompt compute: what is left when the
+    machine runs the engine faster or slower in one phase than in the other."""
+    return summary_ms([t - c for t, c in zip(latency, compute)])
 
 
 def client_prompts(base: list[int], tok: Any, clients: int) -> list[list[int]]:
@@ -147,31 +157,81 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def http_latency(client: httpx.Client, ids: list[int], n: int, warmup: int,
+class LeanClient:
+    """HTTP/1.1 over one keep-alive socket: the request written in one send, the response's
+    Content-Length body read back. Only what this benchmark needs (no chunked responses)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._sock = socket.create_connection((host, port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._host = f"{host}:{port}".encode()
+        self._buf = b""
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        head = [f"{method} {path} HTTP/1.1".encode(), b"Host: " + self._host]
+        if body is not None:
+            head += [b"Content-Type: application/json", b"Content-Length: %d" % len(body)]
+        self._sock.sendall(b"\r\n".join(head) + b"\r\n\r\n" + (body or b""))
+        while (end := self._buf.find(b"\r\n\r\n")) < 0:
+            self._recv()
+        lines = self._buf[:end].split(b"\r\n")
+        self._buf = self._buf[end + 4:]
+        length = next((int(line[15:]) for line in lines[1:] if line[:15].lower() == b"content-length:"), None)
+        if length is None:
+            raise SystemExit(f"{method} {path}: no Content-Length in the response")
+        while len(self._buf) < length:
+            self._recv()
+        payload, self._buf = self._buf[:length], self._buf[length:]
+        return int(lines[0].split()[1]), payload
+
+    def _recv(self) -> None:
+        data = self._sock.recv(65536)
+        if not data:
+            raise SystemExit("the server closed the connection")
+        self._buf += data
+
+
+def lean_call(client: LeanClient, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    status, payload = client.request(method, path, body)
+    return status, json.loads(payload)
+
+
+def httpx_call(client: httpx.Client, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    headers = {"content-type": "application/json"} if body is not None else None
+    r = client.request(method, path, content=body, headers=headers)
+    return r.status_code, r.json()
+
+
+def http_latency(post: Any, ids: list[int], n: int, warmup: int,
                  cache_prompt: bool) -> tuple[list[float], list[float]]:
-    """(request-to-parsed-response seconds, the server engine's prompt_ms / 1e3) per timed request."""
-    body = {"prompt": ids, "max_tokens": 1, "cache_prompt": cache_prompt, **GREEDY_BODY}
+    """(request-to-parsed-response seconds, the server engine's prompt_ms / 1e3) per timed request;
+    `post(path, body bytes)` is one client's round trip, returning (status, decoded JSON)."""
+    body = json.dumps({"prompt": ids, "max_tokens": 1, "cache_prompt": cache_prompt, **GREEDY_BODY}).encode()
     out, compute = [], []
     for i in range(warmup + n):
         t0 = time.perf_counter()
-        r = client.post("/v1/completions", json=body)
-        payload = r.json()
+        status, payload = post("/v1/completions", body)
         dt = time.perf_counter() - t0
-        if r.status_code != 200 or payload["usage"]["completion_tokens"] != 1:
-            raise SystemExit(f"/v1/completions answered {r.status_code}: {r.text[:300]}")
+        if status != 200 or payload["usage"]["completion_tokens"] != 1:
+            raise SystemExit(f"/v1/completions answered {status}: {str(payload)[:300]}")
         if i >= warmup:
             out.append(dt)
             compute.append(payload["timings"]["prompt_ms"] / 1e3)
     return out, compute
 
 
-def http_health(client: httpx.Client, n: int, warmup: int) -> list[float]:
+def http_health(get: Any, n: int, warmup: int) -> list[float]:
+    """GET /health round trips; `get(path)` is one client's round trip, returning (status, decoded JSON)."""
     out = []
     for i in range(warmup + n):
         t0 = time.perf_counter()
-        r = client.get("/health")
-        r.json()
+        status, payload = get("/health")
         dt = time.perf_counter() - t0
+        if status != 200 or payload.get("status") != "ok":
+            raise SystemExit(f"/health answered {status}: {payload}")
         if i >= warmup:
             out.append(dt)
     return out
@@ -232,7 +292,8 @@ def run_engine(args: argparse.Namespace) -> tuple[dict[str, Any], list[int], lis
                 raise SystemExit(f"engine round produced {n} tokens, expected {args.clients * args.tokens}")
     finally:
         loaded.engine.shutdown()
-    return {"latency": summary_ms(lat), "compute": summary_ms(compute), "throughput": tok_s(rounds)}, ids, prompts
+    return {"latency": summary_ms(lat), "compute": summary_ms(compute), "beyond_compute": beyond(lat, compute),
+            "throughput": tok_s(rounds)}, ids, prompts
 
 
 def run_http(args: argparse.Namespace, ids: list[int], prompts: list[list[int]]) -> dict[str, Any]:
@@ -243,9 +304,17 @@ def run_http(args: argparse.Namespace, ids: list[int], prompts: list[list[int]])
     startup_s = time.monotonic() - t0
     base_url = f"http://127.0.0.1:{port}"
     try:
+        lean = LeanClient("127.0.0.1", port)
+        try:
+            health = http_health(partial(lean_call, lean, "GET"), args.n, args.warmup)
+            lat, compute = http_latency(partial(lean_call, lean, "POST"), ids, args.n, args.warmup,
+                                        not args.no_cache_prompt)
+        finally:
+            lean.close()
         with httpx.Client(base_url=base_url, timeout=60.0) as client:
-            health = http_health(client, args.n, args.warmup)
-            lat, compute = http_latency(client, ids, args.n, args.warmup, not args.no_cache_prompt)
+            health_httpx = http_health(partial(httpx_call, client, "GET"), args.n, args.warmup)
+            lat_httpx, _ = http_latency(partial(httpx_call, client, "POST"), ids, args.n, args.warmup,
+                                        not args.no_cache_prompt)
         rounds = asyncio.run(http_rounds(base_url, prompts, args.tokens, args.rounds + 1,
                                          not args.no_cache_prompt))[1:]
         for n, _ in rounds:
@@ -253,7 +322,9 @@ def run_http(args: argparse.Namespace, ids: list[int], prompts: list[list[int]])
                 raise SystemExit(f"HTTP round produced {n} tokens, expected {args.clients * args.tokens}")
     finally:
         stop_server(proc)
-    return {"latency": summary_ms(lat), "compute": summary_ms(compute), "health": summary_ms(health),
+    return {"latency": summary_ms(lat), "compute": summary_ms(compute), "beyond_compute": beyond(lat, compute),
+            "health": summary_ms(health),
+            "latency_httpx": summary_ms(lat_httpx), "health_httpx": summary_ms(health_httpx),
             "throughput": tok_s(rounds),
             "server_startup_s": startup_s}
 
@@ -275,7 +346,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]  # the machine may be shared: record how busy it was
     engine, ids, prompts = run_engine(args)
     http = run_http(args, ids, prompts)
-    el, hl = engine["latency"], http["latency"]
+    el, hl, hx = engine["latency"], http["latency"], http["latency_httpx"]
+    eb, hb = engine["beyond_compute"], http["beyond_compute"]
     et, ht = engine["throughput"], http["throughput"]
     result = {
         "config": {"n": args.n, "warmup": args.warmup, "clients": args.clients, "tokens": args.tokens,
@@ -284,20 +356,28 @@ def main() -> None:
                    "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]},
         "engine": engine, "http": http,
         "overhead_ms": {"p50": hl["p50_ms"] - el["p50_ms"], "p99": hl["p99_ms"] - el["p99_ms"]},
+        "overhead_net_of_compute_ms": {"p50": hb["p50_ms"] - eb["p50_ms"], "p99": hb["p99_ms"] - eb["p99_ms"]},
+        "overhead_httpx_ms": {"p50": hx["p50_ms"] - el["p50_ms"], "p99": hx["p99_ms"] - el["p99_ms"]},
         "throughput_ratio_pct": 100 * ht["median_tok_s"] / et["median_tok_s"],
     }
+
+    def row(name: str, s: dict[str, float], minus: dict[str, float] | None = None) -> None:
+        d = {k: s[k] - (minus[k] if minus else 0.0) for k in ("p50_ms", "p99_ms", "mean_ms")}
+        print(f"  {name:26} {d['p50_ms']:8.2f} {d['p99_ms']:8.2f} {d['mean_ms']:8.2f}")
+
     print(f"1-token completion, {args.n} sequential requests ({len(ids)}-token prompt, "
           f"cache_prompt={not args.no_cache_prompt}):")
     print(f"  {'':26} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
-    print(f"  {'engine-direct':26} {el['p50_ms']:8.2f} {el['p99_ms']:8.2f} {el['mean_ms']:8.2f}")
-    print(f"  {'HTTP /v1/completions':26} {hl['p50_ms']:8.2f} {hl['p99_ms']:8.2f} {hl['mean_ms']:8.2f}")
-    print(f"  {'HTTP - engine':26} {result['overhead_ms']['p50']:8.2f} {result['overhead_ms']['p99']:8.2f}"
-          f" {hl['mean_ms'] - el['mean_ms']:8.2f}")
-    ec, hc = engine["compute"], http["compute"]
-    print(f"  {'engine compute, direct':26} {ec['p50_ms']:8.2f} {ec['p99_ms']:8.2f} {ec['mean_ms']:8.2f}")
-    print(f"  {'engine compute, in server':26} {hc['p50_ms']:8.2f} {hc['p99_ms']:8.2f} {hc['mean_ms']:8.2f}")
-    hh = http["health"]
-    print(f"  {'HTTP GET /health (floor)':26} {hh['p50_ms']:8.2f} {hh['p99_ms']:8.2f} {hh['mean_ms']:8.2f}")
+    row("engine-direct", el)
+    row("HTTP /v1/completions", hl)
+    row("HTTP - engine", hl, el)
+    row("  same through httpx", hx)
+    row("  httpx - engine", hx, el)
+    row("engine compute, direct", engine["compute"])
+    row("engine compute, in server", http["compute"])
+    row("HTTP - engine, net of it", hb, eb)
+    row("HTTP GET /health (floor)", http["health"])
+    row("  same through httpx", http["health_httpx"])
     print(f"{args.clients} concurrent streams x {args.tokens} tokens, {args.rounds} rounds:")
     print(f"  {'':26} {'median':>8} {'best':>8}   rounds (tok/s)")
     for name, t in (("engine-direct", et), ("HTTP stream", ht)):

@@ -3,6 +3,7 @@ Face's globals for the chat template, and the special/stop ids from the artifact
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -66,8 +67,10 @@ class Tokenizer:
 
     # ---- properties ------------------------------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
+        """Token ids run 0..vocab_size-1, added tokens included. Cached: the tokenizers library
+        counts anew on each call (tens of µs on a cold cache), and the vocabulary never changes."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @property

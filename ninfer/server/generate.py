@@ -93,7 +93,7 @@ class Generation:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._pump is not None:
-            await self._pump.aclose()
+            self._pump.close()
         if self._entered:
             self.call.state.leave()
 
@@ -102,27 +102,22 @@ class Generation:
         RequestError; submission errors (429, context_length_exceeded) raise too."""
         state = self.call.state
         assert state.loaded is not None
-        self._pump = EventPump(state.loaded.engine.stream(self.req))
-        first = True
-        while True:
-            try:
-                item = await self._pump.next(keepalive)
-            except RequestError:
-                if first:
-                    state.requests_rejected += 1
-                raise
-            first = False
-            if item is None:
-                return
-            if item is TIMEOUT:
-                yield item
-                continue
-            assert isinstance(item, OutputEvent)
-            if item.finish_reason is not None:
-                state.requests_total += 1
-                if item.finish_reason == "error":
-                    state.requests_failed += 1
-                    raise event_error(item)
+        engine = state.loaded.engine
+        pump = EventPump(engine, self.req.request_id)
+        try:
+            engine.submit(self.req, pump.sink)
+        except RequestError:
+            state.requests_rejected += 1
+            raise
+        self._pump = pump
+        while (item := await pump.next(keepalive)) is not None:
+            if item is not TIMEOUT:
+                assert isinstance(item, OutputEvent)
+                if item.finish_reason is not None:
+                    state.requests_total += 1
+                    if item.finish_reason == "error":
+                        state.requests_failed += 1
+                        raise event_error(item)
             yield item
 
     async def collect(self) -> Outcome:

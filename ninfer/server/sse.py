@@ -1,18 +1,22 @@
-"""Server-sent events and the pump that reads engine events with a keep-alive deadline.
+"""Server-sent events and the pump that hands one request's engine events to the asyncio loop.
 
-`EventPump.next(timeout)` keeps one pending `__anext__` task across timeouts, so waiting for
-a keep-alive interval never cancels the engine stream; `aclose()` cancels it (the engine then
-cancels the request).
+The engine calls `EventPump.sink` on its worker thread; the event is queued on the loop thread
+(call_soon_threadsafe), where `next(timeout)` returns it, waiting with a plain timer when none is
+queued, so a keep-alive timeout never disturbs the request. `close()` cancels an unfinished one.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ninfer.engine.request import OutputEvent
 from ninfer.errors import RequestError
+
+if TYPE_CHECKING:
+    from ninfer.engine.engine import Engine
 
 KEEPALIVE = b": keep-alive\n\n"
 DONE = b"data: [DONE]\n\n"
@@ -35,48 +39,54 @@ def sse_data(payload: Any) -> bytes:
 
 
 class EventPump:
-    """Reads `OutputEvent`s from an engine async iterator, with timeouts that keep the read alive."""
+    """The events of one request submitted with `sink`, read on the loop that made the pump."""
 
-    def __init__(self, events: AsyncIterator[OutputEvent]) -> None:
-        self._events = events
-        self._pending: asyncio.Future[OutputEvent] | None = None
-        self.done = False
+    def __init__(self, engine: Engine, request_id: str) -> None:
+        self._engine = engine
+        self._request_id = request_id
+        self._loop = asyncio.get_running_loop()
+        self._events: deque[OutputEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.done = False  # the final event was read, or the pump was closed
+
+    def sink(self, event: OutputEvent) -> None:
+        """The engine's callback (its worker thread): queue the event on the loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._push, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self._engine.cancel(self._request_id)
+
+    def _push(self, event: OutputEvent) -> None:
+        self._events.append(event)
+        _wake(self._waiter)
 
     async def next(self, timeout: float | None) -> OutputEvent | Timeout | None:
-        """The next event, TIMEOUT when none came in `timeout` s, None at the end of the stream.
-
-        Raises whatever the engine raised (RequestError at submission, for instance).
-        """
+        """The next event, TIMEOUT when none came in `timeout` s, None after the final event."""
         if self.done:
             return None
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(self._events.__anext__())
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-        if not done:
-            return TIMEOUT
-        task, self._pending = self._pending, None
-        try:
-            event = task.result()
-        except StopAsyncIteration:
-            self.done = True
-            return None
+        if not self._events:
+            waiter = self._waiter = self._loop.create_future()
+            timer = None if timeout is None else self._loop.call_later(timeout, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if not self._events:
+                return TIMEOUT
+        event = self._events.popleft()
         if event.finish_reason is not None:
             self.done = True
         return event
 
-    async def aclose(self) -> None:
-        """Stop reading: cancel a pending read and close the engine stream (cancels the request)."""
-        self.done = True
-        if self._pending is not None:
-            self._pending.cancel()
-            try:
-                await self._pending
-            except BaseException:  # noqa: BLE001 - the read is abandoned on purpose
-                pass
-            self._pending = None
-        aclose = getattr(self._events, "aclose", None)
-        if aclose is not None:
-            try:
-                await aclose()
-            except RuntimeError:  # closing a generator that is mid-`__anext__` elsewhere
-                pass
+    def close(self) -> None:
+        """Stop reading: an unfinished request is cancelled (the engine frees its lane)."""
+        if not self.done:
+            self.done = True
+            self._engine.cancel(self._request_id)
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
