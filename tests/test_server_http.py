@@ -506,6 +506,104 @@ def test_routes_and_unsupported_protocols(server: Server) -> None:
     body = r.json()
     assert r.status_code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert body["request_id"] == r.headers["request-id"] and "x-request-id" not in r.headers
+    r = _post(server, "/v1/messages/batches", {"requests": []})
+    assert r.status_code == 400 and "Message Batches are not supported" in r.json()["error"]["message"]
+
+
+# ---- Anthropic Messages ----------------------------------------------------------------------
+
+GREEDY = {"temperature": 0}  # the 2026 SDK no longer types temperature; the API still takes it
+
+
+def anthropic_client(server: Server):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
+
+
+def test_anthropic_messages_aggregate_stream_and_count(server: Server) -> None:
+    c = anthropic_client(server)
+    request = {"model": "any-local-label", "max_tokens": 12, "system": "Answer briefly.",
+               "messages": [{"role": "user", "content": "Name three colors."}]}
+    count = c.messages.count_tokens(model=request["model"], system=request["system"], messages=request["messages"])
+    c.messages.create(**request, extra_body=GREEDY)  # warm the prefix cache: both compared runs reuse it
+    raw = c.messages.with_raw_response.create(**request, extra_body=GREEDY)
+    msg = raw.parse()
+    assert raw.headers["request-id"].startswith("req_") and raw.headers["x-ninfer-version"]
+    assert msg.id.startswith("msg_") and msg.model == "any-local-label" and msg.role == "assistant"
+    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.stop_sequence is None
+    u = msg.usage
+    assert u.input_tokens + u.cache_read_input_tokens == count.input_tokens
+    assert u.cache_read_input_tokens > 0 and 1 <= u.output_tokens <= 12
+
+    with c.messages.stream(**request, extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == msg.content[0].text and final.content[0].text == text
+    assert final.stop_reason == msg.stop_reason and final.usage.output_tokens == u.output_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == count.input_tokens
+
+    names = []
+    with httpx.stream("POST", server.url + "/v1/messages", headers={"x-api-key": KEY}, timeout=120,
+                      json={**request, **GREEDY, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["request-id"].startswith("req_")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                names.append(line[7:])
+    deltas = names.count("content_block_delta")
+    assert names == ["message_start", "content_block_start"] + ["content_block_delta"] * deltas + [
+        "content_block_stop", "message_delta", "message_stop"]
+
+
+def test_anthropic_prefill_stop_sequence_and_max_tokens(server: Server) -> None:
+    c = anthropic_client(server)
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    msg = c.messages.create(model=MODEL, max_tokens=30, messages=ask, stop_sequences=["Paris"], extra_body=GREEDY)
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "Paris"
+    assert "Paris" not in msg.content[0].text
+    # a final assistant turn is continued in place: the prompt is the chat prompt plus that text
+    prefill = "The capital of France is"
+    tpl = _post(server, "/apply-template", {"messages": ask}).json()["prompt"]
+    want = _post(server, "/tokenize", {"content": tpl + prefill, "add_special": False}).json()["tokens"]
+    turns = ask + [{"role": "assistant", "content": prefill}]
+    assert c.messages.count_tokens(model=MODEL, messages=turns).input_tokens == len(want)
+    msg = c.messages.create(model=MODEL, max_tokens=3, messages=turns, extra_body=GREEDY)
+    assert "Paris" in msg.content[0].text and prefill not in msg.content[0].text  # the continuation only
+    assert (msg.stop_reason, msg.usage.output_tokens) in (("max_tokens", 3), ("end_turn", 2), ("end_turn", 3))
+    # consecutive user turns are one turn; a system turn keeps its place
+    split = [{"role": "user", "content": "What is the capital "}, {"role": "user", "content": "of France?"}]
+    assert c.messages.count_tokens(model=MODEL, messages=split).input_tokens == \
+        c.messages.count_tokens(model=MODEL, messages=ask).input_tokens
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]}, "image"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "tool"),
+    ({"messages": [{"role": "user", "content": [{"type": "nope"}]}]}, "nope"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
+    ({"messages": "hi"}, "messages"), ({"model": ""}, "model"), ({"stop_sequences": [""]}, "stop_sequences"),
+    ({"stream": "yes"}, "stream"), ({"temperature": "hot"}, "temperature"),
+])
+def test_anthropic_errors_name_the_field(server: Server, body: dict, param: str) -> None:
+    base = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url + "/v1/messages", json={**base, **body}, headers={"x-api-key": KEY}, timeout=60)
+    err = r.json()
+    assert r.status_code == 400, err
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert param in err["error"]["message"] and err["request_id"] == r.headers["request-id"]
+
+
+def test_anthropic_auth_error_shape(server: Server) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as e:
+        c.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["error"]["type"] == "authentication_error"
 
 
 def test_overload_queue_timeout_keepalive_and_disconnect(server: Server) -> None:
@@ -602,6 +700,19 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
             bodies.append(("/completion", json.dumps({**raw, field: v}).encode()))
             if field not in ("n_predict", "response_fields"):  # /completion's own fields
                 bodies.append(("/v1/completions", json.dumps({**raw, "max_tokens": 1, field: v}).encode()))
+    msg = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    msg_fields = {"messages": wrong + [[{"role": "user"}], [{"role": "user", "content": 5}],
+                                       [{"role": "user", "content": [{"type": "text"}]}], [None]],
+                  "max_tokens": [0, -1, "x", 1.5, True], "system": [5, [{"type": "image"}], [1]],
+                  "stop_sequences": [5, [1], [""]], "top_k": ["x", 1.5], "top_p": [2, "x"], "stream": ["x"],
+                  "thinking": ["x", {"type": "x"}], "tool_choice": ["auto", {"type": "x"}],
+                  "output_config": ["x"], "model": [5, ""], "chat_template_kwargs": ["x"]}
+    prompt_fields = ("messages", "system", "model", "thinking", "tool_choice", "output_config", "chat_template_kwargs")
+    for field, values in msg_fields.items():
+        for v in values:
+            bodies.append(("/v1/messages", json.dumps({**msg, field: v}).encode()))
+            if field in prompt_fields:  # count_tokens validates the prompt, not the sampling fields
+                bodies.append(("/v1/messages/count_tokens", json.dumps({**msg, field: v}).encode()))
     deep = b"[" * 5000 + b"]" * 5000
     obj_deep = b'{"a":' * 3000 + b"1" + b"}" * 3000
     broken = [b"", b"{", b"}", b"null", b"[]", b"42", b'"str"', b"{'a': 1}", b'{"a": NaN}', b'{"a": Infinity}',
@@ -609,7 +720,7 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
               b'{"max_tokens": 1' + b"0" * 400 + b"}", b'{"temperature": 1e999}', b"\x00" * 64,
               b'{"prompt": "a"' + b', "x": 1' * 10 + b"", b'{"a":1}{"b":2}']
     for path in ("/v1/chat/completions", "/v1/completions", "/completion", "/tokenize", "/detokenize",
-                 "/apply-template"):
+                 "/apply-template", "/v1/messages", "/v1/messages/count_tokens"):
         for b in broken:
             bodies.append((path, b))
     for path, body in [("/tokenize", {"content": 5}), ("/tokenize", {"content": "a", "parse_special": "no"}),

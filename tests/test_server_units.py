@@ -181,3 +181,33 @@ def test_session_digest_is_fnv1a64() -> None:
     assert session_digest([]) == "cbf29ce484222325"
     assert session_digest([1, 2, 3]) != session_digest([1, 2, 4])
     assert len(session_digest([42] * 10)) == 16
+
+
+def test_anthropic_conversation_joins_turns_and_splits_the_prefill() -> None:
+    from ninfer.server.anthropic import conversation
+
+    body = {"system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]},
+                         {"role": "system", "content": "mid"}, {"role": "user", "content": "c"},
+                         {"role": "assistant", "content": "Sure:"}]}
+    turns, prefill = conversation(body)
+    assert turns == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
+                     {"role": "system", "content": "mid"}, {"role": "user", "content": "c"}]
+    assert prefill == "Sure:"
+    turns, prefill = conversation({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                                {"role": "user", "content": "r"}]})
+    assert [t["role"] for t in turns] == ["user", "assistant", "user"] and prefill is None
+    with pytest.raises(RequestError, match="needs a user turn"):
+        conversation({"messages": [{"role": "assistant", "content": "x"}]})
+
+
+def test_anthropic_status_mapping() -> None:
+    from ninfer.server.anthropic import _for_anthropic
+    from ninfer.server.http import anthropic_error_type
+
+    over = _for_anthropic(RequestError("full", status=429, code="server_overloaded"))
+    assert (over.status, anthropic_error_type(over)) == (529, "overloaded_error")
+    late = _for_anthropic(RequestError("late", status=503, code="request_queue_timeout"))
+    assert (late.status, anthropic_error_type(late)) == (504, "timeout_error")
+    named = _for_anthropic(RequestError("must be an integer", param="max_tokens"))
+    assert named.message == "max_tokens: must be an integer" and named.status == 400

@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
-from ninfer.server import llamacpp, openai_chat, openai_completions, ops
+from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, ops
 from ninfer.server.http import Call, Headers
 from ninfer.server.state import ServerState
 from ninfer.version import version_string
@@ -42,6 +42,8 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/tokenize"): llamacpp.handle_tokenize,
     ("POST", "/detokenize"): llamacpp.handle_detokenize,
     ("POST", "/apply-template"): openai_chat.handle_apply_template,
+    ("POST", "/v1/messages"): anthropic.handle_messages,
+    ("POST", "/v1/messages/count_tokens"): anthropic.handle_count_tokens,
 }
 # routes that need no request body (GET) on the stats port
 STATS_ROUTES = {("GET", "/health"), ("GET", "/stats"), ("GET", "/v1/load"), ("GET", "/metrics")}
@@ -49,7 +51,7 @@ _MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
 # protocols this server does not implement: answered in their own envelope, never faked
 _NOT_SUPPORTED = {
     "/v1/responses": "the OpenAI Responses API is not supported by this server; use /v1/chat/completions",
-    "/v1/messages": "the Anthropic Messages API is not supported by this server; use /v1/chat/completions",
+    "/v1/messages/batches": "Message Batches are not supported by this server; send each request to /v1/messages",
 }
 
 
@@ -105,10 +107,10 @@ class App:
         headers: dict[str, str] = {}
         for k, v in scope["headers"]:
             headers[k.decode("latin-1").lower()] = v.decode("latin-1")
-        anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
-        request_id = ("req_" if anthropic else "") + uuid.uuid4().hex
+        is_anthropic = path == "/v1/messages" or path.startswith("/v1/messages/")
+        request_id = ("req_" if is_anthropic else "") + uuid.uuid4().hex
         base: Headers = [(b"x-ninfer-version", self._version),
-                         (b"request-id" if anthropic else b"x-request-id", request_id.encode())]
+                         (b"request-id" if is_anthropic else b"x-request-id", request_id.encode())]
         if cfg.cors:
             base += [(b"access-control-allow-origin", headers.get("origin", "*").encode("latin-1")),
                      (b"access-control-expose-headers", b"x-request-id, request-id, x-ninfer-version"),
@@ -117,7 +119,7 @@ class App:
                 base.append((b"access-control-allow-credentials", b"true"))
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         call = Call(method=method, path=path, query=query, headers=headers, request_id=request_id,
-                    state=state, send=send, base_headers=base, anthropic=anthropic)
+                    state=state, send=send, base_headers=base, anthropic=is_anthropic)
         try:
             await self._dispatch(call, receive)
         except RequestError as e:

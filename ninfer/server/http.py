@@ -27,11 +27,15 @@ def openai_error_body(err: RequestError) -> bytes:
                                    "param": err.param, "code": err.code}})
 
 
-def anthropic_error_body(err: RequestError, request_id: str) -> bytes:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+def anthropic_error_type(err: RequestError) -> str:
+    """Anthropic's error category for an HTTP status."""
+    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
             404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-            529: "overloaded_error"}.get(err.status, "api_error")
-    return orjson.dumps({"type": "error", "error": {"type": kind, "message": err.message},
+            504: "timeout_error", 529: "overloaded_error"}.get(err.status, "api_error")
+
+
+def anthropic_error_body(err: RequestError, request_id: str) -> bytes:
+    return orjson.dumps({"type": "error", "error": {"type": anthropic_error_type(err), "message": err.message},
                          "request_id": request_id})
 
 
