@@ -21,7 +21,7 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import Generation, new_request_id
 from ninfer.server.http import Call, anthropic_error_type
 from ninfer.server.openai_chat import template_kwargs
-from ninfer.server.params import bad, opt_bool, opt_int, parse_stop, sampling_from, unsupported
+from ninfer.server.params import bad, join_text_parts, opt_bool, opt_int, parse_stop, sampling_from, unsupported
 from ninfer.server.sse import KEEPALIVE, TIMEOUT
 
 ROLES = ("user", "assistant", "system")
@@ -40,32 +40,21 @@ _REFUSED_BLOCKS = {
 }
 
 
+def _block(block: dict[str, Any], p: str) -> str:
+    """A non-text content block: refused, naming what is missing."""
+    kind = block.get("type")
+    if kind in _REFUSED_BLOCKS:
+        code, why = _REFUSED_BLOCKS[kind]
+        raise RequestError(f"{p}: {why}", param=p, code=code)
+    if isinstance(kind, str) and kind:
+        raise RequestError(f"{p}: {kind} blocks are not supported by this server", param=f"{p}.type",
+                           code="content_block_not_supported")
+    raise bad(f"{p}.type", f"{p}.type must be a content block type such as \"text\"")
+
+
 def _text(content: Any, where: str) -> str:
-    """A string, or an array of text blocks joined without separators."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, f"{where} must be a string or an array of content blocks")
-    pieces = []
-    for j, block in enumerate(content):
-        p = f"{where}[{j}]"
-        if not isinstance(block, dict):
-            raise bad(p, f"{p} must be a content block object")
-        kind = block.get("type")
-        if kind == "text":
-            text = block.get("text")
-            if not isinstance(text, str):
-                raise bad(f"{p}.text", f"{p}.text must be a string")
-            pieces.append(text)  # cache_control and citations are hints: ignored
-        elif kind in _REFUSED_BLOCKS:
-            code, why = _REFUSED_BLOCKS[kind]
-            raise RequestError(f"{p}: {why}", param=p, code=code)
-        elif isinstance(kind, str) and kind:
-            raise RequestError(f"{p}: {kind} blocks are not supported by this server", param=f"{p}.type",
-                               code="content_block_not_supported")
-        else:
-            raise bad(f"{p}.type", f"{p}.type must be a content block type such as \"text\"")
-    return "".join(pieces)
+    """A string, or an array of text blocks joined (their cache_control and citations are hints)."""
+    return join_text_parts(content, where, _block)
 
 
 def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], str | None]:

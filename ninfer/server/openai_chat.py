@@ -13,9 +13,9 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
                                     slot_extras, usage_dict)
 from ninfer.server.http import Call
-from ninfer.server.params import (bad, check_id_slot, check_response_format, check_logit_bias, check_model, opt_bool,
-                                  opt_int, opt_object, parse_logprobs, parse_stop, reject_present, sampling_from,
-                                  unsupported)
+from ninfer.server.params import (bad, check_id_slot, check_response_format, check_logit_bias, check_model,
+                                  join_text_parts, opt_bool, opt_int, opt_object, parse_logprobs, parse_stop,
+                                  reject_present, sampling_from, unsupported)
 from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -26,43 +26,31 @@ _CONSTRAINED = ("grammar", "structured_outputs", "guided_json", "guided_regex", 
 _RESERVED_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
 
 
+def _chat_part(part: dict[str, Any], p: str) -> str:
+    """A non-text content part: a refusal's text, or a refusal of the part."""
+    kind = part.get("type")
+    if kind == "refusal":
+        text = part.get("refusal")
+        if not isinstance(text, str):
+            raise bad(f"{p}.refusal", f"{p}.refusal must be a string")
+        return text
+    if kind in ("image_url", "video_url", "input_image", "image"):
+        raise RequestError(f"{p}: image and video input needs a vision model; this server "
+                           "serves text only", param=p, code="vision_disabled")
+    if kind in ("input_audio", "audio"):
+        raise RequestError(f"{p}: audio input is not supported", param=p, code="audio_not_supported")
+    if kind == "file":
+        raise RequestError(f"{p}: file input is not supported", param=p, code="file_not_supported")
+    raise bad(f"{p}.type", f"{p}.type {kind!r} is not a known content part type")
+
+
 def _content_text(content: Any, where: str) -> str:
-    """String content, or ordered text/refusal parts joined without separators."""
+    """String content, or ordered text/refusal parts (bare strings too) joined without separators."""
     if content is None:
         return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, f"{where} must be a string or an array of content parts")
-    pieces = []
-    for j, part in enumerate(content):
-        p = f"{where}[{j}]"
-        if isinstance(part, str):
-            pieces.append(part)
-            continue
-        if not isinstance(part, dict):
-            raise bad(p, f"{p} must be a content part object")
-        kind = part.get("type")
-        if kind == "text":
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad(f"{p}.text", f"{p}.text must be a string")
-            pieces.append(text)
-        elif kind == "refusal":
-            text = part.get("refusal")
-            if not isinstance(text, str):
-                raise bad(f"{p}.refusal", f"{p}.refusal must be a string")
-            pieces.append(text)
-        elif kind in ("image_url", "video_url", "input_image", "image"):
-            raise RequestError(f"{p}: image and video input needs a vision model; this server "
-                               "serves text only", param=p, code="vision_disabled")
-        elif kind in ("input_audio", "audio"):
-            raise RequestError(f"{p}: audio input is not supported", param=p, code="audio_not_supported")
-        elif kind == "file":
-            raise RequestError(f"{p}: file input is not supported", param=p, code="file_not_supported")
-        else:
-            raise bad(f"{p}.type", f"{p}.type {kind!r} is not a known content part type")
-    return "".join(pieces)
+    if isinstance(content, list):  # OpenAI-compatible clients also send bare strings as parts
+        content = [{"type": "text", "text": c} if isinstance(c, str) else c for c in content]
+    return join_text_parts(content, where, _chat_part)
 
 
 def normalize_messages(value: Any) -> list[dict[str, Any]]:

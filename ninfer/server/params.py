@@ -3,6 +3,7 @@ stops, the model check and the sampler merge (preset < process flags < request <
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ninfer.engine.request import MAX_TOP_LOGPROBS, SamplingParams
@@ -235,3 +236,26 @@ def check_response_format(body: dict[str, Any]) -> None:
     if fmt["type"] != "text":
         raise unsupported("response_format", f"response_format {fmt['type']} is not supported: "
                                              "this server does not constrain output to JSON")
+
+
+def join_text_parts(content: Any, where: str, other: Callable[[dict[str, Any], str], str]) -> str:
+    """Message content: a string, or an array of content parts joined without separators. A part
+    of type "text" gives its `text`; any other part goes to other(part, its path), which returns
+    the part's text or raises."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(where, f"{where} must be a string or an array of content parts")
+    pieces = []
+    for j, part in enumerate(content):
+        p = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise bad(p, f"{p} must be a content part object")
+        if part.get("type") == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad(f"{p}.text", f"{p}.text must be a string")
+            pieces.append(text)
+        else:
+            pieces.append(other(part, p))
+    return "".join(pieces)
