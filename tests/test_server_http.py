@@ -500,14 +500,117 @@ def test_routes_and_unsupported_protocols(server: Server) -> None:
     r = _get(server, "/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     assert _get(server, "/v1/chat/completions").status_code == 405
-    r = _post(server, "/v1/responses", {"model": MODEL, "input": "hi"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "endpoint_not_supported"
     r = _post(server, "/v1/messages", {"model": MODEL, "max_tokens": 5, "messages": []})
     body = r.json()
     assert r.status_code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert body["request_id"] == r.headers["request-id"] and "x-request-id" not in r.headers
     r = _post(server, "/v1/messages/batches", {"requests": []})
     assert r.status_code == 400 and "Message Batches are not supported" in r.json()["error"]["message"]
+
+
+# ---- OpenAI Responses ------------------------------------------------------------------------
+
+def test_responses_create_store_continue_and_count(server: Server) -> None:
+    c = client(server)
+    first = c.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=12,
+                               temperature=0)
+    assert first.id.startswith("resp_") and first.object == "response" and first.model == MODEL
+    assert first.status in ("completed", "incomplete") and first.output_text
+    assert [item.type for item in first.output] == ["message"] and first.output[0].role == "assistant"
+    if first.status == "incomplete":
+        assert first.incomplete_details.reason == "max_output_tokens" and first.usage.output_tokens == 12
+    count = c.responses.input_tokens.count(model=MODEL, input="What is the capital of France?")
+    assert first.usage.input_tokens == count.input_tokens
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+
+    follow = {"previous_response_id": first.id, "input": [{"role": "user", "content": "And of Germany?"}]}
+    second = c.responses.create(model=MODEL, max_output_tokens=8, temperature=0, **follow)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == c.responses.input_tokens.count(model=MODEL, **follow).input_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the chain's rendered prefix is reused
+    items = c.responses.input_items.list(second.id)
+    assert [(i.role, i.content[0].text) for i in items.data] == [("user", "And of Germany?")]
+
+    c.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+    r = _post(server, "/v1/responses", {"model": MODEL, "input": "x", "previous_response_id": first.id})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    unstored = c.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unstored.id)
+
+
+def test_responses_stream_lifecycle(server: Server) -> None:
+    body = {"model": MODEL, "input": "Say hello.", "max_output_tokens": 6, "temperature": 0, "stream": True}
+    events = []
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, headers=AUTH, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["x-request-id"]
+        name = None
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                assert data["type"] == name
+                events.append(data)
+    types = [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    n = types.count("response.output_text.delta")
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added"] + ["response.output_text.delta"] * n + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", types[-1]]
+    final = events[-1]["response"]
+    assert types[-1] == f"response.{final['status']}" and final["status"] in ("completed", "incomplete")
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == final["output"][0]["content"][0]["text"] == events[-4]["text"]
+    assert final["usage"]["output_tokens"] >= 1 and "[DONE]" not in json.dumps(events)
+    stored = _get(server, f"/v1/responses/{final['id']}").json()
+    assert stored["output"][0]["content"][0]["text"] == text
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"foo": 1}, "foo", "unknown_parameter"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tools_not_supported"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format", None),
+    ({"background": True}, "background", "background_not_supported"),
+    ({"truncation": "auto"}, "truncation", "truncation_not_supported"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[0].type",
+     "tools_not_supported"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type", "reasoning_not_supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+     "input[0].content[0]", "vision_disabled"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", None),
+    ({"max_output_tokens": -1}, "max_output_tokens", None), ({"temperature": 3}, "temperature", None),
+    ({"include": ["file_search_call.results"]}, "include", None),
+    ({"input": [{"role": "user", "content": "a", "id": "x"}, {"role": "user", "content": "b", "id": "x"}]},
+     "input[1].id", None),
+    ({"input": [{"role": "assistant", "content": "only me"}]}, "input", None),
+    ({"graft": "g"}, "graft", "unknown_graft"),
+])
+def test_responses_errors_name_the_field(server: Server, body: dict, param: str, code: str | None) -> None:
+    r = _post(server, "/v1/responses", {"model": MODEL, "input": "hi", **body})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == param, err
+    assert code is None or err["code"] == code
+
+
+def test_responses_resources(server: Server) -> None:
+    assert _post(server, "/v1/responses", {"model": "other", "input": "hi"}).status_code == 404
+    assert _post(server, "/v1/responses/compact", {}).json()["error"]["code"] == "compaction_not_supported"
+    assert _post(server, "/v1/responses/resp_x/cancel", {}).json()["error"]["code"] == "background_not_supported"
+    assert _get(server, "/v1/responses/resp_missing").json()["error"]["code"] == "response_not_found"
+    assert httpx.delete(server.url + "/v1/responses/resp_missing", headers=AUTH).status_code == 404
+    assert _post(server, "/v1/responses/resp_x", {}).status_code == 405
+    items = [{"role": "user", "content": f"turn {i}"} for i in range(5)]
+    created = _post(server, "/v1/responses", {"model": MODEL, "input": items, "max_output_tokens": 1}).json()
+    page = _get(server, f"/v1/responses/{created['id']}/input_items", params={"limit": 2, "order": "asc"}).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["turn 0", "turn 1"] and page["has_more"]
+    rest = _get(server, f"/v1/responses/{created['id']}/input_items",
+                params={"after": page["last_id"], "order": "asc"}).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["turn 2", "turn 3", "turn 4"] and not rest["has_more"]
+    assert _get(server, f"/v1/responses/{created['id']}/input_items", params={"limit": 0}).status_code == 400
 
 
 # ---- Anthropic Messages ----------------------------------------------------------------------
@@ -707,6 +810,20 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
                   "stop_sequences": [5, [1], [""]], "top_k": ["x", 1.5], "top_p": [2, "x"], "stream": ["x"],
                   "thinking": ["x", {"type": "x"}], "tool_choice": ["auto", {"type": "x"}],
                   "output_config": ["x"], "model": [5, ""], "chat_template_kwargs": ["x"]}
+    resp = {"model": MODEL, "input": "hi", "max_output_tokens": 1}
+    resp_fields = {"input": [5, True, [5], [{"role": "x", "content": "a"}], [{"type": "x"}],
+                             [{"role": "user", "content": [{"type": "input_text"}]}], [{"role": "user", "content": 5}]],
+                   "max_output_tokens": [-1, "x", 1.5], "temperature": [3, "x"], "top_p": [2, "x"],
+                   "instructions": [5, []], "previous_response_id": [5, "", "nope"], "stream": ["x"],
+                   "store": ["x"], "metadata": ["x", {"a": 5}], "reasoning": ["x", {"summary": "x"}],
+                   "text": ["x", {"format": {"type": "json_schema"}}], "tool_choice": ["required"],
+                   "top_logprobs": [21, "x"], "include": ["x", ["x"]], "service_tier": ["flex"],
+                   "model": [None, "", 5, "other"], "user": [5], "nonsense": [1]}
+    for field, values in resp_fields.items():
+        for v in values:
+            bodies.append(("/v1/responses", json.dumps({**resp, field: v}).encode()))
+            count = {k: resp[k] for k in ("model", "input")}  # the fields input_tokens takes
+            bodies.append(("/v1/responses/input_tokens", json.dumps({**count, field: v}).encode()))
     prompt_fields = ("messages", "system", "model", "thinking", "tool_choice", "output_config", "chat_template_kwargs")
     for field, values in msg_fields.items():
         for v in values:
@@ -720,7 +837,8 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
               b'{"max_tokens": 1' + b"0" * 400 + b"}", b'{"temperature": 1e999}', b"\x00" * 64,
               b'{"prompt": "a"' + b', "x": 1' * 10 + b"", b'{"a":1}{"b":2}']
     for path in ("/v1/chat/completions", "/v1/completions", "/completion", "/tokenize", "/detokenize",
-                 "/apply-template", "/v1/messages", "/v1/messages/count_tokens"):
+                 "/apply-template", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses",
+                 "/v1/responses/input_tokens"):
         for b in broken:
             bodies.append((path, b))
     for path, body in [("/tokenize", {"content": 5}), ("/tokenize", {"content": "a", "parse_special": "no"}),

@@ -211,3 +211,39 @@ def test_anthropic_status_mapping() -> None:
     assert (late.status, anthropic_error_type(late)) == (504, "timeout_error")
     named = _for_anthropic(RequestError("must be an integer", param="max_tokens"))
     assert named.message == "max_tokens: must be an integer" and named.status == 400
+
+
+def test_responses_input_items_and_turns() -> None:
+    from ninfer.server.responses import normalize_input, turns_of
+
+    items = normalize_input([{"role": "developer", "content": "be brief"},
+                             {"type": "message", "role": "user", "id": "u1",
+                              "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+                             {"role": "assistant", "content": [{"type": "output_text", "text": "x"}]},
+                             {"role": "assistant", "content": [{"type": "refusal", "refusal": "y"}]}])
+    assert [i["id"] for i in items][1] == "u1" and all(i["id"] for i in items)
+    assert items[1]["content"] == [{"type": "input_text", "text": "ab"}]
+    assert turns_of(items, "rules") == [{"role": "system", "content": "rules"}, {"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": "ab"}, {"role": "assistant", "content": "xy"}]
+    assert normalize_input("hi")[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    with pytest.raises(RequestError, match="repeats"):
+        normalize_input([{"role": "user", "content": "a", "id": "m"}, {"role": "user", "content": "b", "id": "m"}])
+
+
+def test_response_store_evicts_least_recently_used() -> None:
+    from ninfer.server.response_store import ResponseStore
+
+    def response(i: int) -> dict:
+        return {"id": f"resp_{i}", "text": "x" * 100}
+
+    one = len(__import__("orjson").dumps([response(0), [], []]))
+    store = ResponseStore(budget=3 * one)
+    for i in range(3):
+        store.put(response(i), [], [])
+    assert store.get("resp_0") is not None  # now the most recently used
+    store.put(response(3), [], [])
+    assert store.get("resp_1") is None and store.get("resp_0") is not None and store.used <= store.budget
+    assert store.delete("resp_0") and not store.delete("resp_0")
+    with pytest.raises(RequestError, match="exceeds the response store") as e:
+        store.put({"id": "big", "text": "x" * (4 * one)}, [], [])
+    assert e.value.code == "response_store_capacity_exceeded"

@@ -21,7 +21,8 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import Generation, new_request_id
 from ninfer.server.http import Call, anthropic_error_type
 from ninfer.server.openai_chat import template_kwargs
-from ninfer.server.params import bad, join_text_parts, opt_bool, opt_int, parse_stop, sampling_from, unsupported
+from ninfer.server.params import (bad, join_text_parts, opt_bool, opt_int, parse_stop, refuse_tools, sampling_from,
+                                  unsupported)
 from ninfer.server.sse import KEEPALIVE, TIMEOUT
 
 ROLES = ("user", "assistant", "system")
@@ -95,11 +96,7 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], str | None
 
 def check_capabilities(body: dict[str, Any]) -> None:
     """Refuse fields that ask for what this server cannot do; neutral spellings pass."""
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("tools", "tools must be an array")
-    if tools:
-        raise unsupported("tools", "tool use is not supported by this server")
+    refuse_tools(body)
     choice = body.get("tool_choice")
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None

@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
-from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, ops
+from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, ops, responses
 from ninfer.server.http import Call, Headers
 from ninfer.server.state import ServerState
 from ninfer.version import version_string
@@ -44,13 +44,18 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/apply-template"): openai_chat.handle_apply_template,
     ("POST", "/v1/messages"): anthropic.handle_messages,
     ("POST", "/v1/messages/count_tokens"): anthropic.handle_count_tokens,
+    ("POST", "/v1/responses"): responses.handle_create,
+    ("POST", "/v1/responses/input_tokens"): responses.handle_input_tokens,
+    ("POST", "/v1/responses/compact"): responses.handle_compact,
 }
 # routes that need no request body (GET) on the stats port
 STATS_ROUTES = {("GET", "/health"), ("GET", "/stats"), ("GET", "/v1/load"), ("GET", "/metrics")}
 _MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
+# /v1/responses/{id}[/input_items|/cancel] -> the methods each answers
+_RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]+)(?:/(input_items|cancel))?$")
+_RESPONSE_METHODS = {None: ("GET", "DELETE"), "input_items": ("GET",), "cancel": ("POST",)}
 # protocols this server does not implement: answered in their own envelope, never faked
 _NOT_SUPPORTED = {
-    "/v1/responses": "the OpenAI Responses API is not supported by this server; use /v1/chat/completions",
     "/v1/messages/batches": "Message Batches are not supported by this server; send each request to /v1/messages",
 }
 
@@ -187,7 +192,11 @@ class App:
         if m and method == "GET":
             call.extra["model_id"] = m.group(1)
             return ops.handle_model
-        if any(p == path for _, p in ROUTES) or m:
+        r = _RESPONSE_PATH.match(path)
+        if r and method in _RESPONSE_METHODS[r.group(2)]:
+            call.extra["response_id"], call.extra["action"] = r.group(1), r.group(2)
+            return responses.handle_resource
+        if any(p == path for _, p in ROUTES) or m or r:
             raise RequestError(f"method {method} is not allowed on {path}", status=405,
                                code="method_not_allowed")
         raise RequestError(f"no route for {method} {path}", status=404, code="not_found")

@@ -13,9 +13,9 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
                                     slot_extras, usage_dict)
 from ninfer.server.http import Call
-from ninfer.server.params import (bad, check_id_slot, check_response_format, check_logit_bias, check_model,
+from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, check_response_format,
                                   join_text_parts, opt_bool, opt_int, opt_object, parse_logprobs, parse_stop,
-                                  reject_present, sampling_from, unsupported)
+                                  refuse_tools, reject_present, sampling_from, unsupported)
 from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -143,11 +143,7 @@ def check_capabilities(body: dict[str, Any]) -> None:
     reject_present(body, _CONSTRAINED, "constrained decoding is not available; "
                                        "structured output would use response_format")
     check_response_format(body)
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("tools", "tools must be an array")
-    if tools:
-        raise unsupported("tools", "tool calling is not supported by this server")
+    refuse_tools(body)
     choice = body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto"):
         raise unsupported("tool_choice", "tool_choice can only be none or auto: no tools are available")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ninfer.engine.request import SamplingParams
 from ninfer.errors import RequestError
 from ninfer.server.config import ServerConfig
+from ninfer.server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from ninfer.engine.loader import LoadedModel
@@ -88,6 +89,7 @@ class ServerState:
     requests_total: int = 0  # completed with an outcome
     requests_failed: int = 0  # accepted, then ended in an error
     requests_rejected: int = 0  # rejected during preparation
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored OpenAI Responses
     # /slots digests by cache entry id (an entry's tokens never change): (session, endpoint checkpoint)
     slot_digests: dict[int, tuple[str, str]] = field(default_factory=dict)
 
