@@ -71,6 +71,19 @@ def test_run_json_is_one_object_and_seeded(smollm2_artifact: Path) -> None:
     assert a["timings"]["predicted_n"] == len(a["token_ids"])
 
 
+def test_run_json_schema(smollm2_artifact: Path, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    out = ninfer("run", str(smollm2_artifact), "--json", "--temperature", "0", "--max-tokens", "60",
+                 "--json-schema", str(tmp_path / "s.json"), "What is the capital of France? Answer in JSON.")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["finish_reason"] == "stop" and set(json.loads(result["text"])) == {"capital"}
+    bad = ninfer("run", str(smollm2_artifact), "--json-schema", '{"type": "strin"}', "hi")
+    assert bad.returncode == 1 and "--json-schema cannot be enforced" in bad.stderr
+
+
 def test_run_dtype(smollm2_artifact: Path) -> None:
     out = ninfer("run", str(smollm2_artifact), "--json", "--dtype", "float32", "--temperature", "0",
                  "--max-tokens", "6", "What is the capital of France?")

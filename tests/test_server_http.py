@@ -50,7 +50,7 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     cmd = _serve_cmd(str(smollm2_artifact), "--port", str(port), "--api-key", KEY, "--model-id", MODEL,
                      "--cors", "--max-request-mib", "1", "--max-pending-requests", "2",
-                     "--pending-timeout-ms", "6000", "--stats-port", str(stats_port))
+                     "--pending-timeout-ms", "6000", "--stats-port", str(stats_port), "--structured-output")
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -508,6 +508,52 @@ def test_routes_and_unsupported_protocols(server: Server) -> None:
     assert r.status_code == 400 and "Message Batches are not supported" in r.json()["error"]["message"]
 
 
+# ---- structured output (the server runs with --structured-output) ----------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "temp": {"type": "integer"}},
+        "required": ["city", "temp"], "additionalProperties": False}
+ASK_JSON = [{"role": "user", "content": "Give the city Paris and the temperature 20 as JSON."}]
+
+
+def test_structured_output_chat_schema_object_and_stream(server: Server) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    r = c.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=60, temperature=0, response_format=fmt)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
+    r = c.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=60, temperature=0.8, seed=3,
+                                  response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    stream = c.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=60, temperature=0,
+                                       response_format=fmt, stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    jsonschema.validate(json.loads(text), CITY)
+    bad_stop = _post(server, "/v1/chat/completions", {**CHAT, "response_format": fmt, "stop": ["}"]})
+    assert bad_stop.status_code == 400 and bad_stop.json()["error"]["code"] == "stop_not_supported"
+    bad_schema = _post(server, "/v1/chat/completions",
+                       {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}})
+    err = bad_schema.json()["error"]
+    assert bad_schema.status_code == 400 and err["code"] == "invalid_json_schema"
+    assert err["param"] == "response_format.json_schema.schema" and "strin" in err["message"]
+
+
+def test_structured_output_other_protocols(server: Server) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    r = client(server).responses.create(model=MODEL, input=ASK_JSON, max_output_tokens=60, temperature=0,
+                                        text={"format": {"type": "json_schema", "name": "city", "schema": CITY}})
+    assert r.status == "completed" and r.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(r.output_text), CITY)
+    msg = anthropic_client(server).messages.create(
+        model=MODEL, max_tokens=60, messages=ASK_JSON, extra_body=GREEDY,
+        output_config={"format": {"type": "json_schema", "schema": CITY}})
+    assert msg.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(msg.content[0].text), CITY)
+    raw = _post(server, "/completion", {"prompt": "A JSON object describing a cat: ", "json_schema": {},
+                                        "n_predict": 60, "temperature": 0}).json()
+    assert raw["stop_type"] == "eos" and isinstance(json.loads(raw["content"]), dict)
+
+
 # ---- OpenAI Responses ------------------------------------------------------------------------
 
 def test_responses_create_store_continue_and_count(server: Server) -> None:
@@ -573,7 +619,7 @@ def test_responses_stream_lifecycle(server: Server) -> None:
 @pytest.mark.parametrize("body, param, code", [
     ({"foo": 1}, "foo", "unknown_parameter"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools", "tools_not_supported"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format", None),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", None),
     ({"background": True}, "background", "background_not_supported"),
     ({"truncation": "auto"}, "truncation", "truncation_not_supported"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}, "input[0].type",
@@ -684,7 +730,7 @@ def test_anthropic_prefill_stop_sequence_and_max_tokens(server: Server) -> None:
     ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "tools"),
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}]}, "image"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "tool"),
     ({"messages": [{"role": "user", "content": [{"type": "nope"}]}]}, "nope"),
@@ -780,7 +826,8 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
         "stop": [5, [1], ["a", "b", "c", "d", "e"], [""], {"a": 1}], "n": [2, 0, "x"],
         "logprobs": ["yes", 1], "top_logprobs": [21, -1, "x"], "stream": ["true", 1],
         "stream_options": ["x", [], {"include_usage": "yes"}], "logit_bias": [{"1": 5}, "x", [[1, 2]]],
-        "response_format": [{"type": "json_object"}, "x", {}], "tools": ["x", [{"type": "function"}]],
+        "response_format": [{"type": "json_schema"}, "x", {}, {"type": "json_schema", "json_schema": {"schema": 5}},
+                            {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}], "tools": ["x", [{"type": "function"}]],
         "tool_choice": ["required", {"type": "function"}], "ignore_eos": ["x", 1],
         "model": ["other", 5, [], {}], "chat_template_kwargs": ["x", {"messages": 1}],
         "guided_json": [{"type": "object"}], "grammar": ["x"], "audio": [{"voice": "a"}],
@@ -796,7 +843,7 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
     raw_fields = {"prompt": [None, 5, 1.5, [], [[1], [2]], ["a", "b"], [49152], [-1], {"a": 1}, True],
                   "n_predict": ["x", 1.5, []], "typical_p": [0.5, "x"], "tfs_z": [0.9], "xtc_probability": [0.5],
                   "top_n_sigma": [1.0], "n_indent": [2], "lora": [[{"id": 0, "scale": 1}]],
-                  "logit_bias": [[[5, False]]], "json_schema": [{}], "stop": [7, [1]],
+                  "logit_bias": [[[5, False]]], "json_schema": ["x", {"type": 5}], "stop": [7, [1]],
                   "cache_prompt": ["no"], "response_fields": ["x", [1]]}
     for field, values in raw_fields.items():
         for v in values:

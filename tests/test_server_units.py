@@ -145,7 +145,6 @@ def test_messages_normalized_and_media_refused() -> None:
     ({"n": 2}, "n_not_supported"), ({"logit_bias": {"5": 2}}, "logit_bias_not_supported"),
     ({"guided_json": {"type": "object"}}, "guided_json_not_supported"),
     ({"grammar": "root ::= x"}, "grammar_not_supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format_not_supported"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools_not_supported"),
     ({"audio": {"voice": "x"}}, "audio_not_supported"), ({"store": True}, "store_not_supported"),
     ({"modalities": ["text", "audio"]}, "modalities_not_supported"),
@@ -247,3 +246,19 @@ def test_response_store_evicts_least_recently_used() -> None:
     with pytest.raises(RequestError, match="exceeds the response store") as e:
         store.put({"id": "big", "text": "x" * (4 * one)}, [], [])
     assert e.value.code == "response_store_capacity_exceeded"
+
+
+def test_json_formats_need_structured_output() -> None:
+    from ninfer.server.state import ServerState
+    from ninfer.server.structured import chat_format, constrain, with_instruction
+
+    fmt = chat_format({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}})
+    assert fmt is not None and fmt.schema == {"type": "object"} and not fmt.strict
+    assert chat_format({"response_format": {"type": "text"}}) is None
+    with pytest.raises(RequestError) as e:
+        constrain(ServerState(config=ServerConfig()), fmt)
+    assert e.value.code == "response_format_not_supported" and e.value.param == "response_format.json_schema"
+    assert constrain(ServerState(config=ServerConfig(unconstrained_response_format=True)), fmt) is None
+    turns = with_instruction([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}], fmt)
+    assert turns[0]["content"].startswith("Respond with raw JSON only") and turns[0]["content"].endswith("Be kind.")
+    assert len(turns) == 2

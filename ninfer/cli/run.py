@@ -26,6 +26,8 @@ def run(
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, token ids, finish reason, timings."),
+    json_schema: Optional[str] = typer.Option(None, "--json-schema",
+                                              help="Constrain the answer to a JSON Schema (a file or inline JSON; {} for any JSON object)."),
     backend: str = BACKEND,
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
@@ -45,11 +47,23 @@ def run(
     flags = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
     sampling_from_flags(**flags)  # bad values fail before the model loads
+    schema = _read_schema(json_schema) if json_schema is not None else None
+    if schema is not None and stop:
+        raise ConfigError("--stop cannot be combined with --json-schema: the grammar ends the output")
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
                          announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:
+        grammar = None
+        if schema is not None:
+            from ninfer.engine.grammar import JsonGrammars
+            from ninfer.errors import RequestError
+            grammars = JsonGrammars(tok, loaded.meta.config.vocab_size)
+            try:
+                grammar = grammars.json_schema(schema, "--json-schema", strict=True) if schema else grammars.json_object()
+            except RequestError as e:
+                raise ConfigError(e.message) from None
         if raw:
             ids = tok.encode(prompt, add_special_tokens=True)
         else:
@@ -57,7 +71,7 @@ def run(
             messages.append({"role": "user", "content": prompt})
             ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
         req = PreparedRequest(request_id=f"run-{uuid.uuid4().hex[:12]}", prompt_token_ids=ids, sampling=sampling,
-                              max_tokens=max_tokens, stop=list(stop), raw_prompt=raw)
+                              max_tokens=max_tokens, stop=list(stop), raw_prompt=raw, grammar=grammar)
         text, token_ids, final = [], [], None
         for event in loaded.engine.submit(req):
             token_ids.extend(event.token_ids)
@@ -87,3 +101,18 @@ def run(
         print(f"[prompt: {timings.prompt_n} tokens, {timings.prompt_per_second:.1f} tok/s | "
               f"decode: {timings.predicted_n} tokens, {timings.predicted_per_second:.1f} tok/s | "
               f"finish: {final.finish_reason}]", file=sys.stderr)
+
+
+def _read_schema(value: str) -> dict:
+    """--json-schema: a file holding a JSON Schema, or the schema itself."""
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    text = path.read_text() if not value.lstrip().startswith("{") and path.is_file() else value
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--json-schema: not a file and not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise ConfigError("--json-schema must be a JSON Schema object")
+    return schema

@@ -61,6 +61,11 @@ def serve(
     frequency_penalty: Optional[float] = typer.Option(None, "--frequency-penalty", help="Process-level frequency-penalty override."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Fixed seed when a request omits one."),
     greedy: bool = typer.Option(False, "--greedy", help="Force exact argmax for all requests."),
+    structured_output: bool = typer.Option(False, "--structured-output",
+                                           help="Accept JSON and JSON Schema response formats, enforced token by token."),
+    unconstrained_response_format: bool = typer.Option(
+        False, "--unconstrained-response-format",
+        help="Without --structured-output, generate JSON-format requests unconstrained instead of refusing them."),
     backend: str = BACKEND,
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
@@ -93,7 +98,8 @@ def serve(
     config = ServerConfig(host=host, port=port, api_key=api_key, model_id=model_id, max_request_mib=max_request_mib,
                           cors=cors, usage_chunk_choice=usage_chunk_choice, stats_port=stats_port,
                           log_level=log_level, default_max_tokens=default_max_tokens, sampler=sampler,
-                          model_path=model or "")
+                          structured_output=structured_output,
+                          unconstrained_response_format=unconstrained_response_format, model_path=model or "")
     if chat_template is not None:
         from pathlib import Path
         if not Path(chat_template).expanduser().is_file():

@@ -6,7 +6,7 @@ The runner never touches the page allocator; it gets block tables.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ninfer.engine.request import SamplingParams, TokenLogprob
 
@@ -27,6 +27,7 @@ class SequenceWork:
     sampling: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)  # generated so far (penalties)
     seed: int = 0  # the request's resolved seed: the RNG stream is (seed, number of tokens sampled)
+    token_mask: Any = None  # structured output: the ids this sample may take (grammar.Matcher.next_mask)
 
 
 @dataclass(slots=True)

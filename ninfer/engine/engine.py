@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import count
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ninfer.engine.batch import ModelRunner, ScheduledBatch
 from ninfer.engine.config import SchedulerConfig
@@ -51,6 +51,7 @@ class _Live:
     last_token_at: float | None = None
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per published-able token
     logprobs_sent: int = 0
+    matcher: Any = None  # structured output: the request's grammar.Matcher
 
 
 class RequestHandle:
@@ -194,7 +195,8 @@ class Engine:
         handle = RequestHandle(req.request_id, self)
         now = time.monotonic()
         timeout = self.config.pending_timeout_ms
-        live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None)
+        live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None,
+                     matcher=req.grammar.matcher() if req.grammar is not None else None)
         with self._cv:
             if self._stopping or self._thread is None:
                 raise NInferError("the engine is not running" + (f" ({self._failed})" if self._failed else ""))
@@ -313,6 +315,10 @@ class Engine:
         try:
             if batch.page_copies:
                 self._copy_pages(batch.page_copies)
+            for work in batch.seqs:  # structured output: the grammar's mask for this sample
+                matcher = self._by_seq[work.seq_id].matcher
+                if work.sample and matcher is not None:
+                    work.token_mask = matcher.next_mask()
             output = self.runner.run(batch)
         except Exception as exc:  # fail the lanes, keep serving the queue
             for seq in list(self.scheduler.running):
@@ -353,6 +359,11 @@ class Engine:
 
     def _on_token(self, live: _Live, token: int, logprob: TokenLogprob | None, now: float) -> None:
         seq, proc = live.seq, live.proc
+        if live.matcher is not None and not live.matcher.accept(token):  # the mask should have excluded it
+            self.scheduler.abort(seq)
+            self._counters.requests_failed += 1
+            self._finalize(live, "error", error=f"structured output: the grammar does not admit sampled token {token}")
+            return
         first = live.first_token_at is None
         if first:
             live.first_token_at = now

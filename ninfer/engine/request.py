@@ -62,6 +62,7 @@ class PreparedRequest:
     max_tokens: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, withheld from output
     stop_token_ids: list[int] = field(default_factory=list)  # extra stop tokens (model's EOS added by the engine)
+    grammar: Any = None  # structured output: a grammar.Grammar the output must follow
     ignore_eos: bool = False
     cache_prompt: bool = True  # False keeps the request out of the context cache
     raw_prompt: bool = False  # a raw (non-chat) prompt: long ones keep a one-short checkpoint

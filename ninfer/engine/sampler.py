@@ -30,6 +30,9 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
     if n == 0:
         return [], []
     logits = _apply_penalties(logits.float(), seqs)
+    if any(s.token_mask is not None for s in seqs):  # structured output (xgrammar loads only then)
+        from ninfer.engine.grammar import apply_mask
+        logits = apply_mask(logits, [s.token_mask for s in seqs])
 
     # Temperature per row; greedy rows divide by 1 (their logprobs are reported at T = 1).
     temps = [s.sampling.temperature if not s.sampling.greedy else 1.0 for s in seqs]

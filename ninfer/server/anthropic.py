@@ -24,6 +24,7 @@ from ninfer.server.openai_chat import template_kwargs
 from ninfer.server.params import (bad, join_text_parts, opt_bool, opt_int, parse_stop, refuse_tools, sampling_from,
                                   unsupported)
 from ninfer.server.sse import KEEPALIVE, TIMEOUT
+from ninfer.server.structured import anthropic_format, constrain, with_instruction
 
 ROLES = ("user", "assistant", "system")
 MAX_STOP_SEQUENCES = 16
@@ -113,11 +114,8 @@ def check_capabilities(body: dict[str, Any]) -> None:
             raise RequestError(f"thinking {kind} is not supported: this model has no thinking mode",
                                param="thinking", code="thinking_not_supported")
     output_config = body.get("output_config")
-    if output_config is not None:
-        if not isinstance(output_config, dict):
-            raise bad("output_config", "output_config must be an object")
-        if output_config.get("format") is not None:
-            raise unsupported("output_config.format", "structured output is not supported by this server yet")
+    if output_config is not None and not isinstance(output_config, dict):
+        raise bad("output_config", "output_config must be an object")
     for name in ("mcp_servers", "container"):
         if body.get(name):
             raise unsupported(name, f"{name} is not supported: this server has no tool executor")
@@ -130,8 +128,9 @@ class MessagesRequest:
     stream: bool
 
 
-def _prompt_ids(call: Call, body: dict[str, Any]) -> list[int]:
-    """Validate the conversation and render it to token ids (shared with count_tokens)."""
+def _prompt_ids(call: Call, body: dict[str, Any], generate: bool = True) -> tuple[list[int], Any]:
+    """Validate the conversation and render it to token ids; -> (ids, the output_config.format
+    grammar or None). count_tokens (generate=False) ignores output_config.format, as the spec says."""
     model = body.get("model")
     if model is None:
         raise bad("model", "model is required", code="missing_required_parameter")
@@ -139,28 +138,36 @@ def _prompt_ids(call: Call, body: dict[str, Any]) -> list[int]:
         raise bad("model", "model must be a non-empty string")
     turns, prefill = conversation(body)
     check_capabilities(body)
+    fmt = anthropic_format(body.get("output_config")) if generate else None
+    grammar = constrain(call.state, fmt)
+    if grammar is not None and prefill is not None:
+        raise RequestError("an assistant prefill cannot be combined with output_config.format: the JSON value "
+                           "starts the answer", param="messages", code="assistant_prefill_not_supported")
     tok = call.state.loaded.tokenizer
     kwargs = template_kwargs({"chat_template_kwargs": body.get("chat_template_kwargs")})
-    prompt = tok.apply_chat_template(turns, add_generation_prompt=True, **kwargs) + (prefill or "")
-    ids = tok.encode(prompt, add_special_tokens=False)
+    prompt = tok.apply_chat_template(with_instruction(turns, fmt), add_generation_prompt=True, **kwargs)
+    ids = tok.encode(prompt + (prefill or ""), add_special_tokens=False)
     if not ids:
         raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
-    return ids
+    return ids, grammar
 
 
 def prepare_messages(call: Call, body: dict[str, Any], request_id: str) -> MessagesRequest:
     state = call.state
-    ids = _prompt_ids(call, body)
+    ids, grammar = _prompt_ids(call, body)
     max_tokens = opt_int(body, "max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise bad("max_tokens", "max_tokens must be a positive integer (omit it for the default output limit)")
     stop = parse_stop(body.get("stop_sequences"), MAX_STOP_SEQUENCES, "stop_sequences")
+    if grammar is not None and stop:
+        raise RequestError("stop_sequences cannot be combined with output_config.format: the grammar ends the "
+                           "output", param="stop_sequences", code="stop_not_supported")
     stream = opt_bool(body, "stream") or False
     sampling = sampling_from({k: body[k] for k in _SAMPLER_FIELDS if k in body}, state.base_sampling,
                              greedy=state.config.sampler.greedy, negative_temperature_greedy=False)
     # return_progress: the admission event, where a stream's message_start gets its exact usage
     req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, max_tokens=max_tokens,
-                          stop=stop, hints={"protocol": "anthropic", "return_progress": stream})
+                          stop=stop, grammar=grammar, hints={"protocol": "anthropic", "return_progress": stream})
     return MessagesRequest(req=req, model=body["model"], stream=stream)
 
 
@@ -193,7 +200,7 @@ async def handle_messages(call: Call) -> None:
 async def handle_count_tokens(call: Call) -> None:
     """The prompt's token count as /v1/messages would render it; nothing is generated."""
     try:
-        n = len(_prompt_ids(call, call.json()))
+        n = len(_prompt_ids(call, call.json(), generate=False)[0])
     except RequestError as e:
         raise _for_anthropic(e) from None
     await call.respond(200, {"input_tokens": n})

@@ -60,6 +60,8 @@ class ServerConfig:
     log_level: str = "info"
     default_max_tokens: int | None = None  # reported by /props; the engine applies it
     sampler: SamplerOverrides = field(default_factory=SamplerOverrides)
+    structured_output: bool = False  # enforce JSON response formats with a grammar
+    unconstrained_response_format: bool = False  # without it: generate JSON-format requests unconstrained
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
 

@@ -13,10 +13,10 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
                                     slot_extras, usage_dict)
 from ninfer.server.http import Call
-from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, check_response_format,
-                                  join_text_parts, opt_bool, opt_int, opt_object, parse_logprobs, parse_stop,
+from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, join_text_parts, opt_bool, opt_int, opt_object, parse_logprobs, parse_stop,
                                   refuse_tools, reject_present, sampling_from, unsupported)
 from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
+from ninfer.server.structured import chat_format, constrain, refuse_with_grammar, with_instruction
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_CHAT_STOPS = 4
@@ -140,9 +140,8 @@ def check_capabilities(body: dict[str, Any]) -> None:
             raise bad("modalities", "modalities must be an array of strings")
         if any(m != "text" for m in modalities):
             raise unsupported("modalities", "only text output is supported")
-    reject_present(body, _CONSTRAINED, "constrained decoding is not available; "
-                                       "structured output would use response_format")
-    check_response_format(body)
+    reject_present(body, _CONSTRAINED, "these constrained-decoding extensions are not available; "
+                                       "structured JSON is requested through response_format")
     refuse_tools(body)
     choice = body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto"):
@@ -191,6 +190,10 @@ def prepare_chat(call: Call, body: dict[str, Any], request_id: str) -> tuple[Pre
         max_tokens = None  # llama.cpp's "no limit": the derived default budget
     stop = parse_stop(body.get("stop"), MAX_CHAT_STOPS)
     ignore_eos = opt_bool(body, "ignore_eos") or False
+    fmt = chat_format(body)
+    grammar = constrain(state, fmt)
+    if grammar is not None:
+        refuse_with_grammar(stop, ignore_eos, fmt)
     stream = opt_bool(body, "stream") or False
     stream_options = opt_object(body, "stream_options") or {}
     include_usage = stream_options.get("include_usage", False)
@@ -203,13 +206,13 @@ def prepare_chat(call: Call, body: dict[str, Any], request_id: str) -> tuple[Pre
                           timings_per_token=bool(opt_bool(body, "timings_per_token")),
                           return_progress=bool(opt_bool(body, "return_progress")),
                           logprobs=logprobs, top_logprobs=top_logprobs)
-    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+    prompt = loaded.tokenizer.apply_chat_template(with_instruction(messages, fmt), add_generation_prompt=True,
                                                   **template_kwargs(body))
     ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
     if not ids:
         raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
     req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
-                          max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
+                          max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, grammar=grammar,
                           # both options shape a stream only; the engine does the work only then
                           hints={"protocol": "chat", "timings_per_token": stream and options.timings_per_token,
                                  "return_progress": stream and options.return_progress})

@@ -226,18 +226,6 @@ def check_llamacpp_neutral(body: dict[str, Any]) -> None:
     check_logit_bias(body.get("logit_bias"))
 
 
-def check_response_format(body: dict[str, Any]) -> None:
-    """Only `{"type": "text"}` is accepted: output is not constrained to JSON."""
-    fmt = body.get("response_format")
-    if fmt is None:
-        return
-    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-        raise bad("response_format", "response_format must be an object with a type")
-    if fmt["type"] != "text":
-        raise unsupported("response_format", f"response_format {fmt['type']} is not supported: "
-                                             "this server does not constrain output to JSON")
-
-
 def join_text_parts(content: Any, where: str, other: Callable[[dict[str, Any], str], str]) -> str:
     """Message content: a string, or an array of content parts joined without separators. A part
     of type "text" gives its `text`; any other part goes to other(part, its path), which returns

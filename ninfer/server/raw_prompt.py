@@ -7,9 +7,9 @@ from typing import Any
 
 from ninfer.engine.request import PreparedRequest
 from ninfer.errors import RequestError
-from ninfer.server.params import (bad, check_response_format, check_llamacpp_neutral, opt_bool, opt_object, parse_stop,
-                                  sampling_from, unsupported)
+from ninfer.server.params import bad, check_llamacpp_neutral, opt_bool, opt_object, parse_stop, sampling_from
 from ninfer.server.state import ServerState
+from ninfer.server.structured import chat_format, constrain, llamacpp_schema, refuse_with_grammar
 
 MAX_RAW_STOPS = 32
 
@@ -74,13 +74,13 @@ def prepare_raw(body: dict[str, Any], state: ServerState, request_id: str, max_t
                 protocol: str) -> tuple[PreparedRequest, RawOptions]:
     """The PreparedRequest for a raw prompt: sampler, stops, ignore_eos, cache_prompt."""
     check_llamacpp_neutral(body)
-    check_response_format(body)
-    schema = body.get("json_schema")
-    if schema is not None:
-        raise unsupported("json_schema", "json_schema is not supported: this server does not "
-                                         "constrain output to JSON")
+    fmt = llamacpp_schema(body) or chat_format(body)
+    grammar = constrain(state, fmt)
     ids = prompt_token_ids(body.get("prompt"), state)
     stop = parse_stop(body.get("stop"), MAX_RAW_STOPS)
+    ignore_eos = opt_bool(body, "ignore_eos") or False
+    if grammar is not None:
+        refuse_with_grammar(stop, ignore_eos, fmt)
     stream = opt_bool(body, "stream") or False
     stream_options = opt_object(body, "stream_options") or {}
     include_usage = stream_options.get("include_usage", False)
@@ -90,7 +90,7 @@ def prepare_raw(body: dict[str, Any], state: ServerState, request_id: str, max_t
     sampling = sampling_from(body, state.base_sampling, greedy=state.config.sampler.greedy)
     tpt = bool(opt_bool(body, "timings_per_token")) and stream  # it shapes a stream only
     req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
-                          max_tokens=max_tokens, stop=stop, ignore_eos=opt_bool(body, "ignore_eos") or False,
+                          max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, grammar=grammar,
                           cache_prompt=True if cache_prompt is None else cache_prompt, raw_prompt=True,
                           hints={"protocol": protocol, "timings_per_token": tpt,
                                  "skip_special_tokens": True})

@@ -24,6 +24,7 @@ from ninfer.server.openai_chat import template_kwargs
 from ninfer.server.params import (bad, check_model, join_text_parts, opt_bool, opt_int, opt_number, opt_object,
                                   refuse_tools, sampling_from, unsupported)
 from ninfer.server.sse import KEEPALIVE, TIMEOUT
+from ninfer.server.structured import constrain, responses_format, with_instruction
 
 ROLES = ("user", "assistant", "system", "developer")
 INCLUDE = ("reasoning.encrypted_content", "message.output_text.logprobs")
@@ -172,10 +173,6 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
             raise bad("include", f"include values must be among {', '.join(INCLUDE)}")
     text = opt_object(body, "text")
     if text is not None:
-        fmt = text.get("format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise unsupported("text.format", "text.format: only text output is supported; this server does not "
-                                             "constrain output to JSON")
         verbosity = text.get("verbosity")
         if verbosity not in (None, "medium"):
             raise unsupported("text.verbosity", "text.verbosity: only medium is supported")
@@ -214,11 +211,21 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
             raise bad(name, f"{name} must be a string")
 
 
-def _conversation(call: Call, body: dict[str, Any],
-                  known: set[str]) -> tuple[list[int], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(prompt ids, this input's Items, the chain's Items with them) for Create and input_tokens."""
+@dataclass(slots=True)
+class Prompt:
+    ids: list[int]
+    items: list[dict[str, Any]]  # this input's Items
+    history: list[dict[str, Any]]  # the chain's Items with them
+    grammar: Any  # text.format's grammar, or None
+
+
+def _conversation(call: Call, body: dict[str, Any], known: set[str], generate: bool = True) -> Prompt:
+    """The prompt of a Create (or, generate=False, of an input_tokens count: the format's
+    instruction counts, its grammar is not built) and what goes with it."""
     check_model(body, call.state, required=True)
     _check_fields(body, known)
+    fmt = responses_format(opt_object(body, "text"))
+    grammar = constrain(call.state, fmt) if generate else None
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions", "instructions must be a string")
@@ -242,14 +249,14 @@ def _conversation(call: Call, body: dict[str, Any],
     elif effort is not None:
         kwargs["reasoning_effort"] = effort
     tok = call.state.loaded.tokenizer
-    prompt = tok.apply_chat_template(turns_of(history, instructions), add_generation_prompt=True, **kwargs)
-    ids = tok.encode(prompt, add_special_tokens=False)
-    return ids, items, history
+    turns = with_instruction(turns_of(history, instructions), fmt)
+    prompt = tok.apply_chat_template(turns, add_generation_prompt=True, **kwargs)
+    return Prompt(tok.encode(prompt, add_special_tokens=False), items, history, grammar)
 
 
 def prepare_create(call: Call, body: dict[str, Any]) -> CreateRequest:
     state = call.state
-    ids, items, history = _conversation(call, body, _KNOWN)
+    p = _conversation(call, body, _KNOWN)
     max_tokens = opt_int(body, "max_output_tokens", lo=0)
     opt_number(body, "temperature", 0.0, 2.0)  # the Responses range; sampling_from reads the value
     top_logprobs = opt_int(body, "top_logprobs", lo=0, hi=20) or 0
@@ -267,11 +274,11 @@ def prepare_create(call: Call, body: dict[str, Any]) -> CreateRequest:
             "tool_choice": body.get("tool_choice") or "auto",
             "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"),
                           "summary": (body.get("reasoning") or {}).get("summary")},
-            "text": {"format": {"type": "text"}, "verbosity": "medium"}}
-    req = PreparedRequest(request_id=uuid.uuid4().hex, prompt_token_ids=ids, sampling=sampling,
-                          max_tokens=max_tokens, hints={"protocol": "responses"})
-    return CreateRequest(req=req, stream=stream, store=True if store is None else store, input_items=items,
-                         history=history, echo=echo, logprobs=logprobs, top_logprobs=top_logprobs)
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}, "verbosity": "medium"}}
+    req = PreparedRequest(request_id=uuid.uuid4().hex, prompt_token_ids=p.ids, sampling=sampling,
+                          max_tokens=max_tokens, grammar=p.grammar, hints={"protocol": "responses"})
+    return CreateRequest(req=req, stream=stream, store=True if store is None else store, input_items=p.items,
+                         history=p.history, echo=echo, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def _usage(usage: Usage | None) -> dict[str, Any]:
@@ -400,8 +407,8 @@ async def _stream(call: Call, gen: Generation, c: CreateRequest) -> None:
 
 async def handle_input_tokens(call: Call) -> None:
     """The prompt a Create with this body would run, counted; nothing is generated or stored."""
-    ids, _, _ = _conversation(call, call.json(), _COUNT_FIELDS)
-    await call.respond(200, {"object": "response.input_tokens", "input_tokens": len(ids)})
+    p = _conversation(call, call.json(), _COUNT_FIELDS, generate=False)
+    await call.respond(200, {"object": "response.input_tokens", "input_tokens": len(p.ids)})
 
 
 async def handle_resource(call: Call) -> None:

@@ -90,6 +90,7 @@ class ServerState:
     requests_failed: int = 0  # accepted, then ended in an error
     requests_rejected: int = 0  # rejected during preparation
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored OpenAI Responses
+    grammars: Any = None  # grammar.JsonGrammars with --structured-output
     # /slots digests by cache entry id (an entry's tokens never change): (session, endpoint checkpoint)
     slot_digests: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -114,6 +115,9 @@ class ServerState:
         """Publish the warm model; from here on every route serves."""
         self.facts = model_facts(loaded)
         self.base_sampling = base_sampling(loaded, self.config)
+        if self.config.structured_output:
+            from ninfer.engine.grammar import JsonGrammars  # xgrammar loads only when asked for
+            self.grammars = JsonGrammars(loaded.tokenizer, loaded.meta.config.vocab_size)
         self.ready_unix = time.time()
         self.ready_at = time.monotonic()
         self.loaded = loaded

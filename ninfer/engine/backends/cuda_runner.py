@@ -294,11 +294,11 @@ class CudaModelRunner:
             raise ValueError(f"sequence {s.seq_id}: token id outside 0..{self.vocab_size - 1}")
 
     def _collect(self, seqs: list[SequenceWork], out: StepOutput, logits: dict[int, torch.Tensor] | None) -> None:
-        """Read the sampled ids of state rows [:len(seqs)]; logprob rows are sampled again by the
-        torch sampler so the token and its record agree."""
+        """Read the sampled ids of state rows [:len(seqs)]; logprob rows (so the token and its record
+        agree) and structured-output rows (their grammar mask) are sampled again by the torch sampler."""
         st = self.state
         tokens = st.tokens[:len(seqs)].tolist()
-        want = [i for i, s in enumerate(seqs) if s.sampling.logprobs]
+        want = [i for i, s in enumerate(seqs) if s.sampling.logprobs or s.token_mask is not None]
         if want:
             from ninfer.engine.sampler import sample
 
@@ -306,7 +306,8 @@ class CudaModelRunner:
             lp_tokens, records = sample(st.logits.index_select(0, rows), [seqs[i] for i in want])
             for i, t, rec in zip(want, lp_tokens, records):
                 tokens[i] = t
-                out.logprobs[seqs[i].seq_id] = rec
+                if rec is not None:
+                    out.logprobs[seqs[i].seq_id] = rec
         for s, t in zip(seqs, tokens):
             out.sampled[s.seq_id] = t
         if logits is not None:

@@ -1,0 +1,88 @@
+"""Structured output: JSON grammars compiled by XGrammar over the model's byte vocabulary, and the
+matcher the engine advances with each committed token.
+
+The vocabulary is the tokenizer's raw bytes per id; special tokens map to no bytes, so a grammar
+never admits them, except the stop tokens, which it admits exactly where the JSON value is
+complete. The engine asks `Matcher.next_mask()` before a sampling step and the sampler keeps only
+the allowed ids (`apply_mask`).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+import xgrammar as xg
+
+from ninfer.errors import RequestError
+
+
+class JsonGrammars:
+    """Compiles JSON grammars for one tokenizer and model vocabulary (build once per model)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        special = tokenizer.special_token_ids
+        vocab = [b"" if i in special else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        info = xg.TokenizerInfo(vocab, xg.VocabType.RAW, vocab_size=vocab_size,
+                                stop_token_ids=sorted(tokenizer.stop_token_ids))
+        self.vocab_size = vocab_size
+        self._compiler = xg.GrammarCompiler(info, max_threads=2)
+
+    def json_object(self) -> Grammar:
+        """Any JSON object."""
+        return Grammar(self._compiler.compile_json_schema('{"type": "object"}'), self.vocab_size)
+
+    def json_schema(self, schema: Any, param: str, *, strict: bool) -> Grammar:
+        """A value of `schema` (a JSON Schema object); `param` names it in errors. strict: objects
+        without additionalProperties admit only their declared properties."""
+        if not isinstance(schema, dict):
+            raise RequestError(f"{param} must be a JSON Schema object", param=param, code="invalid_json_schema")
+        try:
+            compiled = self._compiler.compile_json_schema(json.dumps(schema), strict_mode=strict)
+        except (RuntimeError, ValueError, TypeError) as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)  # XGrammar's "[time] file.cc:line: "
+            raise RequestError(f"{param} cannot be enforced: {reason[:300]}", param=param,
+                               code="invalid_json_schema") from None
+        return Grammar(compiled, self.vocab_size)
+
+
+class Grammar:
+    """A compiled grammar; each request gets its own matcher."""
+
+    def __init__(self, compiled: xg.CompiledGrammar, vocab_size: int) -> None:
+        self._compiled = compiled
+        self.vocab_size = vocab_size
+
+    def matcher(self) -> Matcher:
+        return Matcher(xg.GrammarMatcher(self._compiled), self.vocab_size)
+
+
+class Matcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: xg.GrammarMatcher, vocab_size: int) -> None:
+        self._matcher = matcher
+        self._mask = xg.allocate_token_bitmask(1, vocab_size)
+
+    def next_mask(self) -> torch.Tensor:
+        """The ids the next token may take, as XGrammar's packed int32 bitmask [1, words] (a copy)."""
+        self._matcher.fill_next_token_bitmask(self._mask)
+        return self._mask.clone()
+
+    def accept(self, token: int) -> bool:
+        """Advance past `token`; False when the grammar does not admit it."""
+        return self._matcher.accept_token(token)
+
+
+def apply_mask(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """Rows with a mask keep only their allowed ids (others -inf); returns a new tensor when any
+    row is masked, else `logits` itself."""
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    if not rows:
+        return logits
+    out = logits.clone()
+    for i in rows:
+        xg.apply_token_bitmask_inplace(out[i:i + 1], masks[i].to(out.device))
+    return out
