@@ -38,6 +38,7 @@ class Server:
     proc: subprocess.Popen
     log: Path
     loading: list[httpx.Response]  # answers seen before the model was ready
+    request_log: Path  # --request-log-jsonl
 
 
 def _serve_cmd(*args: str) -> list[str]:
@@ -48,9 +49,11 @@ def _serve_cmd(*args: str) -> list[str]:
 def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
     port, stats_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
+    request_log = log.parent / "requests.jsonl"
     cmd = _serve_cmd(str(smollm2_artifact), "--port", str(port), "--api-key", KEY, "--model-id", MODEL,
                      "--cors", "--max-request-mib", "1", "--max-pending-requests", "2",
-                     "--pending-timeout-ms", "6000", "--stats-port", str(stats_port), "--structured-output")
+                     "--pending-timeout-ms", "6000", "--stats-port", str(stats_port), "--structured-output",
+                     "--request-log-jsonl", str(request_log), "--log-stats-interval-ms", "300")
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -71,7 +74,7 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             for extra in (client.post(f"{url}/v1/messages", json={}), client.options(f"{url}/v1/models")):
                 if extra.status_code == 503:
                     loading.append(extra)
-    yield Server(url, port, f"http://127.0.0.1:{stats_port}", proc, log, loading)
+    yield Server(url, port, f"http://127.0.0.1:{stats_port}", proc, log, loading, request_log)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()
 
@@ -109,7 +112,8 @@ def test_port_clash_fails_fast_with_the_port_named(server: Server) -> None:
 @pytest.mark.parametrize("args, option", [
     (["--max-concurrency", "9"], "--max-concurrency"), (["--top-p", "1.5"], "--top-p"),
     (["--kv-capacity", "lots"], "--kv-capacity"), (["--log-level", "loud"], "--log-level"),
-    (["--dtype", "float16"], "--dtype"),
+    (["--dtype", "float16"], "--dtype"), (["--log-stats-interval-ms", "-1"], "--log-stats-interval-ms"),
+    (["--request-log-jsonl", "/nonexistent-folder/requests.jsonl"], "--request-log-jsonl"),
 ])
 def test_invalid_option_fails_at_start_up(args: list[str], option: str) -> None:
     r = subprocess.run(_serve_cmd("--port", str(free_port()), *args), capture_output=True, text=True, timeout=120)
@@ -506,6 +510,33 @@ def test_routes_and_unsupported_protocols(server: Server) -> None:
     assert body["request_id"] == r.headers["request-id"] and "x-request-id" not in r.headers
     r = _post(server, "/v1/messages/batches", {"requests": []})
     assert r.status_code == 400 and "Message Batches are not supported" in r.json()["error"]["message"]
+
+
+# ---- operational records ---------------------------------------------------------------------
+
+def test_request_log_records_the_lifecycle(server: Server) -> None:
+    def records() -> list[dict]:
+        return [json.loads(line) for line in server.request_log.read_text().splitlines()]
+
+    seen = len(records())
+    assert records()[0]["event"] == "server_start" and records()[0]["model"] == MODEL
+    ok = _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 3})
+    assert ok.status_code == 200
+    assert _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": "x"}).status_code == 400
+    time.sleep(0.5)  # a throughput interval passes
+    new = records()[seen:]
+    start = next(r for r in new if r["event"] == "request_start")
+    done = next(r for r in new if r["event"] == "request_done" and r["request_id"] == start["request_id"])
+    assert start["protocol"] == "chat" and start["prompt_tokens"] == ok.json()["usage"]["prompt_tokens"]
+    assert done["result"]["completion_tokens"] == 3 and done["result"]["finish_reason"] == "length"
+    rejected = next(r for r in new if r["event"] == "request_rejected")
+    assert (rejected["status"], rejected["param"]) == (400, "max_tokens") and "message" not in rejected
+    assert any(r["event"] == "throughput" and r["tokens"]["decode"] >= 1 for r in new)
+    assert all(r["schema"] == "ninfer_serve_request_log" and r["server_instance_id"] == new[0]["server_instance_id"]
+               for r in new)
+    text = server.log.read_text()
+    assert f"req#{start['request_id']} done chat length prompt=" in text and "throughput: prefill" in text
+    assert "Say hi" not in text and "Say hi" not in server.request_log.read_text()  # no prompt text
 
 
 # ---- structured output (the server runs with --structured-output) ----------------------------

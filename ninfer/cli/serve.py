@@ -53,6 +53,10 @@ def serve(
     usage_chunk_choice: bool = typer.Option(False, "--usage-chunk-choice", help="Give the streamed usage chunk a zero-delta choice."),
     stats_port: Optional[int] = typer.Option(None, "--stats-port", help="Also serve /health, /stats, /v1/load, /metrics on this port."),
     log_level: str = typer.Option("info", "--log-level", help="trace|debug|info|warning|error|critical|off"),
+    log_stats_interval_ms: int = typer.Option(5000, "--log-stats-interval-ms",
+                                              help="Aggregate throughput record interval; 0 disables it."),
+    request_log_jsonl: Optional[str] = typer.Option(None, "--request-log-jsonl",
+                                                    help="Append full-precision server/request records to FILE."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Process-level temperature override."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Process-level top-p override."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Process-level top-k override (0..20; 0 is the top-20 cap)."),
@@ -98,7 +102,8 @@ def serve(
     config = ServerConfig(host=host, port=port, api_key=api_key, model_id=model_id, max_request_mib=max_request_mib,
                           cors=cors, usage_chunk_choice=usage_chunk_choice, stats_port=stats_port,
                           log_level=log_level, default_max_tokens=default_max_tokens, sampler=sampler,
-                          structured_output=structured_output,
+                          structured_output=structured_output, log_stats_interval_ms=log_stats_interval_ms,
+                          request_log_jsonl=request_log_jsonl,
                           unconstrained_response_format=unconstrained_response_format, model_path=model or "")
     if chat_template is not None:
         from pathlib import Path

@@ -188,10 +188,10 @@ async def handle_messages(call: Call) -> None:
     try:
         try:
             m = prepare_messages(call, body, new_request_id())
-        except RequestError:
-            call.state.requests_rejected += 1
+        except RequestError as e:
+            call.state.reject("anthropic", e)
             raise
-        async with Generation(call, m.req) as gen:
+        async with Generation(call, m.req, m.stream) as gen:
             await (_stream(call, gen, m) if m.stream else _aggregate(call, gen, m))
     except RequestError as e:
         raise _for_anthropic(e) from None

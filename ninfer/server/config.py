@@ -62,6 +62,8 @@ class ServerConfig:
     sampler: SamplerOverrides = field(default_factory=SamplerOverrides)
     structured_output: bool = False  # enforce JSON response formats with a grammar
     unconstrained_response_format: bool = False  # without it: generate JSON-format requests unconstrained
+    log_stats_interval_ms: int = 5000  # throughput record interval; 0: none
+    request_log_jsonl: str | None = None  # the JSONL measurement log, appended
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
 
@@ -84,6 +86,8 @@ class ServerConfig:
             raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ConfigError("--default-max-tokens must be >= 1")
+        if self.log_stats_interval_ms < 0:
+            raise ConfigError("--log-stats-interval-ms must be >= 0 (0 disables the throughput record)")
         if not self.keepalive_seconds > 0:
             raise ConfigError("keepalive_seconds must be positive")
 

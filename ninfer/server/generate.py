@@ -79,21 +79,28 @@ class Generation:
     """One request through the engine. Use as an async context manager: entering takes an
     ingress place (429 when full), leaving releases it and cancels an unfinished request."""
 
-    def __init__(self, call: Call, req: PreparedRequest) -> None:
+    def __init__(self, call: Call, req: PreparedRequest, stream: bool = False) -> None:
         self.call = call
         self.req = req
+        self.stream = stream
+        self.protocol = str(req.hints.get("protocol", ""))
         self.created = int(time.time())
         self._pump: EventPump | None = None
         self._entered = False
+        self._n = 0  # req#N once submitted
+        self._t0 = time.monotonic()
 
     async def __aenter__(self) -> Generation:
-        self.call.state.enter()
+        self.call.state.enter(self.protocol)
         self._entered = True
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self._pump is not None:
+        if self._pump is not None and not self._pump.done:  # the client went away first
             self._pump.close()
+            self.call.state.reqlog.request_error(
+                self._n, self.protocol, RequestError("the client disconnected", status=499, code="client_closed"),
+                time.monotonic() - self._t0)
         if self._entered:
             self.call.state.leave()
 
@@ -106,18 +113,24 @@ class Generation:
         pump = EventPump(engine, self.req.request_id)
         try:
             engine.submit(self.req, pump.sink)
-        except RequestError:
-            state.requests_rejected += 1
+        except RequestError as e:
+            state.reject(self.protocol, e)
             raise
         self._pump = pump
+        self._n = state.reqlog.next_id()
+        state.reqlog.request_start(self._n, self.protocol, self.req, self.stream)
         while (item := await pump.next(keepalive)) is not None:
             if item is not TIMEOUT:
                 assert isinstance(item, OutputEvent)
                 if item.finish_reason is not None:
                     state.requests_total += 1
+                    elapsed = time.monotonic() - self._t0
                     if item.finish_reason == "error":
                         state.requests_failed += 1
-                        raise event_error(item)
+                        err = event_error(item)
+                        state.reqlog.request_error(self._n, self.protocol, err, elapsed)
+                        raise err
+                    state.reqlog.request_done(self._n, self.protocol, item, elapsed)
             yield item
 
     async def collect(self) -> Outcome:

@@ -106,8 +106,8 @@ async def handle_completion(call: Call) -> None:
         fields = _response_fields(body)
         req, opts = prepare_raw(body, state, rid, max_tokens, "completion")
         req.hints["return_progress"] = return_progress and opts.stream  # progress shapes a stream only
-    except RequestError:
-        state.requests_rejected += 1
+    except RequestError as e:
+        state.reject("completion", e)
         raise
     tok = state.loaded.tokenizer
     prompt_text = tok.decode(req.prompt_token_ids, skip_special_tokens=False)
@@ -115,7 +115,7 @@ async def handle_completion(call: Call) -> None:
     def shape(obj: dict[str, Any]) -> dict[str, Any]:
         return _select(obj, fields) if fields is not None else obj
 
-    async with Generation(call, req) as gen:
+    async with Generation(call, req, opts.stream) as gen:
         if not opts.stream:
             out = await gen.collect()
             obj = _final_object(call, req, out.final, out.text, out.token_ids, prompt_text, False, return_tokens)

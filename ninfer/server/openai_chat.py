@@ -235,10 +235,10 @@ async def handle_chat(call: Call) -> None:
     rid = new_request_id()
     try:
         req, opts = prepare_chat(call, body, rid)
-    except RequestError:
-        call.state.requests_rejected += 1
+    except RequestError as e:
+        call.state.reject("chat", e)
         raise
-    async with Generation(call, req) as gen:
+    async with Generation(call, req, opts.stream) as gen:
         if opts.stream:
             await _stream(call, gen, opts)
         else:

@@ -38,11 +38,11 @@ async def handle_completions(call: Call) -> None:
         max_tokens = opt_int(body, "max_tokens", lo=-1)
         echo = opt_bool(body, "echo") or False
         req, opts = prepare_raw(body, state, rid, None if max_tokens == -1 else max_tokens, "completions")
-    except RequestError:
-        state.requests_rejected += 1
+    except RequestError as e:
+        state.reject("completions", e)
         raise
     prompt_text = state.loaded.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False) if echo else ""
-    async with Generation(call, req) as gen:
+    async with Generation(call, req, opts.stream) as gen:
         base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": gen.created,
                 "model": state.model_id}
         if not opts.stream:

@@ -341,10 +341,10 @@ async def handle_create(call: Call) -> None:
     body = call.json()
     try:
         c = prepare_create(call, body)
-    except RequestError:
-        call.state.requests_rejected += 1
+    except RequestError as e:
+        call.state.reject("responses", e)
         raise
-    async with Generation(call, c.req) as gen:
+    async with Generation(call, c.req, c.stream) as gen:
         if c.stream:
             await _stream(call, gen, c)
         else:

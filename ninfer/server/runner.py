@@ -15,11 +15,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ninfer.errors import ConfigError, NInferError
 from ninfer.server.app import App
 from ninfer.server.config import ServerConfig
+from ninfer.server.reqlog import RequestLog
 from ninfer.server.state import ServerState
 from ninfer.version import version_string
 
@@ -90,7 +92,25 @@ def serve_forever(config: ServerConfig, load: Callable[[], LoadedModel],
     if config.stats_port is not None:
         check_bindable(config.host, config.stats_port, "--stats-port")
     state = ServerState(config)
-    return asyncio.run(_serve(state, load, announce))
+    if config.request_log_jsonl is not None:
+        state.reqlog = open_request_log(config.request_log_jsonl, config.model_path)
+    try:
+        return asyncio.run(_serve(state, load, announce))
+    finally:
+        state.reqlog.close()
+
+
+def open_request_log(value: str, model_path: str) -> RequestLog:
+    """--request-log-jsonl FILE: appended; its folder must exist, and it must not be the model."""
+    path = Path(value).expanduser().resolve()
+    if model_path and Path(model_path).expanduser().exists() and path == Path(model_path).expanduser().resolve():
+        raise ConfigError(f"--request-log-jsonl {value}: that is the model file")
+    if not path.parent.is_dir():
+        raise ConfigError(f"--request-log-jsonl {value}: the folder {path.parent} does not exist")
+    try:
+        return RequestLog(path)
+    except OSError as e:
+        raise ConfigError(f"--request-log-jsonl {value}: cannot open it ({e.strerror})") from None
 
 
 async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: Callable[[str], None]) -> int:
@@ -142,10 +162,18 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
             return 1
         loaded = loaded_box["model"]
         state.set_ready(loaded)
+        snap = loaded.engine.snapshot()
+        state.reqlog.server_start(artifact=str(loaded.path), model=state.model_id, backend=loaded.backend,
+                                  device=loaded.device, max_context=loaded.max_context,
+                                  max_concurrency=snap.max_concurrency, max_pending_requests=snap.max_pending_requests,
+                                  kv_capacity_tokens=snap.kv_capacity_tokens, structured_output=config.structured_output)
         announce(f"model {state.model_id} ready (context {loaded.max_context}); serving")
-        watchdog = asyncio.ensure_future(_watch_engine(loaded, request_stop))
+        tasks = [asyncio.ensure_future(_watch_engine(loaded, request_stop))]
+        if config.log_stats_interval_ms:
+            tasks.append(asyncio.ensure_future(_report_throughput(state, config.log_stats_interval_ms / 1e3)))
         await stop.wait()
-        watchdog.cancel()
+        for task in tasks:
+            task.cancel()
         await asyncio.to_thread(loaded.engine.shutdown)
         announce("server stopped")
         return outcome["code"]
@@ -153,6 +181,17 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         for s in servers:
             s.stop()
         await asyncio.gather(*serving, return_exceptions=True)
+
+
+async def _report_throughput(state: ServerState, interval: float) -> None:
+    """The throughput record every `interval` seconds, from engine snapshot deltas."""
+    engine = state.loaded.engine
+    before, t0 = engine.snapshot(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        after, t1 = engine.snapshot(), time.monotonic()
+        state.reqlog.throughput(before, after, t1 - t0)
+        before, t0 = after, t1
 
 
 async def _watch_engine(loaded: LoadedModel, request_stop: Callable[[int], None]) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ninfer.engine.request import SamplingParams
 from ninfer.errors import RequestError
 from ninfer.server.config import ServerConfig
+from ninfer.server.reqlog import RequestLog
 from ninfer.server.response_store import ResponseStore
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ class ServerState:
     requests_rejected: int = 0  # rejected during preparation
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored OpenAI Responses
     grammars: Any = None  # grammar.JsonGrammars with --structured-output
+    reqlog: RequestLog = field(default_factory=RequestLog)  # req#N records (and the JSONL log when asked)
     # /slots digests by cache entry id (an entry's tokens never change): (session, endpoint checkpoint)
     slot_digests: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -122,12 +124,18 @@ class ServerState:
         self.ready_at = time.monotonic()
         self.loaded = loaded
 
-    def enter(self) -> None:
+    def reject(self, protocol: str, err: RequestError) -> None:
+        """Count and log a request refused before it reached the engine (or by its submit)."""
+        self.requests_rejected += 1
+        self.reqlog.request_rejected(protocol, err)
+
+    def enter(self, protocol: str) -> None:
         """Take one ingress place for a generation request, or raise 429 server_overloaded."""
         if self.admitted >= self.max_admitted:
-            self.requests_rejected += 1
-            raise RequestError("the server is at capacity; retry later", status=429,
+            err = RequestError("the server is at capacity; retry later", status=429,
                                code="server_overloaded", type="server_error")
+            self.reject(protocol, err)
+            raise err
         self.admitted += 1
         self.peak_admitted = max(self.peak_admitted, self.admitted)
 
