@@ -262,3 +262,37 @@ def test_json_formats_need_structured_output() -> None:
     turns = with_instruction([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}], fmt)
     assert turns[0]["content"].startswith("Respond with raw JSON only") and turns[0]["content"].endswith("Be kind.")
     assert len(turns) == 2
+
+
+def test_session_stats_panel_weighs_requests_by_size() -> None:
+    from rich.console import Console
+
+    from ninfer.engine.request import OutputEvent, Timings, Usage
+    from ninfer.server.panel import SessionStats, render
+
+    stats = SessionStats()
+
+    def done(prompt: int, cached: int, out: int, prompt_ms: float, predicted_ms: float, reason: str = "stop") -> None:
+        stats.done(OutputEvent(request_id="r", finish_reason=reason, usage=Usage(prompt, out, cached),
+                               timings=Timings(cache_n=cached, prompt_n=prompt - cached, prompt_ms=prompt_ms,
+                                               predicted_n=out, predicted_ms=predicted_ms)))
+
+    done(100, 0, 11, 100.0, 100.0)  # 1000 tok/s prefill, 10 intervals in 0.1 s
+    done(100, 100, 31, 10.0, 1000.0)  # an exact cache hit; 30 intervals in 1 s
+    done(10, 0, 1, 5.0, 0.0, reason="cancelled")
+    stats.error(cancelled=False)
+    stats.reject()
+    assert (stats.completed, stats.failed, stats.cancelled, stats.rejected) == (2, 1, 1, 1)
+    console = Console(record=True, width=120)
+    console.print(render(stats, running=1, waiting=2))
+    text = console.export_text()
+    assert "2 completed, 1 failed, 1 cancelled, 1 rejected | 1 running, 2 waiting" in text
+    row = next(line for line in text.splitlines() if " all " in line)
+    # TTFT mean 55 ms; cached 100/200; prefill 100 tokens / 0.11 s; decode 40 tokens / 1.1 s
+    assert "55 ms" in row and "50 %" in row and "909.1" in row and "36.4" in row
+    assert "last 10" not in text
+    for _ in range(10):
+        done(10, 0, 2, 10.0, 10.0)
+    console = Console(record=True, width=120)
+    console.print(render(stats))
+    assert "last 10" in console.export_text()

@@ -55,6 +55,8 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="trace|debug|info|warning|error|critical|off"),
     log_stats_interval_ms: int = typer.Option(5000, "--log-stats-interval-ms",
                                               help="Aggregate throughput record interval; 0 disables it."),
+    log_stats_panel: str = typer.Option("off", "--log-stats-panel",
+                                        help="on pins a session statistics panel beneath the log on an interactive terminal."),
     request_log_jsonl: Optional[str] = typer.Option(None, "--request-log-jsonl",
                                                     help="Append full-precision server/request records to FILE."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Process-level temperature override."),
@@ -103,7 +105,7 @@ def serve(
                           cors=cors, usage_chunk_choice=usage_chunk_choice, stats_port=stats_port,
                           log_level=log_level, default_max_tokens=default_max_tokens, sampler=sampler,
                           structured_output=structured_output, log_stats_interval_ms=log_stats_interval_ms,
-                          request_log_jsonl=request_log_jsonl,
+                          request_log_jsonl=request_log_jsonl, log_stats_panel=_on_off(log_stats_panel, "--log-stats-panel"),
                           unconstrained_response_format=unconstrained_response_format, model_path=model or "")
     if chat_template is not None:
         from pathlib import Path
@@ -124,3 +126,9 @@ def serve(
     code = serve_forever(config, load, announce)
     if code:
         raise typer.Exit(code)
+
+
+def _on_off(value: str, option: str) -> bool:
+    if value not in ("on", "off"):
+        raise ConfigError(f"{option} must be on or off, got {value!r}")
+    return value == "on"

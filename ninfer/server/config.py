@@ -63,6 +63,7 @@ class ServerConfig:
     structured_output: bool = False  # enforce JSON response formats with a grammar
     unconstrained_response_format: bool = False  # without it: generate JSON-format requests unconstrained
     log_stats_interval_ms: int = 5000  # throughput record interval; 0: none
+    log_stats_panel: bool = False  # the statistics panel beneath the log, on an interactive terminal
     request_log_jsonl: str | None = None  # the JSONL measurement log, appended
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path

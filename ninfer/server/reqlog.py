@@ -17,6 +17,7 @@ import orjson
 
 from ninfer.engine.request import OutputEvent, PreparedRequest
 from ninfer.errors import RequestError
+from ninfer.server.panel import SessionStats
 from ninfer.version import version_string
 
 log = logging.getLogger("ninfer.server")
@@ -32,6 +33,7 @@ class RequestLog:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._file: IO[bytes] | None = path.open("ab") if path is not None else None
+        self.stats = SessionStats()  # what the statistics panel shows
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -70,6 +72,7 @@ class RequestLog:
                              "seed": s.seed})
 
     def request_done(self, n: int, protocol: str, final: OutputEvent, total_seconds: float) -> None:
+        self.stats.done(final)
         u, t = final.usage, final.timings
         prompt, out, cached = (u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else (0, 0, 0)
         rates = ""
@@ -85,12 +88,14 @@ class RequestLog:
                                      "decode": t.predicted_ms / 1e3 if t else None, "total": total_seconds})
 
     def request_rejected(self, protocol: str, err: RequestError) -> None:
+        self.stats.reject()
         log.info("request rejected %s: %d %s%s", protocol, err.status, err.code or err.type,
                  f" ({err.param})" if err.param else "")
         self._write("request_rejected", protocol=protocol, phase="prepare", status=err.status, type=err.type,
                     code=err.code, param=err.param)
 
     def request_error(self, n: int, protocol: str, err: RequestError, total_seconds: float) -> None:
+        self.stats.error(cancelled=err.code == "client_closed")
         log.warning("req#%d error %s: %d %s after %.2fs", n, protocol, err.status, err.code or err.type, total_seconds)
         self._write("request_error", request_id=n, protocol=protocol, status=err.status, code=err.code,
                     total_seconds=total_seconds)

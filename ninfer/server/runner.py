@@ -7,6 +7,7 @@ Exit codes: 0 after a requested stop, 1 when start-up fails, 2 when the engine f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import signal
@@ -171,7 +172,8 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         tasks = [asyncio.ensure_future(_watch_engine(loaded, request_stop))]
         if config.log_stats_interval_ms:
             tasks.append(asyncio.ensure_future(_report_throughput(state, config.log_stats_interval_ms / 1e3)))
-        await stop.wait()
+        with _panel(state):
+            await stop.wait()
         for task in tasks:
             task.cancel()
         await asyncio.to_thread(loaded.engine.shutdown)
@@ -181,6 +183,23 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         for s in servers:
             s.stop()
         await asyncio.gather(*serving, return_exceptions=True)
+
+
+def _panel(state: ServerState) -> contextlib.AbstractContextManager:
+    """The statistics panel when asked for, on an interactive stderr, at info verbosity or more."""
+    config = state.config
+    if not (config.log_stats_panel and sys.stderr.isatty() and config.log_level in ("trace", "debug", "info")):
+        if config.log_stats_panel:
+            log.info("--log-stats-panel on: no panel (stderr is not an interactive terminal, or --log-level "
+                     "is above info)")
+        return contextlib.nullcontext()
+    from ninfer.server.panel import StatsPanel
+
+    def gauges() -> tuple[int, int]:
+        snap = state.loaded.engine.snapshot()
+        return snap.running, snap.waiting
+
+    return StatsPanel(state.reqlog.stats, gauges)
 
 
 async def _report_throughput(state: ServerState, interval: float) -> None:
