@@ -75,8 +75,11 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                 if extra.status_code == 503:
                     loading.append(extra)
     yield Server(url, port, f"http://127.0.0.1:{stats_port}", proc, log, loading, request_log)
+    proc.send_signal(signal.SIGINT)  # Ctrl+C twice stops the server
+    time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()
+    assert "server stopped" in log.read_text()
 
 
 def client(server: Server, **kw) -> openai.OpenAI:
@@ -101,6 +104,19 @@ def test_loading_answers_503_model_loading(server: Server) -> None:
             assert r.headers["x-request-id"]
     text = server.log.read_text()
     assert f"API base: http://127.0.0.1:{server.port}/v1" in text
+
+
+def test_one_ctrl_c_only_asks_for_a_second(server: Server) -> None:
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert _get(server, "/health").status_code == 200
+    assert "Press Ctrl+C again within 5 s to close" in server.log.read_text()
+    time.sleep(5.0)  # the window closes: the next press asks again instead of stopping
+    server.proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert server.proc.poll() is None and _get(server, "/health").status_code == 200
+    assert server.log.read_text().count("Press Ctrl+C again") == 2
+    time.sleep(5.0)
 
 
 def test_port_clash_fails_fast_with_the_port_named(server: Server) -> None:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ninfer.engine.loader import LoadedModel
 
 log = logging.getLogger("ninfer.server")
+CONFIRM_SECONDS = 5.0  # the window for the second Ctrl+C
 WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
@@ -129,8 +131,22 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
             outcome["code"] = code
             stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, request_stop)
+    last_press: list[float] = []
+
+    def on_interrupt() -> None:
+        """Ctrl+C: before ready it ends start-up; serving, a second press within 5 s stops (the
+        first only says so); during the stop it exits at once."""
+        if stop.is_set():
+            os._exit(130)
+        now = time.monotonic()
+        if state.ready and not (last_press and now - last_press[-1] <= CONFIRM_SECONDS):
+            last_press[:] = [now]
+            log.warning("Press Ctrl+C again within %g s to close", CONFIRM_SECONDS)
+            return
+        request_stop()
+
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    loop.add_signal_handler(signal.SIGTERM, request_stop)  # stops at once
     serving = [asyncio.ensure_future(s.serve()) for s in servers]
     try:
         await _wait_listening(config.host, config.port, time.monotonic() + 10)

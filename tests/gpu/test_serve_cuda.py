@@ -47,6 +47,8 @@ def cuda_server(tmp_path_factory: pytest.TempPathFactory):
                 pass
             time.sleep(0.05)
     yield url
+    proc.send_signal(signal.SIGINT)  # Ctrl+C twice stops the server
+    time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()
 
