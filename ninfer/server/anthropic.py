@@ -3,8 +3,9 @@
 Text conversations: top-level system text, user/assistant/system turns (consecutive user or
 assistant turns joined without separators, each system turn kept at its position), a final
 assistant text turn continued in place (assistant prefill), stop_sequences, temperature, top_p,
-top_k, aggregate responses and the Anthropic SSE block lifecycle. What needs a capability this
-server lacks (images, documents, tools, thinking, structured output) is refused naming the field.
+top_k, output_config.format (with --structured-output), aggregate responses and the Anthropic SSE
+block lifecycle. What needs a capability this server lacks (images, documents, tools, thinking) is
+refused naming the field.
 
 Errors use Anthropic's envelope (request_id in the body, a request-id header: app.py); admission
 overload answers 529 and a queue timeout 504, as the spec maps them for these endpoints.

@@ -2,10 +2,10 @@
 response store (GET / DELETE /v1/responses/{id}, .../input_items), previous_response_id
 continuation, and POST /v1/responses/input_tokens.
 
-Text conversations only: message Items with input_text / output_text / refusal parts. What needs a
-capability this server lacks (tools, reasoning Items, images, files, JSON output, background
-jobs, compaction) is refused with a field-specific 400; unknown top-level fields fail with
-unknown_parameter, as the spec requires.
+Text conversations: message Items with input_text / output_text / refusal parts, and JSON
+text.format with --structured-output. What needs a capability this server lacks (tools, reasoning
+Items, images, files, background jobs, compaction) is refused with a field-specific 400; unknown
+top-level fields fail with unknown_parameter, as the spec requires.
 """
 from __future__ import annotations
 
