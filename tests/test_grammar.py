@@ -11,9 +11,9 @@ pytest.importorskip("xgrammar")
 
 from ninfer.engine.artifact import Artifact  # noqa: E402
 from ninfer.engine.batch import SequenceWork  # noqa: E402
-from ninfer.engine.grammar import JsonGrammars, apply_mask  # noqa: E402
+from ninfer.engine.grammar import JsonGrammars  # noqa: E402
 from ninfer.engine.request import SamplingParams  # noqa: E402
-from ninfer.engine.sampler import sample  # noqa: E402
+from ninfer.engine.sampler import apply_mask, sample  # noqa: E402
 from ninfer.engine.tokenizer import Tokenizer  # noqa: E402
 from ninfer.errors import RequestError  # noqa: E402
 
@@ -27,8 +27,15 @@ def grammars(smollm2_artifact: Path) -> tuple[JsonGrammars, Tokenizer, int]:
 
 
 def allowed(mask: torch.Tensor, vocab: int) -> set[int]:
-    logits = apply_mask(torch.zeros(1, vocab), [mask])
-    return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+    """The ids XGrammar's own kernel leaves; the sampler's unpacking must agree with it."""
+    import xgrammar as xg
+
+    logits = torch.zeros(1, vocab)
+    xg.apply_token_bitmask_inplace(logits, mask)
+    ids = set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+    ours = apply_mask(torch.zeros(1, vocab), [mask])
+    assert set(torch.isfinite(ours[0]).nonzero().flatten().tolist()) == ids
+    return ids
 
 
 def test_mask_follows_the_schema_and_ends_with_a_stop_token(grammars) -> None:
@@ -69,3 +76,16 @@ def test_bad_schema_names_the_field(grammars) -> None:
     assert e.value.code == "invalid_json_schema" and e.value.param == "response_format.json_schema.schema"
     with pytest.raises(RequestError, match="must be a JSON Schema object"):
         g.json_schema([1], "schema", strict=False)
+
+
+def test_mask_unpacking_matches_xgrammar_on_random_bitmasks() -> None:
+    import xgrammar as xg
+
+    g = torch.Generator().manual_seed(5)
+    vocab = 1000  # not a multiple of 32: the last word is partial
+    for _ in range(5):
+        mask = torch.randint(-2**31, 2**31 - 1, (1, (vocab + 31) // 32), generator=g, dtype=torch.int64).to(torch.int32)
+        ref = torch.zeros(1, vocab)
+        xg.apply_token_bitmask_inplace(ref, mask)
+        ours = apply_mask(torch.zeros(2, vocab), [None, mask])
+        assert torch.equal(torch.isinf(ours[1]), torch.isinf(ref[0])) and torch.isfinite(ours[0]).all()

@@ -4,7 +4,7 @@ matcher the engine advances with each committed token.
 The vocabulary is the tokenizer's raw bytes per id; special tokens map to no bytes, so a grammar
 never admits them, except the stop tokens, which it admits exactly where the JSON value is
 complete. The engine asks `Matcher.next_mask()` before a sampling step and the sampler keeps only
-the allowed ids (`apply_mask`).
+the allowed ids (sampler.apply_mask).
 """
 from __future__ import annotations
 
@@ -74,15 +74,3 @@ class Matcher:
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar does not admit it."""
         return self._matcher.accept_token(token)
-
-
-def apply_mask(logits: torch.Tensor, masks: list[torch.Tensor | None]) -> torch.Tensor:
-    """Rows with a mask keep only their allowed ids (others -inf); returns a new tensor when any
-    row is masked, else `logits` itself."""
-    rows = [i for i, m in enumerate(masks) if m is not None]
-    if not rows:
-        return logits
-    out = logits.clone()
-    for i in rows:
-        xg.apply_token_bitmask_inplace(out[i:i + 1], masks[i].to(out.device))
-    return out

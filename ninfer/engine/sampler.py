@@ -30,9 +30,7 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
     if n == 0:
         return [], []
     logits = _apply_penalties(logits.float(), seqs)
-    if any(s.token_mask is not None for s in seqs):  # structured output (xgrammar loads only then)
-        from ninfer.engine.grammar import apply_mask
-        logits = apply_mask(logits, [s.token_mask for s in seqs])
+    logits = apply_mask(logits, [s.token_mask for s in seqs])
 
     # Temperature per row; greedy rows divide by 1 (their logprobs are reported at T = 1).
     temps = [s.sampling.temperature if not s.sampling.greedy else 1.0 for s in seqs]
@@ -79,6 +77,22 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
         for i, rec in zip(want, records_for):
             records[i] = rec
     return token_ids, records
+
+
+def apply_mask(logits: torch.Tensor, masks: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Structured output: rows with a mask (XGrammar's packed int32 bitmask [1, ceil(V/32)], bit j of
+    word w allowing id 32w + j) keep only their allowed ids, the rest -inf. Plain torch, so it runs
+    wherever the logits are. Returns a new tensor when any row is masked, else `logits` itself."""
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    if not rows:
+        return logits
+    out = logits.clone()
+    shifts = torch.arange(32, dtype=torch.int32, device=out.device)
+    for i in rows:
+        words = masks[i].to(out.device).reshape(-1)
+        allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(-1)[:out.shape[1]].bool()
+        out[i].masked_fill_(~allowed, float("-inf"))
+    return out
 
 
 def _apply_penalties(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> torch.Tensor:
