@@ -61,7 +61,8 @@ def run(
             from ninfer.errors import RequestError
             grammars = JsonGrammars(tok, loaded.meta.config.vocab_size)
             try:
-                grammar = grammars.json_schema(schema, "--json-schema", strict=True) if schema else grammars.json_object()
+                grammar = (grammars.json_schema(schema, "--json-schema", strict=True) if schema
+                           else grammars.json_object())
             except RequestError as e:
                 raise ConfigError(e.message) from None
         if raw:

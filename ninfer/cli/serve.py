@@ -105,7 +105,8 @@ def serve(
                           cors=cors, usage_chunk_choice=usage_chunk_choice, stats_port=stats_port,
                           log_level=log_level, default_max_tokens=default_max_tokens, sampler=sampler,
                           structured_output=structured_output, log_stats_interval_ms=log_stats_interval_ms,
-                          request_log_jsonl=request_log_jsonl, log_stats_panel=_on_off(log_stats_panel, "--log-stats-panel"),
+                          request_log_jsonl=request_log_jsonl,
+                          log_stats_panel=_on_off(log_stats_panel, "--log-stats-panel"),
                           unconstrained_response_format=unconstrained_response_format, model_path=model or "")
     if chat_template is not None:
         from pathlib import Path

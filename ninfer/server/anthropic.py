@@ -22,8 +22,8 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import Generation, new_request_id
 from ninfer.server.http import Call, anthropic_error_type
 from ninfer.server.openai_chat import template_kwargs
-from ninfer.server.params import (bad, join_text_parts, opt_bool, opt_int, parse_stop, refuse_tools, sampling_from,
-                                  unsupported)
+from ninfer.server.params import (bad, join_text_parts, message_role, opt_bool, opt_int, parse_stop, refuse_tools,
+                                  sampling_from, unsupported)
 from ninfer.server.sse import KEEPALIVE, TIMEOUT
 from ninfer.server.structured import anthropic_format, constrain, with_instruction
 
@@ -75,11 +75,7 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], str | None
         turns.append({"role": "system", "content": _text(system, "system")})
     for i, m in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, f"{where} must be an object")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
+        role = message_role(m, where, ROLES)
         if "content" not in m:
             raise bad(f"{where}.content", f"{where}.content is required", code="missing_required_parameter")
         text = _text(m["content"], f"{where}.content")

@@ -13,8 +13,9 @@ from ninfer.errors import RequestError
 from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
                                     slot_extras, usage_dict)
 from ninfer.server.http import Call
-from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, join_text_parts, opt_bool, opt_int, opt_object, parse_logprobs, parse_stop,
-                                  refuse_tools, reject_present, sampling_from, unsupported)
+from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, join_text_parts, message_role,
+                                  opt_bool, opt_int, opt_object, parse_logprobs, parse_stop, refuse_tools,
+                                  reject_present, sampling_from, unsupported)
 from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
 from ninfer.server.structured import chat_format, constrain, refuse_with_grammar, with_instruction
 
@@ -62,11 +63,7 @@ def normalize_messages(value: Any) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, f"{where} must be an object")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
+        role = message_role(m, where, ROLES)
         if "content" not in m and role != "assistant":
             raise bad(f"{where}.content", f"{where}.content is required for role {role}",
                       code="missing_required_parameter")

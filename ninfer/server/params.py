@@ -256,3 +256,13 @@ def refuse_tools(body: dict[str, Any]) -> None:
         raise bad("tools", "tools must be an array")
     if tools:
         raise unsupported("tools", "tools: tool calling is not supported by this server")
+
+
+def message_role(message: Any, where: str, roles: tuple[str, ...]) -> str:
+    """A message object's role, one of `roles`; a 400 naming the field otherwise."""
+    if not isinstance(message, dict):
+        raise bad(where, f"{where} must be an object")
+    role = message.get("role")
+    if role not in roles:
+        raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(roles)}")
+    return role

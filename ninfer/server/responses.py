@@ -269,7 +269,8 @@ def prepare_create(call: Call, body: dict[str, Any]) -> CreateRequest:
     parallel = opt_bool(body, "parallel_tool_calls")
     echo = {"instructions": body.get("instructions"), "max_output_tokens": max_tokens,
             "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {},
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_logprobs": top_logprobs, "user": body.get("user"),
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_logprobs": top_logprobs,
+            "user": body.get("user"),
             "parallel_tool_calls": True if parallel is None else parallel,
             "tool_choice": body.get("tool_choice") or "auto",
             "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"),

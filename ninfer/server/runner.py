@@ -182,8 +182,10 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         snap = loaded.engine.snapshot()
         state.reqlog.server_start(artifact=str(loaded.path), model=state.model_id, backend=loaded.backend,
                                   device=loaded.device, max_context=loaded.max_context,
-                                  max_concurrency=snap.max_concurrency, max_pending_requests=snap.max_pending_requests,
-                                  kv_capacity_tokens=snap.kv_capacity_tokens, structured_output=config.structured_output)
+                                  max_concurrency=snap.max_concurrency,
+                                  max_pending_requests=snap.max_pending_requests,
+                                  kv_capacity_tokens=snap.kv_capacity_tokens,
+                                  structured_output=config.structured_output)
         announce(f"model {state.model_id} ready (context {loaded.max_context}); serving")
         tasks = [asyncio.ensure_future(_watch_engine(loaded, request_stop))]
         if config.log_stats_interval_ms:
