@@ -229,3 +229,19 @@ def test_derive_output_limit() -> None:
     assert derive_output_limit(100, max_context=8192, num_pages=512, page_size=64, max_concurrency=4) == 8092
     # a prompt past its share keeps the remaining context
     assert derive_output_limit(3000, max_context=8192, num_pages=128, page_size=64, max_concurrency=4) == 5192
+
+
+def test_a_whole_pool_entitlement_is_admitted_despite_a_partial_prefix_hit() -> None:
+    """The reuse plan must not pin more than the pool can give: a request whose entitlement is
+    the whole pool, with a prefix hit ending inside a page, is admitted by reusing less (here:
+    its full pages, without the copy source) instead of waiting forever with nothing running."""
+    s = Scheduler(SchedulerConfig(max_concurrency=1, prefill_chunk=64), PagePool(4, P), copy_on_write=True)
+    a = seq(0, list(range(10, 16)), 1)  # 6 prompt tokens + 1: retained as 1 full page + a partial one
+    s.add(a)
+    run(s)  # prefill samples the one output token
+    assert a.finished and s.pool.num_used == 2
+    b = seq(1, list(range(10, 16)) + [9], 16 - 7)  # entitlement 16 tokens = every page of the pool
+    s.add(b)
+    batch = run(s)
+    assert b.status is not SeqStatus.WAITING and not batch.page_copies
+    assert b.num_cached_tokens == 4 and b.block_table[0] == 0  # the full page is still shared

@@ -169,24 +169,31 @@ class Scheduler:
         match = cache.match(seq.prompt_token_ids, seq.prompt_len - 1) if cache and seq.cache_prompt else None
         matched = match.num_tokens if match else 0
         full, tail = divmod(matched, P)
-        copy = bool(tail) and self.copy_on_write
-        reused = matched if copy else full * P
-        shared: list[int] = []
-        copy_src: int | None = None
-        if match and reused:
-            # hold the shared pages (and the copy source) before any eviction can touch them
-            pages = cache.entry_pages(match.entry_id)
-            shared = pages[:full]
-            self.pool.incref(shared)
-            if copy:
-                copy_src = pages[full]
-                self.pool.incref([copy_src])
-        need = entitlement - len(shared) + self._outstanding_pages()
-        freeable = cache.freeable_pages() if cache else 0
-        if self.pool.num_free + freeable < need:
-            held = shared + ([copy_src] if copy_src is not None else [])
-            self.pool.decref(held)
+        # Reuse plans, most first: the whole hit (its partial page copied), its full pages, nothing.
+        # A plan pins what it reuses before eviction runs, so when the pool cannot hold the
+        # entitlement beside the pinned pages (a request as large as the pool), reuse less.
+        plans = [(full, True)] if tail and self.copy_on_write else []
+        plans += [(full, False)] if full else []
+        plans.append((0, False))
+        for full_pages, copy in plans:
+            shared: list[int] = []
+            copy_src: int | None = None
+            if full_pages or copy:
+                # hold the shared pages (and the copy source) before any eviction can touch them
+                pages = cache.entry_pages(match.entry_id)
+                shared = pages[:full_pages]
+                self.pool.incref(shared)
+                if copy:
+                    copy_src = pages[full_pages]
+                    self.pool.incref([copy_src])
+            need = entitlement - len(shared) + self._outstanding_pages()
+            freeable = cache.freeable_pages() if cache else 0
+            if self.pool.num_free + freeable >= need:
+                break
+            self.pool.decref(shared + ([copy_src] if copy_src is not None else []))
+        else:
             return False
+        reused = matched if copy else full_pages * P
         if cache and self.pool.num_free < need:
             cache.evict(need)
         assert self.pool.num_free >= need
