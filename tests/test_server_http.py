@@ -899,9 +899,10 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
                 bodies.append(("/v1/completions", json.dumps({**raw, "max_tokens": 1, field: v}).encode()))
     msg = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     msg_fields = {"messages": wrong + [[{"role": "user"}], [{"role": "user", "content": 5}],
-                                       [{"role": "user", "content": [{"type": "text"}]}], [None]],
+                                       [{"role": "user", "content": [{"type": "text"}]}], [None],
+                                       [{"role": "user", "content": [{"type": [None], "text": "hi"}]}]],
                   "max_tokens": [0, -1, "x", 1.5, True], "system": [5, [{"type": "image"}], [1]],
-                  "stop_sequences": [5, [1], [""]], "top_k": ["x", 1.5], "top_p": [2, "x"], "stream": ["x"],
+                  "stop_sequences": [5, [1], [""]], "tools": [[{"type": [1]}]], "top_k": ["x", 1.5], "top_p": [2, "x"], "stream": ["x"],
                   "thinking": ["x", {"type": "x"}], "tool_choice": ["auto", {"type": "x"}],
                   "output_config": ["x"], "model": [5, ""], "chat_template_kwargs": ["x"]}
     resp = {"model": MODEL, "input": "hi", "max_output_tokens": 1}

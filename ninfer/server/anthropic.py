@@ -46,13 +46,13 @@ _REFUSED_BLOCKS = {
 def _block(block: dict[str, Any], p: str) -> str:
     """A non-text content block: refused, naming what is missing."""
     kind = block.get("type")
+    if not isinstance(kind, str) or not kind:
+        raise bad(f"{p}.type", f"{p}.type must be a content block type such as \"text\"")
     if kind in _REFUSED_BLOCKS:
         code, why = _REFUSED_BLOCKS[kind]
         raise RequestError(f"{p}: {why}", param=p, code=code)
-    if isinstance(kind, str) and kind:
-        raise RequestError(f"{p}: {kind} blocks are not supported by this server", param=f"{p}.type",
-                           code="content_block_not_supported")
-    raise bad(f"{p}.type", f"{p}.type must be a content block type such as \"text\"")
+    raise RequestError(f"{p}: {kind} blocks are not supported by this server", param=f"{p}.type",
+                       code="content_block_not_supported")
 
 
 def _text(content: Any, where: str) -> str:
