@@ -2,7 +2,7 @@
 
 A plain ASGI callable (no framework). Each HTTP request runs its handler in a task beside a
 watcher of `receive()`: a client that disconnects gets its handler cancelled, which closes the
-engine stream and so cancels the request and frees its lane.
+request's event pump and so cancels the request and frees its lane.
 """
 from __future__ import annotations
 

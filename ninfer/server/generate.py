@@ -1,5 +1,5 @@
-"""Running one PreparedRequest for a protocol adapter: ingress accounting, the engine stream,
-error mapping, and the pieces every protocol encodes (usage, logprob records, session digest)."""
+"""Running one PreparedRequest for a protocol adapter: ingress accounting, submission and the
+event pump, req#N records, error mapping, and the pieces every protocol encodes (usage, logprob records, session digest)."""
 from __future__ import annotations
 
 import time
