@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ninfer.engine.quant import TensorFormat
+from ninfer.formats import TensorFormat
 from ninfer.kernels.compiler import F32, I32, I64, KernelError, ptr
 
 if TYPE_CHECKING:
