@@ -9,7 +9,7 @@ import pytest
 from ninfer.engine.artifact import Artifact, SpecialTokens
 from ninfer.engine.convert.gguf_tokenizer import bytes_to_unicode
 from ninfer.engine.tokenizer import Tokenizer
-from ninfer.errors import RequestError
+from ninfer.engine.errors import TemplateError
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,17 +94,17 @@ def test_globals_and_filters() -> None:
     assert out == '<s>[\n  "x"\n]|{"a": "é"}|4|</s>|on'
 
 
-def test_template_errors_are_request_errors() -> None:
+def test_template_errors_are_typed_and_name_the_field() -> None:
     t = _tok("{% if messages[0].role != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}ok")
     assert t.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
-    with pytest.raises(RequestError, match="first message must be user") as e:
+    with pytest.raises(TemplateError, match="first message must be user") as e:
         t.apply_chat_template([{"role": "assistant", "content": "x"}])
-    assert e.value.param == "messages"
-    with pytest.raises(RequestError) as e:  # the sandbox refuses internals
+    assert e.value.field == "messages"
+    with pytest.raises(TemplateError) as e:  # the sandbox refuses internals
         _tok("{{ messages.__class__.__mro__ }}").apply_chat_template([{"role": "user", "content": "x"}])
-    assert e.value.param == "messages"
-    with pytest.raises(RequestError, match="no chat template"):
+    assert e.value.field == "messages"
+    with pytest.raises(TemplateError, match="no chat template"):
         _tok(None).apply_chat_template([{"role": "user", "content": "x"}])
-    with pytest.raises(RequestError) as e:
+    with pytest.raises(TemplateError) as e:
         _tok(None).apply_chat_template([], chat_template="{% if %}")
-    assert e.value.param == "chat_template"
+    assert e.value.field == "chat_template"

@@ -19,7 +19,7 @@ from ninfer.engine.batch import ScheduledBatch, StepOutput
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.engine import Engine
 from ninfer.engine.request import PreparedRequest, SamplingParams, Timings
-from ninfer.errors import RequestError
+from ninfer.engine.errors import ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded
 
 EOS = 0
 GREEDY = SamplingParams(temperature=0.0)
@@ -115,13 +115,17 @@ def test_overload_and_context_errors() -> None:
     runner.gate = threading.Event()
     engine = engine_over(runner, max_concurrency=1, max_pending_requests=2)
     try:
-        handles = [engine.submit(req(f"r{i}", [1], max_tokens=2)) for i in range(3)]
-        with pytest.raises(RequestError) as err:
+        handles = [engine.submit(req("r0", [1], max_tokens=2))]
+        with pytest.raises(DuplicateRequest) as dup:
+            engine.submit(req("r0", [1], max_tokens=2))
+        assert (dup.value.request_id, dup.value.field) == ("r0", "request_id")
+        handles += [engine.submit(req(f"r{i}", [1], max_tokens=2)) for i in (1, 2)]
+        with pytest.raises(EngineOverloaded) as over:
             engine.submit(req("r3", [1], max_tokens=2))
-        assert (err.value.status, err.value.code, err.value.type) == (429, "server_overloaded", "server_error")
-        with pytest.raises(RequestError) as err:
+        assert over.value.capacity == 3
+        with pytest.raises(ContextLengthExceeded) as long:
             engine.submit(req("long", [1] * 4096))
-        assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
+        assert (long.value.prompt_tokens, long.value.limit, long.value.field) == (4096, 4096, "prompt")
         runner.gate.set()
         assert [collect(h)[2].finish_reason for h in handles] == ["length"] * 3
         wait_for(lambda: engine.snapshot().admitted == 0)
@@ -130,6 +134,8 @@ def test_overload_and_context_errors() -> None:
         assert snap.prompt_tokens_total == 3 and snap.decode_rounds == 3 and snap.committed_decode_tokens == 3
     finally:
         engine.shutdown()
+    with pytest.raises(EngineNotRunning):
+        engine.submit(req("late", [1], max_tokens=2))
 
 
 def test_pending_timeout_ends_a_waiting_request() -> None:

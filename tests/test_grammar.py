@@ -15,7 +15,7 @@ from ninfer.engine.grammar import JsonGrammars  # noqa: E402
 from ninfer.engine.request import SamplingParams  # noqa: E402
 from ninfer.engine.sampler import apply_mask, sample  # noqa: E402
 from ninfer.engine.tokenizer import Tokenizer  # noqa: E402
-from ninfer.errors import RequestError  # noqa: E402
+from ninfer.engine.errors import SchemaError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +71,10 @@ def test_sampler_draws_only_allowed_tokens(grammars) -> None:
 
 def test_bad_schema_names_the_field(grammars) -> None:
     g, _, _ = grammars
-    with pytest.raises(RequestError, match="unsupported type|Unsupported type") as e:
+    with pytest.raises(SchemaError, match="unsupported type|Unsupported type") as e:
         g.json_schema({"type": "strin"}, "response_format.json_schema.schema", strict=True)
-    assert e.value.code == "invalid_json_schema" and e.value.param == "response_format.json_schema.schema"
-    with pytest.raises(RequestError, match="must be a JSON Schema object"):
+    assert e.value.field == "response_format.json_schema.schema"
+    with pytest.raises(SchemaError, match="must be a JSON Schema object"):
         g.json_schema([1], "schema", strict=False)
 
 

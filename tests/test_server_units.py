@@ -5,6 +5,8 @@ import socket
 
 import pytest
 
+from ninfer.engine.errors import (ContextLengthExceeded, DuplicateRequest, EngineError, EngineNotRunning,
+                                  EngineOverloaded, InvalidRequest, SchemaError, TemplateError, TokenOutOfRange)
 from ninfer.engine.request import SamplingParams
 from ninfer.errors import ConfigError, RequestError
 from ninfer.server.app import normalize_path
@@ -210,6 +212,37 @@ def test_anthropic_status_mapping() -> None:
     assert (late.status, anthropic_error_type(late)) == (504, "timeout_error")
     named = _for_anthropic(RequestError("must be an integer", param="max_tokens"))
     assert named.message == "max_tokens: must be an integer" and named.status == 400
+
+
+@pytest.mark.parametrize("err, status, kind, code, param, message", [
+    (ContextLengthExceeded(9000, 8192), 400, "invalid_request_error", "context_length_exceeded", "prompt",
+     "the prompt has 9000 tokens, but the context holds 8192 (prompt plus at least one output token)"),
+    (EngineOverloaded(12), 429, "server_error", "server_overloaded", None, "the server is at capacity; retry shortly"),
+    (DuplicateRequest("abc"), 400, "invalid_request_error", None, "request_id", "request id 'abc' is already in flight"),
+    (TemplateError("chat template error: boom", field="messages"), 400, "invalid_request_error", None, "messages",
+     "chat template error: boom"),
+    (TokenOutOfRange(70000, 49152), 400, "invalid_request_error", None, "token",
+     "token id 70000 is out of range (vocabulary size 49152)"),
+    (SchemaError("text.format.schema cannot be enforced: x", field="text.format.schema"), 400,
+     "invalid_request_error", "invalid_json_schema", "text.format.schema", "text.format.schema cannot be enforced: x"),
+    (InvalidRequest("top_p must be in [0, 1]", field="top_p"), 400, "invalid_request_error", None, "top_p",
+     "top_p must be in [0, 1]"),
+    (EngineNotRunning("RuntimeError: gone"), 500, "server_error", "internal_error", None, "internal server error"),
+])
+def test_engine_errors_map_to_http_at_the_edge(err: EngineError, status: int, kind: str, code: str | None,
+                                               param: str | None, message: str) -> None:
+    import orjson
+
+    from ninfer.server.errors import http_error
+    from ninfer.server.http import openai_error_body
+
+    assert not hasattr(err, "status") and not hasattr(err, "code")  # the engine error carries no HTTP facts
+    mapped = http_error(err)
+    assert (mapped.status, mapped.type, mapped.code, mapped.param, mapped.message) == (status, kind, code, param, message)
+    assert orjson.loads(openai_error_body(mapped)) == {"error": {"message": message, "type": kind, "param": param,
+                                                                 "code": code}}
+    own = RequestError("suffix must be a string", param="suffix", code="invalid_value")
+    assert http_error(own) is own  # the server's own errors pass through
 
 
 def test_responses_input_items_and_turns() -> None:

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import typer
 
+from ninfer.engine.errors import InvalidRequest
 from ninfer.engine.request import SamplingParams
-from ninfer.errors import ConfigError, RequestError
+from ninfer.errors import ConfigError
 
 
 # The backend flags of serve, run and bench (typer reads these as the parameters' defaults).
@@ -36,6 +37,6 @@ def sampling_from_flags(*, temperature: float | None, top_k: int | None, top_p: 
     known = set(SamplingParams.__slots__)
     try:
         return SamplingParams(**{k: v for k, v in values.items() if k in known})
-    except RequestError as e:
-        flag = "--" + (e.param or "").replace("_", "-")
+    except InvalidRequest as e:
+        flag = "--" + (e.field or "").replace("_", "-")
         raise ConfigError(f"{flag}: {e.message}") from None

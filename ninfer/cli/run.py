@@ -58,12 +58,12 @@ def run(
         grammar = None
         if schema is not None:
             from ninfer.engine.grammar import JsonGrammars
-            from ninfer.errors import RequestError
+            from ninfer.engine.errors import SchemaError
             grammars = JsonGrammars(tok, loaded.meta.config.vocab_size)
             try:
                 grammar = (grammars.json_schema(schema, "--json-schema", strict=True) if schema
                            else grammars.json_object())
-            except RequestError as e:
+            except SchemaError as e:
                 raise ConfigError(e.message) from None
         if raw:
             ids = tok.encode(prompt, add_special_tokens=True)

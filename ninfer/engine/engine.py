@@ -27,7 +27,7 @@ from ninfer.engine.kv_cache import PagePool
 from ninfer.engine.output import OutputProcessor
 from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
-from ninfer.errors import NInferError, RequestError
+from ninfer.engine.errors import ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded
 
 if TYPE_CHECKING:
     from ninfer.engine.tokenizer import Tokenizer
@@ -174,15 +174,14 @@ class Engine:
 
     def submit(self, req: PreparedRequest, sink: Sink | None = None) -> RequestHandle:
         """Queue a request. Events go to `sink` when given (called on the engine thread; it must
-        not block), else to the returned handle. Raises RequestError: context_length_exceeded
-        (400) for a prompt the context cannot hold, server_overloaded (429) at capacity."""
+        not block), else to the returned handle. Raises ContextLengthExceeded for a prompt the
+        context cannot hold, EngineOverloaded at capacity, DuplicateRequest for an id in flight,
+        EngineNotRunning after shutdown or a worker failure (ninfer/engine/errors.py)."""
         prompt_len = len(req.prompt_token_ids)
         if prompt_len >= self.context_limit:
             with self._cv:
                 self._rejected += 1
-            raise RequestError(
-                f"the prompt has {prompt_len} tokens, but the context holds {self.context_limit} "
-                "(prompt plus at least one output token)", param="prompt", code="context_length_exceeded")
+            raise ContextLengthExceeded(prompt_len, self.context_limit)
         max_out = self.default_max_tokens(prompt_len) if req.max_tokens is None \
             else min(req.max_tokens, self.context_limit - prompt_len)
         proc = OutputProcessor(self.tokenizer, req.stop, frozenset(req.stop_token_ids), req.ignore_eos,
@@ -199,13 +198,13 @@ class Engine:
                      matcher=req.grammar.matcher() if req.grammar is not None else None)
         with self._cv:
             if self._stopping or self._thread is None:
-                raise NInferError("the engine is not running" + (f" ({self._failed})" if self._failed else ""))
-            if self._admitted >= self.config.max_concurrency + self.config.max_pending_requests:
+                raise EngineNotRunning(self._failed)
+            capacity = self.config.max_concurrency + self.config.max_pending_requests
+            if self._admitted >= capacity:
                 self._rejected += 1
-                raise RequestError("the server is at capacity; retry shortly", code="server_overloaded",
-                                   status=429, type="server_error")
+                raise EngineOverloaded(capacity)
             if req.request_id in self._live:
-                raise RequestError(f"request id {req.request_id!r} is already in flight", param="request_id")
+                raise DuplicateRequest(req.request_id)
             seq.seq_id = next(self._seq_ids)
             self._admitted += 1
             self._peak_admitted = max(self._peak_admitted, self._admitted)

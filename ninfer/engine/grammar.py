@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import xgrammar as xg
 
-from ninfer.errors import RequestError
+from ninfer.engine.errors import SchemaError
 
 
 class JsonGrammars:
@@ -37,14 +37,13 @@ class JsonGrammars:
         """A value of `schema` (a JSON Schema object); `param` names it in errors. strict: objects
         without additionalProperties admit only their declared properties."""
         if not isinstance(schema, dict):
-            raise RequestError(f"{param} must be a JSON Schema object", param=param, code="invalid_json_schema")
+            raise SchemaError(f"{param} must be a JSON Schema object", field=param)
         try:
             compiled = self._compiler.compile_json_schema(json.dumps(schema), strict_mode=strict)
         except (RuntimeError, ValueError, TypeError) as e:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)  # XGrammar's "[time] file.cc:line: "
-            raise RequestError(f"{param} cannot be enforced: {reason[:300]}", param=param,
-                               code="invalid_json_schema") from None
+            raise SchemaError(f"{param} cannot be enforced: {reason[:300]}", field=param) from None
         return Grammar(compiled, self.vocab_size)
 
 

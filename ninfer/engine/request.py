@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer.errors import RequestError
+from ninfer.engine.errors import InvalidRequest
 
 TOP_K_CAP = 20  # the sampler's candidate domain (spec: top_k above 20 is clamped to 20)
 MAX_TOP_LOGPROBS = 20
@@ -34,16 +34,16 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise RequestError(f"{name} must be a finite number", param=name)
+                raise InvalidRequest(f"{name} must be a finite number", field=name)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise RequestError("top_k must be an integer", param="top_k")
+            raise InvalidRequest("top_k must be an integer", field="top_k")
         self.top_k = TOP_K_CAP if self.top_k <= 0 else min(self.top_k, TOP_K_CAP)
         if not 0.0 <= self.top_p <= 1.0:
-            raise RequestError("top_p must be in [0, 1]", param="top_p")
+            raise InvalidRequest("top_p must be in [0, 1]", field="top_p")
         if not 0.0 <= self.min_p <= 1.0:
-            raise RequestError("min_p must be in [0, 1]", param="min_p")
+            raise InvalidRequest("min_p must be in [0, 1]", field="min_p")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", param="top_logprobs")
+            raise InvalidRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}", field="top_logprobs")
         if self.seed is not None and self.seed < 0:
             self.seed = None
 
@@ -70,9 +70,9 @@ class PreparedRequest:
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
-            raise RequestError("the prompt is empty", param="prompt")
+            raise InvalidRequest("the prompt is empty", field="prompt")
         if self.max_tokens is not None and self.max_tokens < 0:
-            raise RequestError("max_tokens must be >= 0", param="max_tokens")
+            raise InvalidRequest("max_tokens must be >= 0", field="max_tokens")
 
 
 @dataclass(slots=True, frozen=True)

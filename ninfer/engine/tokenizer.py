@@ -15,7 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ninfer.engine.artifact import ArtifactMetadata, SpecialTokens
-from ninfer.errors import ArtifactError, RequestError
+from ninfer.engine.errors import InvalidRequest, TemplateError, TokenOutOfRange
+from ninfer.errors import ArtifactError
 
 # Names a message's reasoning arrives under; templates read `reasoning_content` (gpt-oss: `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -138,7 +139,7 @@ class Tokenizer:
         """The vocabulary entry as stored (e.g. "Ġhello", "▁hello", "<0x0A>", "<|im_end|>")."""
         piece = self._tok.id_to_token(id)
         if piece is None:
-            raise RequestError(f"token id {id} is out of range (vocabulary size {self.vocab_size})", param="token")
+            raise TokenOutOfRange(id, self.vocab_size)
         return piece
 
     def token_bytes(self, id: int) -> bytes:
@@ -147,7 +148,7 @@ class Tokenizer:
         (`strips_leading_space`)."""
         table = self._bytes if self._bytes is not None else self._build_bytes()
         if not 0 <= id < len(table):
-            raise RequestError(f"token id {id} is out of range (vocabulary size {len(table)})", param="token")
+            raise TokenOutOfRange(id, len(table))
         return table[id]
 
     def _build_bytes(self) -> list[bytes]:
@@ -179,7 +180,7 @@ class Tokenizer:
                             tools: list | None = None, documents: list | None = None,
                             chat_template: str | None = None, **extra: Any) -> str:
         """Render `messages` with the model's chat template (or `chat_template`) as transformers'
-        `apply_chat_template(..., tokenize=False)` would. Raises RequestError when the template
+        `apply_chat_template(..., tokenize=False)` would. Raises TemplateError when the template
         raises or the model has none."""
         template = self._compiled(chat_template)
         context: dict[str, Any] = {}
@@ -193,21 +194,21 @@ class Tokenizer:
             return template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
                                    add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as e:
-            raise RequestError(f"chat template error: {e.message or e}", param="messages") from None
+            raise TemplateError(f"chat template error: {e.message or e}", field="messages") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
-            raise RequestError(f"chat template failed on these messages: {e}", param="messages") from None
+            raise TemplateError(f"chat template failed on these messages: {e}", field="messages") from None
 
     def _compiled(self, chat_template: str | None) -> jinja2.Template:
         source = chat_template if chat_template is not None else self.chat_template
         if not source:
-            raise RequestError("this model has no chat template; send a prompt instead", param="messages")
+            raise TemplateError("this model has no chat template; send a prompt instead", field="messages")
         cached = self._templates.get(source)
         if cached is None:
             try:
                 cached = _environment().from_string(source)
             except jinja2.TemplateSyntaxError as e:
                 if chat_template is not None:
-                    raise RequestError(f"chat_template does not compile: {e}", param="chat_template") from None
+                    raise TemplateError(f"chat_template does not compile: {e}", field="chat_template") from None
                 raise ArtifactError(f"the model's chat template does not compile: {e}") from None
             self._templates[source] = cached
         return cached
@@ -299,7 +300,7 @@ def _normalize_message(message: Any) -> dict[str, Any]:
     # reasoning is exposed under every name templates read.
     plain = _plain(message)
     if not isinstance(plain, dict):
-        raise RequestError(f"each message must be an object, got {type(message).__name__}", param="messages")
+        raise InvalidRequest(f"each message must be an object, got {type(message).__name__}", field="messages")
     plain = {k: v for k, v in plain.items() if v is not None}
     reasoning = next((plain[k] for k in _REASONING_FIELDS if plain.get(k) is not None), None)
     if reasoning is not None:

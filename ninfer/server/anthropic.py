@@ -19,6 +19,7 @@ import orjson
 
 from ninfer.engine.request import OutputEvent, PreparedRequest, Usage
 from ninfer.errors import RequestError
+from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.generate import Generation, new_request_id
 from ninfer.server.http import Call, anthropic_error_type
 from ninfer.server.openai_chat import template_kwargs
@@ -185,21 +186,22 @@ async def handle_messages(call: Call) -> None:
     try:
         try:
             m = prepare_messages(call, body, new_request_id())
-        except RequestError as e:
-            call.state.reject("anthropic", e)
-            raise
+        except CLIENT_ERRORS as e:
+            err = http_error(e)
+            call.state.reject("anthropic", err)
+            raise err
         async with Generation(call, m.req, m.stream) as gen:
             await (_stream(call, gen, m) if m.stream else _aggregate(call, gen, m))
-    except RequestError as e:
-        raise _for_anthropic(e) from None
+    except CLIENT_ERRORS as e:
+        raise _for_anthropic(http_error(e)) from None
 
 
 async def handle_count_tokens(call: Call) -> None:
     """The prompt's token count as /v1/messages would render it; nothing is generated."""
     try:
         n = len(_prompt_ids(call, call.json(), generate=False)[0])
-    except RequestError as e:
-        raise _for_anthropic(e) from None
+    except CLIENT_ERRORS as e:
+        raise _for_anthropic(http_error(e)) from None
     await call.respond(200, {"input_tokens": n})
 
 
@@ -286,10 +288,10 @@ async def _stream(call: Call, gen: Generation, m: MessagesRequest) -> None:
                     "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                     "usage": _usage(event.usage)}))
                 await call.write(_event("message_stop", {"type": "message_stop"}))
-    except RequestError as e:
+    except CLIENT_ERRORS as e:
         if not call.started:
             raise
-        e = _for_anthropic(e)
+        e = _for_anthropic(http_error(e))
         await call.write(_event("error", {"type": "error",
                                           "error": {"type": anthropic_error_type(e), "message": e.message}}))
     await call.end()

@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
 from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, ops, responses
+from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, Headers
 from ninfer.server.state import ServerState
 from ninfer.version import version_string
@@ -127,9 +128,10 @@ class App:
                     state=state, send=send, base_headers=base, anthropic=is_anthropic)
         try:
             await self._dispatch(call, receive)
-        except RequestError as e:
+        except CLIENT_ERRORS as e:
             if not call.started:
-                await call.respond_error(e, [(b"retry-after", b"2")] if e.code == "model_loading" else [])
+                err = http_error(e)
+                await call.respond_error(err, [(b"retry-after", b"2")] if err.code == "model_loading" else [])
             else:
                 await call.end()
         except ClientGone:

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer.engine.request import OutputEvent, PreparedRequest, TokenLogprob, Usage
+from ninfer.engine.errors import EngineError
 from ninfer.errors import RequestError
+from ninfer.server.errors import http_error
 from ninfer.server.http import Call
 from ninfer.server.sse import TIMEOUT, EventPump, Timeout
 
@@ -106,16 +108,17 @@ class Generation:
 
     async def events(self, keepalive: float | None) -> AsyncIterator[OutputEvent | Timeout]:
         """Yield events (TIMEOUT after `keepalive` s without one). A final error event raises
-        RequestError; submission errors (429, context_length_exceeded) raise too."""
+        RequestError; submission errors (429, context_length_exceeded) raise too, mapped."""
         state = self.call.state
         assert state.loaded is not None
         engine = state.loaded.engine
         pump = EventPump(engine, self.req.request_id)
         try:
             engine.submit(self.req, pump.sink)
-        except RequestError as e:
-            state.reject(self.protocol, e)
-            raise
+        except EngineError as e:
+            err = http_error(e)
+            state.reject(self.protocol, err)
+            raise err
         self._pump = pump
         self._n = state.reqlog.next_id()
         state.reqlog.request_start(self._n, self.protocol, self.req, self.stream)

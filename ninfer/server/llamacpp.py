@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ninfer.engine.request import OutputEvent, PreparedRequest
-from ninfer.errors import RequestError
+from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.generate import Generation, new_request_id, prompt_progress
 from ninfer.server.http import Call
 from ninfer.server.params import bad, check_id_slot, check_model, opt_bool, opt_int
@@ -106,9 +106,10 @@ async def handle_completion(call: Call) -> None:
         fields = _response_fields(body)
         req, opts = prepare_raw(body, state, rid, max_tokens, "completion")
         req.hints["return_progress"] = return_progress and opts.stream  # progress shapes a stream only
-    except RequestError as e:
-        state.reject("completion", e)
-        raise
+    except CLIENT_ERRORS as e:
+        err = http_error(e)
+        state.reject("completion", err)
+        raise err
     tok = state.loaded.tokenizer
     prompt_text = tok.decode(req.prompt_token_ids, skip_special_tokens=False)
 
@@ -145,9 +146,10 @@ async def handle_completion(call: Call) -> None:
                 if event.finish_reason is not None:
                     obj = _final_object(call, req, event, "", token_ids, prompt_text, True, return_tokens)
                     await call.write(sse_data(shape(obj)))
-        except RequestError as e:
+        except CLIENT_ERRORS as e:
             if not call.started:
                 raise
+            e = http_error(e)
             await call.write(sse_data({"error": {"message": e.message, "type": e.type, "code": e.code}}))
         await call.end()
 

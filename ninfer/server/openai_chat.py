@@ -10,6 +10,7 @@ from typing import Any
 
 from ninfer.engine.request import OutputEvent, PreparedRequest
 from ninfer.errors import RequestError
+from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
                                     slot_extras, usage_dict)
 from ninfer.server.http import Call
@@ -232,9 +233,10 @@ async def handle_chat(call: Call) -> None:
     rid = new_request_id()
     try:
         req, opts = prepare_chat(call, body, rid)
-    except RequestError as e:
-        call.state.reject("chat", e)
-        raise
+    except CLIENT_ERRORS as e:
+        err = http_error(e)
+        call.state.reject("chat", err)
+        raise err
     async with Generation(call, req, opts.stream) as gen:
         if opts.stream:
             await _stream(call, gen, opts)
@@ -328,8 +330,8 @@ async def _stream(call: Call, gen: Generation, opts: ChatOptions) -> None:
                 else:
                     await call.write(sse_data({**finish, **extras}))
                 await call.write(DONE)
-    except RequestError as e:
+    except CLIENT_ERRORS as e:
         if not call.started:
             raise
-        await call.write(sse_error(e))
+        await call.write(sse_error(http_error(e)))
     await call.end()

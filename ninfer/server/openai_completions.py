@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ninfer.errors import RequestError
+from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.generate import Generation, new_request_id, usage_dict
 from ninfer.server.http import Call
 from ninfer.server.params import check_model, opt_bool, opt_int, unsupported
@@ -38,9 +39,10 @@ async def handle_completions(call: Call) -> None:
         max_tokens = opt_int(body, "max_tokens", lo=-1)
         echo = opt_bool(body, "echo") or False
         req, opts = prepare_raw(body, state, rid, None if max_tokens == -1 else max_tokens, "completions")
-    except RequestError as e:
-        state.reject("completions", e)
-        raise
+    except CLIENT_ERRORS as e:
+        err = http_error(e)
+        state.reject("completions", err)
+        raise err
     prompt_text = state.loaded.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False) if echo else ""
     async with Generation(call, req, opts.stream) as gen:
         base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": gen.created,
@@ -89,8 +91,8 @@ async def _stream(call: Call, gen: Generation, base: dict[str, Any], echo_text: 
                 else:
                     await call.write(sse_data({**chunk("", event.finish_reason), **timings}))
                 await call.write(DONE)
-    except RequestError as e:
+    except CLIENT_ERRORS as e:
         if not call.started:
             raise
-        await call.write(sse_error(e))
+        await call.write(sse_error(http_error(e)))
     await call.end()

@@ -18,6 +18,7 @@ import orjson
 
 from ninfer.engine.request import OutputEvent, PreparedRequest, Usage
 from ninfer.errors import RequestError
+from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.generate import Generation, logprob_records
 from ninfer.server.http import Call
 from ninfer.server.openai_chat import template_kwargs
@@ -342,9 +343,10 @@ async def handle_create(call: Call) -> None:
     body = call.json()
     try:
         c = prepare_create(call, body)
-    except RequestError as e:
-        call.state.reject("responses", e)
-        raise
+    except CLIENT_ERRORS as e:
+        err = http_error(e)
+        call.state.reject("responses", err)
+        raise err
     async with Generation(call, c.req, c.stream) as gen:
         if c.stream:
             await _stream(call, gen, c)
@@ -395,9 +397,10 @@ async def _stream(call: Call, gen: Generation, c: CreateRequest) -> None:
                 await emit("response.content_part.done", **where, part=item["content"][0])
                 await emit("response.output_item.done", output_index=0, item=item)
                 await emit(f"response.{response['status']}", response=response)
-    except RequestError as e:
+    except CLIENT_ERRORS as e:
         if not call.started:
             raise
+        e = http_error(e)
         failed = {**b.response(None), "status": "failed",
                   "error": {"code": e.code or "server_error", "message": e.message}}
         await emit("response.failed", response=failed)

@@ -1,0 +1,40 @@
+"""The HTTP face of errors: the one place where the engine's typed errors become an HTTP status,
+an OpenAI error type, a code and a param. A handler catches `CLIENT_ERRORS` and answers with
+`http_error(e)`; the server's own RequestErrors (body validation) pass through unchanged.
+"""
+from __future__ import annotations
+
+import logging
+
+from ninfer.engine.errors import (ContextLengthExceeded, EngineError, EngineOverloaded, InvalidRequest,
+                                  SchemaError)
+from ninfer.errors import RequestError
+
+log = logging.getLogger("ninfer.server")
+
+CLIENT_ERRORS = (RequestError, EngineError)  # what a handler answers the client with
+
+# engine error class -> (status, OpenAI error type, code); the most derived class listed wins, so
+# DuplicateRequest, TemplateError and TokenOutOfRange answer as InvalidRequest. EngineNotRunning
+# and any class not listed answer 500, as any unexpected failure does.
+HTTP_FACTS: dict[type[EngineError], tuple[int, str, str | None]] = {
+    ContextLengthExceeded: (400, "invalid_request_error", "context_length_exceeded"),
+    SchemaError: (400, "invalid_request_error", "invalid_json_schema"),
+    InvalidRequest: (400, "invalid_request_error", None),
+    EngineOverloaded: (429, "server_error", "server_overloaded"),
+}
+
+
+def http_error(err: RequestError | EngineError) -> RequestError:
+    """The RequestError to answer for `err`: itself when it is one; else the engine error mapped
+    through HTTP_FACTS, its message kept and its `field` as the param."""
+    if isinstance(err, RequestError):
+        return err
+    for cls in type(err).__mro__:
+        facts = HTTP_FACTS.get(cls)
+        if facts is not None:
+            status, kind, code = facts
+            return RequestError(err.message, param=getattr(err, "field", None), code=code, status=status,
+                                type=kind)
+    log.error("engine error answered as 500: %s: %s", type(err).__name__, err)
+    return RequestError("internal server error", status=500, code="internal_error", type="server_error")

@@ -1,0 +1,104 @@
+"""Layering rules of DESIGN.md, checked on the source with `ast`: kernels/ imports nothing from
+engine/; engine/ imports nothing from server/ and raises engine errors, never errors that carry
+HTTP facts (the server maps engine errors to HTTP at its edge)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "ninfer"
+HTTP_KEYWORDS = {"status", "status_code"}  # an error constructed with these carries an HTTP status
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in `source`, relative ones resolved against
+    `module`; `from a import b` yields both a and a.b (b may be a submodule)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def http_errors_raised(source: str) -> list[tuple[int, str]]:
+    """(line, what) for each mention of RequestError and each exception built with an HTTP status."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(_mark_raised(ast.parse(source))):
+        if isinstance(node, ast.Name) and node.id == "RequestError":
+            found.append((node.lineno, "RequestError"))
+        elif isinstance(node, ast.Attribute) and node.attr == "RequestError":
+            found.append((node.lineno, "RequestError"))
+        elif isinstance(node, ast.alias) and node.name.rpartition(".")[2] == "RequestError":
+            found.append((getattr(node, "lineno", 0), "import RequestError"))
+        elif isinstance(node, ast.Call) and _is_error(node):
+            for kw in node.keywords:
+                if kw.arg in HTTP_KEYWORDS:
+                    found.append((node.lineno, f"{ast.unparse(node.func)}({kw.arg}=...)"))
+    return found
+
+
+def _is_error(call: ast.Call) -> bool:
+    # an exception being built: raised right here, or a class named *Error / *Exception
+    name = ast.unparse(call.func).rpartition(".")[2]
+    return name.endswith(("Error", "Exception")) or getattr(call, "raised", False)
+
+
+def _mark_raised(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            node.exc.raised = True  # type: ignore[attr-defined]
+    return tree
+
+
+def violations(subpackage: str, forbidden: str) -> list[str]:
+    out = []
+    for path in sorted((PACKAGE / subpackage).rglob("*.py")):
+        module = module_name(path)
+        for line, name in imported_modules(path.read_text(), module, path.name == "__init__.py"):
+            if name == forbidden or name.startswith(forbidden + "."):
+                out.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
+    return out
+
+
+def test_the_checks_can_fail() -> None:
+    assert ("ninfer.engine.quant" in {n for _, n in imported_modules("from ..engine.quant import X",
+                                                                      "ninfer.kernels.launchers")})
+    assert ("ninfer.engine" in {n for _, n in imported_modules("from ninfer import engine", "ninfer.kernels.x")})
+    assert ("ninfer.server.http" in {n for _, n in imported_modules("import ninfer.server.http", "ninfer.engine.x")})
+    assert ("ninfer.engine.errors" in {n for _, n in imported_modules("from . import errors", "ninfer.engine",
+                                                                       is_package=True)})
+    assert http_errors_raised("raise RequestError('full', status=429)")
+    assert http_errors_raised("raise errors.RequestError('x')")
+    assert http_errors_raised("raise Overloaded('full', status_code=429)")
+    assert http_errors_raised("err = OverloadedError('full', status=429)")
+    assert not http_errors_raised("raise EngineOverloaded(12)")
+    assert not http_errors_raised("seq = Sequence(status=SeqStatus.WAITING)")  # not an error: engine state
+
+
+def test_kernels_import_nothing_from_engine() -> None:
+    assert violations("kernels", "ninfer.engine") == []
+
+
+def test_engine_imports_nothing_from_server() -> None:
+    assert violations("engine", "ninfer.server") == []
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "engine").rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_engine_raises_no_http_errors(path: Path) -> None:
+    """The engine raises ninfer/engine/errors.py classes; HTTP status, type and code are the server's."""
+    assert http_errors_raised(path.read_text()) == []
