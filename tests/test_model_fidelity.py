@@ -123,7 +123,7 @@ def test_tiny_llama_rope_scaling_is_exercised(tiny_hf_dirs, tiny_artifacts) -> N
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from ninfer.engine.models.layers import rope_inv_freq
+    from ninfer.engine.ops.torch_ops import rope_inv_freq
 
     config = tiny_artifacts("llama", "keep").meta.config
     assert (config.rope_scaling or {}).get("rope_type") == "llama3"

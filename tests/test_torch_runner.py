@@ -10,7 +10,7 @@ import torch
 from ninfer.engine.artifact import Artifact
 from ninfer.engine.backends.torch_runner import TorchModelRunner, kv_bytes_per_token
 from ninfer.engine.batch import ScheduledBatch, SequenceWork
-from ninfer.engine.models.layers import Linear
+from ninfer.engine.ops.torch_ops import Linear
 from ninfer.engine.quant import TensorFormat, dequantize, quantize
 from ninfer.engine.request import SamplingParams
 from ninfer.errors import NInferError
@@ -182,7 +182,7 @@ def test_packed_int8_linear_matches_dense() -> None:
 def test_bf16_packed_decode_close_to_f32(tiny) -> None:
     art = tiny["qwen3-int4"]
     fast = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.bfloat16)
-    assert len(fast.model.layers[0].qkv.packed) == 1  # int4 weights kept packed for decode
+    assert len(fast.model.layers[0].attn.qkv.packed) == 1  # int4 weights kept packed for decode
     ref = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.float32).forward_logits(PROMPT_A + DECODE)
     ours = chunked_logits(fast, 0, PROMPT_A + DECODE, [13, 1, 1, 1], [0, 1, 2, 3])  # decode rows: packed path
     rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()

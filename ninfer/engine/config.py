@@ -7,13 +7,12 @@ from typing import Any
 
 from ninfer.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 
-# Hugging Face `architectures[0]` / `model_type` -> our architecture name.
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-}
+
+def _architectures():  # the registry imports this module, so it is looked up on use
+    from ninfer.engine.models import ARCHITECTURES
+
+    return ARCHITECTURES
 
 
 @dataclass(slots=True)
@@ -34,12 +33,19 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims of each head
+    # hybrid models (qwen3_5): per-layer "full_attention" / "linear_attention", and the Gated DeltaNet shape
+    layer_types: list[str] | None = None
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unknown architecture {self.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        archs = _architectures()
+        if self.architecture not in archs:
+            raise ConfigError(f"unknown architecture {self.architecture!r} (supported: {', '.join(archs)})")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -51,10 +57,26 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind not in ("llama3", "default", None):
                 raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even number "
+                              f"of rotary dims in 2..{self.head_dim}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or any(
+                    t not in ("full_attention", "linear_attention") for t in self.layer_types):
+                raise ConfigError(f"layer_types must list full_attention or linear_attention for each of the "
+                                  f"{self.num_hidden_layers} layers")
+            if "linear_attention" in self.layer_types:
+                for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                             "linear_value_head_dim", "linear_conv_kernel_dim"):
+                    value = getattr(self, name)
+                    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                        raise ConfigError(f"model config field {name} must be a positive integer, got {value!r}")
+                if self.linear_num_value_heads % self.linear_num_key_heads:
+                    raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture == "qwen3"
+        return _architectures()[self.architecture].qk_norm
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,14 +94,15 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face `config.json` dict."""
         archs = hf.get("architectures") or []
-        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        known = _architectures().values()
+        arch = next((r.name for a in archs for r in known if a in r.hf_architectures), None)
         if arch is None:
-            arch = {"llama": "llama", "qwen3": "qwen3"}.get(hf.get("model_type", ""))
+            arch = next((r.name for r in known if hf.get("model_type") in r.hf_model_types), None)
         if arch is None:
-            raise ConfigError(
-                f"unknown architecture {archs or hf.get('model_type')!r} (supported: "
-                + ", ".join(HF_ARCHITECTURES) + ")"
-            )
+            raise ConfigError(f"unknown architecture {archs or hf.get('model_type')!r} (supported: "
+                              + ", ".join(n for r in known for n in r.hf_architectures) + ")")
+        if isinstance(hf.get("text_config"), dict):  # a multimodal checkpoint: its language model
+            hf = {**hf["text_config"], "architectures": archs}
         heads = hf["num_attention_heads"]
         rope_scaling = hf.get("rope_scaling")
         rope_theta = hf.get("rope_theta")
@@ -87,7 +110,10 @@ class ModelConfig:
         if isinstance(rope_parameters, dict):
             rope_theta = rope_parameters.get("rope_theta", rope_theta)
             if rope_parameters.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+                rope_scaling = {k: v for k, v in rope_parameters.items()
+                                if k not in ("rope_theta", "partial_rotary_factor", "mrope_section",
+                                             "mrope_interleaved")}
+        partial = (rope_parameters or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
         return cls(
@@ -105,6 +131,10 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
+            partial_rotary_factor=float(partial),
+            layer_types=list(hf["layer_types"]) if hf.get("layer_types") else None,
+            **{k: int(hf.get(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                                "linear_value_head_dim", "linear_conv_kernel_dim")},
         )
 
 

@@ -8,7 +8,7 @@ import itertools
 import torch
 
 from ninfer.engine.config import ModelConfig
-from ninfer.engine.models.layers import rope_inv_freq
+from ninfer.engine.ops.torch_ops import rope_inv_freq
 
 # our architecture -> (transformers config class, model class)
 HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from ninfer.engine.artifact import ArtifactMetadata, SpecialTokens, write_artifact
-from ninfer.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from ninfer.engine.config import ModelConfig
 from ninfer.engine.convert.common import (check_weights_mode, encode_weight, float_format, progress_bar,
                                           sha256_file, stop_token_ids)
 from ninfer.engine.convert.gguf_reader import GGUFFile, GGUFTensor
 from ninfer.engine.convert.gguf_tokenizer import GGUFVocab, build_tokenizer_json
-from ninfer.engine.models import expected_weights
+from ninfer.engine.models import ARCHITECTURES, Architecture, expected_weights
 from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat
 from ninfer.errors import ArtifactError, NInferError
 
@@ -33,43 +33,34 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _IGNORED = {"rope_freqs.weight"}  # folded into the config (llama3 rope scaling)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # File-name suffixes that name a quantization, e.g. ".Q4_1", "-Q4_K_M", "-f16".
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d[A-Za-z0-9_]*|[Bb]?[Ff]16|[Ff]32)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def gguf_architecture(name: Any) -> Architecture | None:
+    """The record whose GGUF `general.architecture` is `name`."""
+    return next((a for a in ARCHITECTURES.values() if a.gguf_architecture == name), None)
+
+
+def hf_name(gguf_name: str, arch: Architecture) -> str | None:
     """Hugging Face name of a GGUF tensor name (None when unknown)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in arch.gguf_layer_names:
+        return f"model.layers.{m.group(1)}.{arch.gguf_layer_names[m.group(2)]}"
     return None
 
 
 def read_config(src: Path, fields: dict[str, Any], tensor_names: set[str], rope_freqs: np.ndarray | None) -> ModelConfig:
     """ModelConfig from the `{arch}.*` keys."""
     arch = fields.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ArtifactError(f"{src}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    record = gguf_architecture(arch)
+    if record is None:
+        supported = ", ".join(a.gguf_architecture for a in ARCHITECTURES.values())
+        raise ArtifactError(f"{src}: unsupported architecture {arch!r} (supported: {supported})")
 
     def key(name: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{name}", default)
@@ -87,7 +78,7 @@ def read_config(src: Path, fields: dict[str, Any], tensor_names: set[str], rope_
     rope_scaling = _rope_scaling(src, fields, arch, context, rope_freqs)
     try:
         return ModelConfig(
-            architecture=arch,
+            architecture=record.name,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
@@ -256,6 +247,7 @@ def convert_gguf(src: str | Path, out: str | Path, weights: str = "keep", progre
         raise ArtifactError(f"{src}: no tokenizer (tokenizer.ggml.tokens is missing)")
 
     expected = expected_weights(config)
+    arch = ARCHITECTURES[config.architecture]
     tensors: dict[str, torch.Tensor] = {}
     formats: dict[str, TensorFormat] = {}
     permute = {"self_attn.q_proj.weight": config.num_attention_heads,
@@ -263,7 +255,7 @@ def convert_gguf(src: str | Path, out: str | Path, weights: str = "keep", progre
     for tensor in progress_bar(gguf.tensors, len(gguf.tensors), f"converting {src.name}", progress):
         if tensor.name in _IGNORED:
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None or name not in expected:
             raise ArtifactError(f"{src}: unexpected tensor {tensor.name} for architecture {config.architecture}")
         fmt, parts, shape = read_tensor(src, tensor, weights)

@@ -1,139 +1,167 @@
-"""Llama (SmolLM2, Llama 3) in plain torch, over a flat token batch and a paged KV cache.
+"""Llama (SmolLM2, Llama 3): the record and the one forward, over a flat token batch.
 
-Weights come from a .ninfer artifact in Hugging Face layout. At load, q/k/v and gate/up are
-fused into one matmul each; quantized weights are expanded to the compute dtype (and, for int4
-on CPU in bf16, also kept packed for the decode kernel, see layers.Linear).
-"""
+At load q/k/v and gate/up are fused into one projection each; the backend decides how each
+weight is kept (ops.linear_weight)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
-import torch.nn.functional as F
 
-from ninfer.engine.artifact import Artifact
 from ninfer.engine.config import ModelConfig
-from ninfer.engine.models.layers import (AttentionMetadata, KVCache, Linear, RotaryEmbedding, apply_rotary,
-                                         packable, paged_attention, rms_norm)
-from ninfer.engine.quant import TensorFormat, dequantize
+from ninfer.engine.models.spec import ATTENTION, Architecture, Shapes
+from ninfer.engine.models.weights import WeightReader
+
+LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                   "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+                   "embed_tokens.weight", "lm_head.weight")
+
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
 
 
+def global_weights(c: ModelConfig) -> Shapes:
+    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                      "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def attention_weights(c: ModelConfig, qk_norm: bool, q_rows: int | None = None) -> Shapes:
+    """Per-layer suffix -> shape of a (llama-style) attention block; q_rows overrides q_proj's rows."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes: Shapes = {
+        "self_attn.q_proj.weight": (q_rows or q, c.hidden_size),
+        "self_attn.k_proj.weight": (kv, c.hidden_size),
+        "self_attn.v_proj.weight": (kv, c.hidden_size),
+        "self_attn.o_proj.weight": (c.hidden_size, q),
+    }
+    if c.attention_bias:
+        shapes |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if qk_norm:
+        shapes |= {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+    return shapes
+
+
+def mlp_weights(c: ModelConfig) -> Shapes:
+    return {"input_layernorm.weight": (c.hidden_size,), "post_attention_layernorm.weight": (c.hidden_size,),
+            "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
+
+
+def llama_weights(c: ModelConfig, qk_norm: bool) -> Shapes:
+    shapes = global_weights(c)
+    per_layer = mlp_weights(c) | attention_weights(c, qk_norm)
+    for i in range(c.num_hidden_layers):
+        shapes |= {f"model.layers.{i}.{sfx}": shape for sfx, shape in per_layer.items()}
+    return shapes
+
+
+@dataclass(slots=True)
+class MLP:
+    gate_up: Any  # [2 * intermediate, hidden]
+    down: Any  # [hidden, intermediate]
+
+    @classmethod
+    def load(cls, w: WeightReader, p: str) -> MLP:
+        return cls(w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), w.linear([p + "mlp.down_proj.weight"]))
+
+    def __call__(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down)
+
+
+@dataclass(slots=True)
+class Attention:
+    qkv: Any  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o_proj: Any  # [hidden, heads * head_dim]
+    q_norm: Any  # [head_dim] (qk_norm) or None
+    k_norm: Any
+
+    @classmethod
+    def load(cls, w: WeightReader, p: str, c: ModelConfig, qk_norm: bool) -> Attention:
+        a = p + "self_attn."
+        bias = [a + f"{x}_proj.bias" for x in "qkv"] if c.attention_bias else None
+        norms = (w.vector(a + "q_norm.weight"), w.vector(a + "k_norm.weight")) if qk_norm else (None, None)
+        return cls(w.linear([a + f"{x}_proj.weight" for x in "qkv"], bias), w.linear([a + "o_proj.weight"]), *norms)
+
+    def __call__(self, ops: Any, layer: int, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        qkv = ops.linear(x, self.qkv)
+        q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
+        return ops.linear(ops.attention(layer, q, k, v, self.q_norm, self.k_norm), self.o_proj)
+
+
+@dataclass(slots=True)
 class DecoderLayer:
-    __slots__ = ("input_norm", "qkv", "qk_norm", "o_proj", "post_norm", "gate_up", "down")
-
-    def __init__(self, input_norm: torch.Tensor, qkv: Linear, o_proj: Linear, post_norm: torch.Tensor,
-                 gate_up: Linear, down: Linear, qk_norm: torch.Tensor | None = None) -> None:
-        self.input_norm = input_norm  # [hidden] float32 (as are all norm weights)
-        self.qkv = qkv  # [(heads + 2 * kv_heads) * head_dim, hidden]
-        self.qk_norm = qk_norm  # [heads + kv_heads, head_dim]: q_norm per q head, then k_norm per k head (qwen3)
-        self.o_proj = o_proj  # [hidden, heads * head_dim]
-        self.post_norm = post_norm
-        self.gate_up = gate_up  # [2 * intermediate, hidden]
-        self.down = down  # [hidden, intermediate]
-
-
-class _WeightLoader:
-    """Reads an artifact's stored parts and builds compute-dtype tensors and Linears."""
-
-    def __init__(self, artifact: Artifact, dtype: torch.dtype, device: torch.device, pack: bool) -> None:
-        self.parts = artifact.load_parts(device)  # expand on the target device (fast on a GPU)
-        self.formats = artifact.meta.tensor_formats
-        self.dtype = dtype
-        self.device = device
-        self.pack = pack
-
-    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.formats[name], self.parts[name], dtype or self.dtype)
-
-    def linear(self, names: list[str], bias_names: list[str] | None = None) -> Linear:
-        """One Linear whose rows are the named weights stacked in order (a fused projection)."""
-        weight = torch.cat([dequantize(self.formats[n], self.parts[n], self.dtype) for n in names])
-        bias = None
-        if bias_names:
-            bias = torch.cat([self.tensor(n) for n in bias_names])
-        lin = Linear(weight.contiguous(), bias)
-        fmts = {self.formats[n] for n in names}
-        if self.pack and len(fmts) == 1:
-            fmt: TensorFormat = next(iter(fmts))
-            if packable(fmt, tuple(weight.shape)):
-                if fmt.format == "int4":
-                    lin.attach_int4(fmt, [self.parts[n] for n in names])
-                else:
-                    lin.attach_int8(fmt, [self.parts[n] for n in names])
-        return lin
+    input_norm: Any  # [hidden]
+    attn: Attention
+    post_norm: Any
+    mlp: MLP
 
 
 class LlamaModel:
-    """forward(input_ids [T], positions [T], meta, kv) -> hidden [T, hidden]; compute_logits."""
+    """forward(ops, input_ids [T]) -> final normed hidden [T, hidden]; compute_logits."""
 
-    qk_norm = False  # qwen3 adds per-head RMSNorm on q and k before RoPE
+    qk_norm = False
 
-    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: torch.Tensor, lm_head: Linear, dtype: torch.dtype, device: torch.device,
-                 attn_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: ModelConfig, embed: Any, layers: list[DecoderLayer], norm: Any, lm_head: Any) -> None:
         self.config = config
         self.embed = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm
-        self.lm_head = lm_head  # [vocab, hidden]; shares `embed` when tied
-        self.dtype = dtype  # weights and matmul inputs
-        self.attn_dtype = attn_dtype or dtype  # q/k/v, RoPE and the KV cache
-        self.device = device
-        self.rope = RotaryEmbedding(config, self.attn_dtype, device)
+        self.lm_head = lm_head  # [vocab, hidden]; `embed` when tied
 
     @classmethod
-    def from_artifact(cls, artifact: Artifact, dtype: torch.dtype, device: torch.device,
-                      attn_dtype: torch.dtype | None = None, pack: bool = False) -> LlamaModel:
-        """Build from a validated artifact. dtype: weights and matmuls; attn_dtype (default dtype):
-        attention and KV; pack keeps int4/int8 weights packed too, for the decode kernel (CPU, bf16)."""
-        c = artifact.meta.config
-        w = _WeightLoader(artifact, dtype, device, pack)
-        f32 = torch.float32
+    def load(cls, w: WeightReader, config: ModelConfig) -> LlamaModel:
+        c = config
         layers = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
-            attn = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-            bias = [p + f"self_attn.{x}_proj.bias" for x in "qkv"] if c.attention_bias else None
-            qk_norm = None
-            if cls.qk_norm:
-                qk_norm = torch.cat((w.tensor(p + "self_attn.q_norm.weight", f32).expand(c.num_attention_heads, -1),
-                                     w.tensor(p + "self_attn.k_norm.weight", f32).expand(c.num_key_value_heads, -1)))
-            layers.append(DecoderLayer(
-                input_norm=w.tensor(p + "input_layernorm.weight", f32),
-                qkv=w.linear(attn, bias),
-                o_proj=w.linear([p + "self_attn.o_proj.weight"]),
-                post_norm=w.tensor(p + "post_attention_layernorm.weight", f32),
-                gate_up=w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=w.linear([p + "mlp.down_proj.weight"]),
-                qk_norm=qk_norm,
-            ))
-        lm_head = w.linear(["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"])
-        embed = lm_head.weight if c.tie_word_embeddings else w.tensor("model.embed_tokens.weight")
-        return cls(c, embed, layers, w.tensor("model.norm.weight", f32), lm_head, dtype, device, attn_dtype)
+            layers.append(DecoderLayer(w.vector(p + "input_layernorm.weight"), Attention.load(w, p, c, cls.qk_norm),
+                                       w.vector(p + "post_attention_layernorm.weight"), MLP.load(w, p)))
+            w.release(p)
+        embed = w.embedding("model.embed_tokens.weight", lm_head=c.tie_word_embeddings)
+        lm_head = embed if c.tie_word_embeddings else w.linear(["lm_head.weight"])
+        return cls(c, embed, layers, w.vector("model.norm.weight"), lm_head)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache) -> torch.Tensor:
-        """Run all layers over the flat batch, writing its K/V into the cache. -> [T, hidden] in the
-        compute dtype. The residual stream stays float32 whatever the compute dtype (matmul inputs
-        are cast), which keeps bf16 runs close to the float32 reference for a few casts."""
-        c = self.config
-        eps, dtype, attn_dtype = c.rms_norm_eps, self.dtype, self.attn_dtype
-        num_tokens = input_ids.shape[0]
-        heads, kv_heads, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        cos, sin = self.rope.lookup(positions, meta.max_pos)  # [T, 1, head_dim]
-        h = F.embedding(input_ids, self.embed).float()  # [T, hidden] residual
-        for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(rms_norm(h, layer.input_norm, eps).to(dtype)).to(attn_dtype)
-            # q and k side by side as [T, heads + kv_heads, head_dim]: one norm and one RoPE for both
-            qk = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
-            v = qkv[:, (heads + kv_heads) * head_dim:].view(num_tokens, kv_heads, head_dim)
-            if layer.qk_norm is not None:
-                qk = (rms_norm(qk, None, eps) * layer.qk_norm).to(attn_dtype)
-            qk = apply_rotary(qk, cos, sin)
-            attn = paged_attention(qk[:, :heads], qk[:, heads:], v, kv.k[i], kv.v[i], meta)  # [T, heads * d]
-            h = h + layer.o_proj(attn.to(dtype))
-            gate, up = layer.gate_up(rms_norm(h, layer.post_norm, eps).to(dtype)).split(c.intermediate_size, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
-        return rms_norm(h, self.norm, eps).to(dtype)
+    def forward(self, ops: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        """All layers over the flat batch of the step ops.begin() was given (K/V written)."""
+        eps, layers = self.config.rms_norm_eps, self.layers
+        h = ops.embed(input_ids, self.embed)  # the residual stream
+        x = ops.rms_norm(h, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            x = ops.add_rms_norm(layer.attn(ops, i, x, self.config), h, layer.post_norm, eps)
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+            x = ops.add_rms_norm(layer.mlp(ops, x), h, nxt, eps)
+        return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] float32."""
-        return self.lm_head(hidden, torch.float32)
+        return ops.logits(hidden, self.lm_head)
+
+
+def attention_only(c: ModelConfig) -> tuple[str, ...]:
+    return (ATTENTION,) * c.num_hidden_layers
+
+
+LLAMA = Architecture(
+    name="llama", hf_architectures=("LlamaForCausalLM",), hf_model_types=("llama",), gguf_architecture="llama",
+    weights=lambda c: llama_weights(c, qk_norm=False), layer_kinds=attention_only, model=LlamaModel,
+    gguf_layer_names=GGUF_LAYER_NAMES, quantizable=LINEAR_SUFFIXES)

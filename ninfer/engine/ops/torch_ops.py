@@ -1,4 +1,5 @@
-"""Building blocks shared by the torch model code: RMSNorm, RoPE, linear weights, paged attention.
+"""The torch implementation of the ops interface (CPU and CUDA), and its building blocks:
+RMSNorm, RoPE, linear weights, paged attention, the Gated DeltaNet pieces (gdn_torch.py).
 
 Numerics follow Hugging Face transformers (the reference the fidelity tests compare against):
 RMSNorm reduced in float32, RoPE with the rotate_half convention and float32 angles, attention
@@ -14,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.engine.config import ModelConfig
-from ninfer.engine.quant import TensorFormat, unpack_int4
+from ninfer.engine.models.spec import StateSpec
+from ninfer.engine.ops import gdn_torch
+from ninfer.engine.quant import TensorFormat, dequantize, unpack_int4
 
 # At most this many rows take the packed int4 kernel (decode); more rows (prefill) take the
 # dense matmul, which is ~4x faster than the packed kernel at 128 rows on CPU.
@@ -38,9 +41,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return F.rms_norm(x.float(), (x.shape[-1],), weight, eps)
 
 
+def rotary_dim(config: ModelConfig) -> int:
+    """Dims of each head that RoPE rotates (the first ones; all unless partial_rotary_factor < 1)."""
+    return int(config.head_dim * config.partial_rotary_factor)
+
+
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies; `llama3` scaling as transformers computes it."""
-    dim = config.head_dim
+    """[rotary_dim/2] float32 inverse frequencies; `llama3` scaling as transformers computes it."""
+    dim = rotary_dim(config)
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
     scaling = config.rope_scaling or {}
     if scaling.get("rope_type", scaling.get("type")) != "llama3":
@@ -61,7 +69,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos / signed-sin tables [positions, head_dim] in the attention dtype, grown by doubling."""
+    """cos / signed-sin tables [positions, rotary_dim] in the attention dtype, grown by doubling."""
 
     __slots__ = ("inv_freq", "dtype", "device", "cos", "sin")
 
@@ -69,7 +77,7 @@ class RotaryEmbedding:
         self.inv_freq = rope_inv_freq(config).to(device)
         self.dtype = dtype
         self.device = device
-        self.cos = torch.empty(0, config.head_dim, dtype=dtype, device=device)
+        self.cos = torch.empty(0, rotary_dim(config), dtype=dtype, device=device)
         self.sin = self.cos
         self._build(min(config.max_position_embeddings, 4096))
 
@@ -82,7 +90,7 @@ class RotaryEmbedding:
         self.sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
     def lookup(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, signed sin [T, 1, head_dim] (broadcast over heads)."""
+        """positions [T] -> cos, signed sin [T, 1, rotary_dim] (broadcast over heads)."""
         if max_pos >= self.cos.shape[0]:
             n = self.cos.shape[0]
             while n <= max_pos:
@@ -92,8 +100,13 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; HF rotate_half convention (dims i and i + d/2 form a pair)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    """x: [T, heads, head_dim]; HF rotate_half convention (dims i and i + r/2 form a pair) over the
+    first r = cos.shape[-1] dims; the rest pass unchanged."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + x.roll(r // 2, dims=-1) * signed_sin
+    rot = x[..., :r]
+    return torch.cat((rot * cos + rot.roll(r // 2, dims=-1) * signed_sin, x[..., r:]), dim=-1)
 
 
 class Linear:
@@ -203,17 +216,48 @@ class AttentionMetadata:
 
 
 class KVCache:
-    """Physical paged KV tensors: per layer K and V of [num_pages, page_size, kv_heads, head_dim]."""
+    """Physical paged KV tensors: per attention layer K and V of [num_pages, page_size, kv_heads, head_dim]."""
 
     __slots__ = ("k", "v", "page_size", "num_pages")
 
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+    def __init__(self, spec: StateSpec, num_pages: int, page_size: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        shape = (num_pages, page_size, config.num_key_value_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        shape = (num_pages, page_size, spec.attention.kv_heads, spec.attention.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_attention_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_attention_layers)]
         self.page_size = page_size
         self.num_pages = num_pages
+
+    def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy pages src[i] -> dst[i] in every layer (int64 index tensors)."""
+        for cache in (*self.k, *self.v):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+
+class RecurrentStates:
+    """Per linear-attention layer: conv windows [slots, conv_dim, conv_kernel - 1] (attention dtype)
+    and delta-rule states [slots, value_heads, key_dim, value_dim] float32; a slot is one sequence."""
+
+    __slots__ = ("conv", "ssm", "num_slots")
+
+    def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        r = spec.recurrent
+        assert r is not None
+        self.conv = [torch.zeros(num_slots, r.conv_dim, r.conv_kernel - 1, dtype=dtype, device=device)
+                     for _ in range(spec.num_recurrent_layers)]
+        self.ssm = [torch.zeros(num_slots, r.value_heads, r.key_dim, r.value_dim, dtype=torch.float32, device=device)
+                    for _ in range(spec.num_recurrent_layers)]
+        self.num_slots = num_slots
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy slots src[i] -> dst[i] in every layer (int64 index tensors)."""
+        for t in (*self.conv, *self.ssm):
+            t.index_copy_(0, dst, t.index_select(0, src))
+
+    def zero(self, slots: torch.Tensor) -> None:
+        """Reset slots to the state before any token (a sequence starting from position 0)."""
+        for t in (*self.conv, *self.ssm):
+            t.index_fill_(0, slots, 0)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -256,3 +300,144 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     assert out is not None
     return out.reshape(q.shape[0], num_heads * head_dim)
 
+
+
+@dataclass(slots=True)
+class SeqRows:
+    """One sequence's rows of a flat batch, and its recurrent-state slot (-1: none)."""
+
+    offset: int
+    num_tokens: int
+    state_slot: int
+
+
+@dataclass(slots=True)
+class TorchContext:
+    """What one forward's ops read besides their arguments."""
+
+    meta: AttentionMetadata
+    cos: torch.Tensor  # [T, 1, rotary_dim]
+    sin: torch.Tensor
+    kv: KVCache
+    states: RecurrentStates | None
+    seqs: list[SeqRows]
+
+
+class TorchOps:
+    """The ops interface in torch. dtype: weights and matmuls; attn_dtype: q/k/v, RoPE, the KV cache
+    and conv windows; pack keeps int4/int8 weights packed too, for the CPU decode kernel. The
+    residual stream stays float32 whatever the compute dtype (matmul inputs are cast), which keeps
+    bf16 runs close to the float32 reference for a few casts."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, attn_dtype: torch.dtype, device: torch.device,
+                 pack: bool = False) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.attn_dtype = attn_dtype
+        self.device = device
+        self.pack = pack
+        self.rope = RotaryEmbedding(config, attn_dtype, device)
+        self.ctx: TorchContext | None = None
+
+    def context(self, seqs: list[tuple[int, int, list[int], int]], kv: KVCache,
+                states: RecurrentStates | None) -> TorchContext:
+        """seqs: (start_pos, num_tokens, block_table, state_slot) per sequence, in batch order."""
+        meta, positions = AttentionMetadata.build([s[:3] for s in seqs], kv.page_size, self.device)
+        cos, sin = self.rope.lookup(positions, meta.max_pos)
+        rows = [SeqRows(m.offset, m.num_tokens, s[3]) for m, s in zip(meta.seqs, seqs)]
+        return TorchContext(meta, cos, sin, kv, states, rows)
+
+    def begin(self, ctx: TorchContext) -> None:
+        self.ctx = ctx
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
+                      bias: torch.Tensor | None = None) -> Linear:
+        """One Linear whose rows are the given stored weights stacked in order (a fused projection)."""
+        weight = torch.cat([dequantize(fmt, parts, self.dtype) for fmt, parts in items])
+        lin = Linear(weight.contiguous(), bias.to(self.dtype) if bias is not None else None)
+        fmts = {fmt for fmt, _ in items}
+        if self.pack and len(fmts) == 1:
+            fmt = next(iter(fmts))
+            if packable(fmt, tuple(weight.shape)):
+                attach = lin.attach_int4 if fmt.format == "int4" else lin.attach_int8
+                attach(fmt, [parts for _, parts in items])
+        return lin
+
+    def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Linear:
+        """The embedding table as a Linear (packed for decode too when it doubles as the lm_head)."""
+        return self.linear_weight([(fmt, parts)]) if lm_head else Linear(dequantize(fmt, parts, self.dtype))
+
+    def vector(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=torch.float32)
+
+    # -- compute ----------------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor, w: Linear) -> torch.Tensor:
+        return F.embedding(ids, w.weight).float()  # [T, hidden] float32 residual
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, w, eps).to(self.dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        residual += x
+        return rms_norm(residual, w, eps).to(self.dtype)
+
+    def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        return w(x)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(gate)
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, heads * d], k/v [T, kv_heads * d] (views of a fused projection) -> [T, heads * d]."""
+        ctx, c, adt = self.ctx, self.config, self.attn_dtype
+        T, d = q.shape[0], c.head_dim
+        q, k, v = (t.reshape(T, -1, d).to(adt) for t in (q, k, v))
+        if q_norm is not None:
+            q = (rms_norm(q, None, c.rms_norm_eps) * q_norm).to(adt)
+            k = (rms_norm(k, None, c.rms_norm_eps) * k_norm).to(adt)
+        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
+        return paged_attention(q, k, v, ctx.kv.k[layer], ctx.kv.v[layer], ctx.meta).to(self.dtype)
+
+    def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, C] -> causal depthwise conv + SiLU per sequence, from and into its conv window."""
+        conv = self.ctx.states.conv[layer]
+        out = torch.empty_like(x)
+        for s in self.ctx.seqs:
+            rows = slice(s.offset, s.offset + s.num_tokens)
+            out[rows] = gdn_torch.short_conv(x[rows], weight, conv[s.state_slot])
+        return out
+
+    def gated_delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                         b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+        """q, k [T, Hk, dk], v [T, Hv, dv], a, b [T, Hv] -> [T, Hv, dv]: one step for every decode row
+        at once, the chunked scan for each prompt, from and into each sequence's state."""
+        ssm = self.ctx.states.ssm[layer]
+        g, beta = gdn_torch.gdn_gates(a, b, A_log, dt_bias)
+        out = torch.empty_like(v)
+        single = [s for s in self.ctx.seqs if s.num_tokens == 1]
+        if single:
+            rows = torch.tensor([s.offset for s in single], device=q.device)
+            slots = torch.tensor([s.state_slot for s in single], device=q.device)
+            states = ssm.index_select(0, slots)
+            out[rows] = gdn_torch.gated_delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], states)
+            ssm.index_copy_(0, slots, states)
+        for s in self.ctx.seqs:
+            if s.num_tokens > 1:
+                r = slice(s.offset, s.offset + s.num_tokens)
+                out[r] = gdn_torch.gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm[s.state_slot])
+        return out
+
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return gdn_torch.gated_rms_norm(x, z, w, eps)
+
+    def logits(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
+        """x [n, hidden] -> [n, vocab] float32."""
+        return w(x, torch.float32)

@@ -1,0 +1,46 @@
+"""The one loader: reads an artifact's stored tensors and hands them to the backend's ops, which
+decide their packing (dense, packed int4 for the CPU kernel, kept quantized for the GEMV kernel)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ninfer.engine.quant import TensorFormat, dequantize
+
+
+class WeightReader:
+    """Stored parts of an artifact (or a SyntheticArtifact) on the target device, by name."""
+
+    def __init__(self, artifact: Any, ops: Any, device: torch.device) -> None:
+        self.parts: dict[str, dict[str, torch.Tensor]] = artifact.load_parts(device)
+        self.formats: dict[str, TensorFormat] = artifact.meta.tensor_formats
+        self.ops = ops
+
+    def float32(self, name: str) -> torch.Tensor:
+        """A tensor expanded to float32 (norms, biases, conv taps, gate parameters)."""
+        return dequantize(self.formats[name], self.parts[name], torch.float32)
+
+    def vector(self, name: str, offset: float = 0.0) -> Any:
+        """A norm weight or other small tensor for the ops; `offset` is added (1 for `1 + w` norms)."""
+        t = self.float32(name)
+        return self.ops.vector(t + offset if offset else t)
+
+    def linear(self, names: list[str], bias: list[str] | None = None) -> Any:
+        """One weight whose rows are the named weights stacked in order (a fused projection)."""
+        b = torch.cat([self.float32(n) for n in bias]) if bias else None
+        return self.ops.linear_weight([(self.formats[n], self.parts[n]) for n in names], b)
+
+    def embedding(self, name: str, lm_head: bool) -> Any:
+        return self.ops.embedding_weight(self.formats[name], self.parts[name], lm_head)
+
+    def permute_rows(self, name: str, order: torch.Tensor) -> None:
+        """Reorder a weight's rows (output features) before it is read; rows move whole, so this
+        holds for quantized parts (scales, mins) too."""
+        order = order.to(next(iter(self.parts[name].values())).device)
+        self.parts[name] = {sfx: t.index_select(0, order) for sfx, t in self.parts[name].items()}
+
+    def release(self, prefix: str) -> None:
+        """Drop the stored parts under `prefix` once the backend holds its copies (peak memory)."""
+        for n in [n for n in self.parts if n.startswith(prefix)]:
+            del self.parts[n]

@@ -1,0 +1,25 @@
+"""The ops interface: what a model's one forward is written against.
+
+A backend implements every op below; model code (ninfer/engine/models/<arch>.py) never touches a
+kernel, a cache tensor or a device. Before each forward the runner calls `ops.begin(ctx)` with its
+step context (positions, block tables, caches, state slots); the ops that need it read it there.
+
+Weights (at load, through models.weights.WeightReader, the one loader):
+    linear_weight(items, bias)      fused rows of stored (format, parts) -> the backend's weight
+    embedding_weight(fmt, parts, lm_head)
+    vector(t)                       a float32 vector (norm weights, conv taps, gates) on the device
+Compute (x: [tokens, width] in the backend's compute dtype; `residual` is the backend's residual
+stream, updated in place):
+    embed(ids, w) -> residual       rms_norm(x, w, eps) -> x        add_rms_norm(x, residual, w, eps) -> x
+    linear(x, w) -> [T, N]          silu_mul(gate_up) -> [T, I]     sigmoid_gate(x, gate) -> x * sigmoid(gate)
+    attention(layer, q, k, v, q_norm, k_norm) -> [T, heads * head_dim]
+        per-head RMSNorm (optional), RoPE over the first rotary dims, K/V stored in the layer's
+        pages, causal paged attention; `layer` counts attention layers only
+    short_conv(layer, x, weight) -> [T, C]
+        causal depthwise conv + SiLU over each sequence's conv window, window updated
+    gated_delta_rule(layer, q, k, v, a, b, A_log, dt_bias) -> [T, Hv, dv]
+        the gated delta rule from each sequence's state (chunked scan for prompts, one step for
+        decode rows), state updated; `layer` counts linear-attention layers only
+    gated_rms_norm(x, z, w, eps) -> w * rmsnorm(x) * silu(z)
+    logits(x, w) -> [T, vocab] float32
+"""
