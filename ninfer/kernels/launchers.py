@@ -326,18 +326,24 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
          I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)])
 
 
-def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                  tokens: torch.Tensor, counts: torch.Tensor | None = None, presence: torch.Tensor | None = None,
-                  frequency: torch.Tensor | None = None) -> None:
-    """Sample one token per row of fp32 logits [B, V] into tokens [B] int32 (see sampling.cu).
+def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor, temperature: torch.Tensor,
+                  top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
+                  steps: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor | None = None,
+                  presence: torch.Tensor | None = None, frequency: torch.Tensor | None = None) -> None:
+    """Sample one token per row of fp32 logits [B, V] into tokens [B] int32 (see sampling.cu; the
+    same definition as ninfer.engine.sampler).
 
-    Per-row parameters [B]: temperature (<= 0: greedy), top_k int32 (1..20), top_p, min_p fp32;
-    seeds, steps int64 (the Philox key and counter: the same (seed, step) draws the same number).
-    counts [B, V] int32 with presence/frequency [B] fp32: penalties on generated-token counts.
+    masks [B, ceil(V/32)] int32 (unit last stride; any row stride, 0 included): the packed token
+    bitmask, bit j of word w allowing id 32w + j, applied as -inf before candidates are chosen;
+    always passed (every bit set for rows without a grammar: sampler.fill_mask_row), so a graph
+    captures one static buffer. Per-row parameters [B]: temperature (<= 0: greedy), top_k int32
+    (1..20), top_p, min_p fp32; seeds, steps int64 (the Philox key and counter: the same
+    (seed, step) draws the same number). counts [B, V] int32 with presence/frequency [B] fp32:
+    penalties on generated-token counts.
     """
     B, V = logits.shape
     _check(logits, "logits", F32_DT, [B, V], kc.device, contiguous=False)
+    _check(masks, "masks", I32_DT, [B, (V + 31) // 32], kc.device, contiguous=False)
     for name, t, dt in (("temperature", temperature, F32_DT), ("top_k", top_k, I32_DT), ("top_p", top_p, F32_DT),
                         ("min_p", min_p, F32_DT), ("seeds", seeds, torch.int64), ("steps", steps, torch.int64),
                         ("tokens", tokens, I32_DT)):
@@ -351,6 +357,7 @@ def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, temperature: torch.T
     if B:
         kc.kernel("sampling.cu", "sample_tokens").launch(
             (B, 1, 1), (256, 1, 1),
-            [ptr(logits), I64(logits.stride(0)), I32(V), ptr(counts), I64(counts.stride(0) if counts is not None else 0),
+            [ptr(logits), I64(logits.stride(0)), I32(V), ptr(masks), I64(masks.stride(0)), ptr(counts),
+             I64(counts.stride(0) if counts is not None else 0),
              ptr(presence if counts is not None else None), ptr(frequency if counts is not None else None),
              ptr(temperature), ptr(top_k), ptr(top_p), ptr(min_p), ptr(seeds), ptr(steps), ptr(tokens)])

@@ -1,14 +1,21 @@
 // On-device sampling, one block per sequence (SAMPLE_THREADS threads, fixed, so the reduction
-// order is fixed). Per row b:
-//   logit'[i] = logit[i] - presence[b] * (count[b, i] > 0) - frequency[b] * count[b, i]
-//   (counts: the sequence's generated-token counts, int32 [B, V]; nullptr means no penalties)
+// order is fixed). This is the one definition of ninfer's sampler; ninfer/engine/sampler.py
+// computes the same on the host (same candidates, same float32 arithmetic, same Philox draw).
+// Per row b:
+//   logit'[i] = logit[i] - fadd(presence[b] * (count[b, i] > 0), fmul(frequency[b], count[b, i]))
+//   (counts: the sequence's generated-token counts, int32 [B, V]; nullptr means no penalties;
+//   explicit roundings, so no FMA contraction makes it differ from the host)
+//   logit'[i] = -inf where bit (i & 31) of masks[b, i >> 5] is clear (XGrammar's packed int32
+//   bitmask [B, ceil(V/32)]; rows without a grammar have every bit set), and where logit[i] is NaN
 //   candidates = the top_k[b] (<= 20) largest logit', ties broken by the lower token id
 //   temperature[b] <= 0: the token is candidate 0 (greedy argmax, lowest id on ties)
-//   otherwise p_j = exp((logit'_j - logit'_0) / T) over the candidates, then keep the shortest
-//   prefix whose mass reaches top_p (at least one), drop p_j < min_p * p_0, and draw
-//   u = Philox4x32-10(key = seed[b], counter = (step[b], 0)) -> [0, 1): the first candidate whose
-//   running sum exceeds u * total.
-// NaN logits count as -inf. Writes tokens [B] int32.
+//   otherwise, in float32: p_j = exp((logit'_j - logit'_0) / T) over the candidates (0 for -inf),
+//   total = p_0 + p_1 + ... (sequential); keep the shortest prefix whose running mass reaches
+//   top_p * total (at least one), stopping early at the first p_j < min_p * p_0; draw
+//   c = Philox4x32-10(key = (seed lo, seed hi), counter = (step lo, step hi, 0, 0)),
+//   u = (c[0] >> 8) * 2^-24; the token is the first kept candidate whose running sum exceeds
+//   u * kept mass (the last kept one if none does).
+// Writes tokens [B] int32.
 #include "common.cuh"
 
 #define SAMPLE_THREADS 256
@@ -30,7 +37,8 @@ __device__ __forceinline__ void philox4x32_10(u32 c[4], u32 k0, u32 k1) {
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const i32* __restrict__ counts,
+sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const i32* __restrict__ masks,
+              i64 masks_stride, const i32* __restrict__ counts,
               i64 counts_stride, const float* __restrict__ presence, const float* __restrict__ frequency,
               const float* __restrict__ temperature, const i32* __restrict__ top_k,
               const float* __restrict__ top_p, const float* __restrict__ min_p, const i64* __restrict__ seeds,
@@ -46,6 +54,7 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
   const float pres = counts ? presence[b] : 0.0f, freq = counts ? frequency[b] : 0.0f;
   const float* row = logits + b * logits_stride;
   const i32* crow = counts ? counts + b * counts_stride : nullptr;
+  const u32* mrow = (const u32*)masks + b * masks_stride;
 
   // Each thread's own top-k of its strided share, sorted best first.
   float lv[TOPK_MAX];
@@ -56,8 +65,9 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
     if (v != v) v = NEG_INF;
     if (crow) {
       const int c = crow[i];
-      v -= (c > 0 ? pres : 0.0f) + freq * (float)c;
+      v = __fsub_rn(v, __fadd_rn(c > 0 ? pres : 0.0f, __fmul_rn(freq, (float)c)));
     }
+    if (!((mrow[i >> 5] >> (i & 31)) & 1u)) v = NEG_INF;
     if (cnt == k && !better(v, i, lv[k - 1], li[k - 1])) continue;
     int j = cnt < k ? cnt++ : k - 1;
     while (j > 0 && better(v, i, lv[j - 1], li[j - 1])) {

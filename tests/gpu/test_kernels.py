@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from ninfer.engine.batch import SequenceWork
 from ninfer.engine.quant import TensorFormat, dequantize, quantize
+from ninfer.engine.request import SamplingParams
+from ninfer.engine.sampler import fill_mask_row, sample
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler, KernelError
 
@@ -302,8 +306,9 @@ def ref_sample(v: torch.Tensor, temp: float, k: int, tp: float, mp: float, seed:
 
 
 def sampler_inputs(B: int, temp: list[float], k: list[int], tp: list[float], mp: list[float], seed: list[int],
-                   step: list[int]) -> dict[str, torch.Tensor]:
-    return {"temperature": torch.tensor(temp, dtype=torch.float32, device=DEV),
+                   step: list[int], V: int) -> dict[str, torch.Tensor]:
+    return {"masks": torch.full((B, (V + 31) // 32), -1, dtype=torch.int32, device=DEV),  # nothing masked
+            "temperature": torch.tensor(temp, dtype=torch.float32, device=DEV),
             "top_k": torch.tensor(k, dtype=torch.int32, device=DEV),
             "top_p": torch.tensor(tp, dtype=torch.float32, device=DEV),
             "min_p": torch.tensor(mp, dtype=torch.float32, device=DEV),
@@ -320,7 +325,7 @@ def test_sample_greedy_ties_and_penalties(kc: KernelCompiler) -> None:
     counts = torch.zeros((B, V), dtype=torch.int32, device=DEV)
     logits[2, 4242], logits[2, 99] = 40.0, 39.0
     counts[2, 4242] = 3  # 40 - 0.5 - 3 * 0.4 = 38.3 < 39: the penalty moves the argmax
-    params = sampler_inputs(B, [0.0] * B, [20] * B, [1.0] * B, [0.0] * B, [1] * B, [0] * B)
+    params = sampler_inputs(B, [0.0] * B, [20] * B, [1.0] * B, [0.0] * B, [1] * B, [0] * B, V)
     tokens = torch.full((B,), -7, dtype=torch.int32, device=DEV)
     pres = torch.full((B,), 0.5, device=DEV)
     freq = torch.full((B,), 0.4, device=DEV)
@@ -342,7 +347,7 @@ def test_sample_matches_reference(kc: KernelCompiler) -> None:
     mp = [0.0 if b % 4 else 0.05 for b in range(B)]
     seed = [2 ** 40 + 17 * b for b in range(B)]
     step = [b * 3 + 1 for b in range(B)]
-    params = sampler_inputs(B, temp, k, tp, mp, seed, step)
+    params = sampler_inputs(B, temp, k, tp, mp, seed, step, V)
     pres, freq = torch.full((B,), 0.2, device=DEV), torch.full((B,), 0.1, device=DEV)
     tokens = torch.full((B,), -7, dtype=torch.int32, device=DEV)
     L.sample_tokens(kc, logits, tokens=tokens, counts=counts, presence=pres, frequency=freq, **params)
@@ -363,7 +368,7 @@ def test_sample_distribution(kc: KernelCompiler) -> None:
     B, V = 16384, 64
     row = torch.randn((V,), generator=g, device=DEV) * 2
     logits = row.expand(B, V)  # row stride 0: one distribution, B independent draws
-    params = sampler_inputs(B, [0.8] * B, [20] * B, [0.9] * B, [0.01] * B, [12345] * B, list(range(B)))
+    params = sampler_inputs(B, [0.8] * B, [20] * B, [0.9] * B, [0.01] * B, [12345] * B, list(range(B)), V)
     tokens = torch.full((B,), -7, dtype=torch.int32, device=DEV)
     L.sample_tokens(kc, logits, tokens=tokens, **params)
     ids, p = ref_candidates(row.cpu(), 0.8, 20, 0.9, 0.01)
@@ -372,6 +377,97 @@ def test_sample_distribution(kc: KernelCompiler) -> None:
     expect[ids] = torch.tensor(p, dtype=torch.float64) / sum(p)
     assert freq[[i for i in range(V) if i not in ids]].sum() == 0
     assert (freq - expect).abs().max() < 0.015
+
+
+def _sampler_rows(B: int, V: int, rng: np.random.Generator, masked: set[int]) -> list[SequenceWork]:
+    """Random sampler settings, penalties, seeds and grammar masks, one SequenceWork per row."""
+    seqs = []
+    for b in range(B):
+        out = rng.integers(0, 64, int(rng.integers(0, 40))).tolist()  # repeats: counts above 1
+        sp = SamplingParams(temperature=0.0 if b % 9 == 0 else float(rng.uniform(0.1, 2.0)),
+                            top_k=int(rng.integers(0, 25)), top_p=float(rng.choice([1.0, rng.uniform(0.05, 1.0)])),
+                            min_p=float(rng.choice([0.0, rng.uniform(0.0, 0.4)])),
+                            presence_penalty=float(rng.choice([0.0, rng.uniform(-1.0, 2.0)])),
+                            frequency_penalty=float(rng.choice([0.0, rng.uniform(-0.5, 1.0)])))
+        seq = SequenceWork(seq_id=b, token_ids=[1], start_pos=0, block_table=[0], sample=True, sampling=sp,
+                           output_token_ids=out, seed=int(rng.integers(0, 2 ** 64, dtype=np.uint64)))
+        if b in masked:  # a sparse grammar mask, allowing about one id in 16
+            bits = rng.random((1, ((V + 31) // 32) * 32)) < 1 / 16
+            words = (bits.reshape(1, -1, 32).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(-1)
+            seq.token_mask = torch.from_numpy(words.astype(np.uint32).view(np.int32))
+        seqs.append(seq)
+    return seqs
+
+
+def _kernel_sample(kc: KernelCompiler, logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:
+    """tokens [B] int32 from sample_tokens, its inputs built from the rows as a runner builds them."""
+    B, V = logits.shape
+    masks = torch.empty((B, (V + 31) // 32), dtype=torch.int32, device=DEV)
+    counts = torch.zeros((B, V), dtype=torch.int32, device=DEV)
+    for b, s in enumerate(seqs):
+        fill_mask_row(masks[b], s.token_mask)
+        if s.output_token_ids:
+            counts[b] = torch.bincount(torch.tensor(s.output_token_ids, device=DEV), minlength=V).int()
+    f32 = lambda xs: torch.tensor(xs, dtype=torch.float32, device=DEV)  # noqa: E731
+    sps = [s.sampling for s in seqs]
+    seeds = [s.seed - 2 ** 64 if s.seed >= 2 ** 63 else s.seed for s in seqs]
+    tokens = torch.full((B,), -7, dtype=torch.int32, device=DEV)
+    L.sample_tokens(kc, logits, masks, f32([0.0 if p.greedy else p.temperature for p in sps]),
+                    torch.tensor([min(max(p.top_k, 1), 20) for p in sps], dtype=torch.int32, device=DEV),
+                    f32([p.top_p for p in sps]), f32([p.min_p for p in sps]),
+                    torch.tensor(seeds, dtype=torch.int64, device=DEV),
+                    torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.int64, device=DEV), tokens,
+                    counts, f32([p.presence_penalty for p in sps]), f32([p.frequency_penalty for p in sps]))
+    return tokens
+
+
+def _allowed(mask: torch.Tensor, token: int) -> bool:
+    return bool((int(mask.reshape(-1)[token // 32]) >> (token % 32)) & 1)
+
+
+@pytest.mark.parametrize("V", [50257, 1000])
+def test_sample_matches_torch_sampler(kc: KernelCompiler, V: int) -> None:
+    """One sampler definition: the kernel and ninfer.engine.sampler draw the same token, row for row."""
+    rng = np.random.default_rng(V)
+    B = 128
+    logits = torch.from_numpy(rng.standard_normal((B, V)).astype(np.float32) * 3).to(DEV)
+    logits[1, 5] = float("nan")
+    logits[2, :] = 0.5  # all tied: the lowest ids are the candidates
+    logits[3:5, 100:400] = 9.0  # ties across the top-k cut; row 4 masked too
+    masked = (set(rng.choice(B, B // 4, replace=False).tolist()) - {2, 3}) | {4}
+    seqs = _sampler_rows(B, V, rng, masked)
+    ours = _kernel_sample(kc, logits, seqs).tolist()
+    theirs, _ = sample(logits, seqs)
+    assert ours == theirs
+    assert len(set(ours)) > B // 2  # it really samples
+    for b in masked:
+        assert _allowed(seqs[b].token_mask, ours[b])
+
+
+def test_sample_masked_rows_draw_only_allowed_ids(kc: KernelCompiler) -> None:
+    g = gen(15)
+    B, V = 4096, 32003  # a partial last mask word
+    row = torch.randn((V,), generator=g, device=DEV)
+    allowed = [0, 31, 32, 777, 5000, V - 1]  # bit 0, bit 31 (the sign bit), word edges, the last id
+    words = np.zeros((1, (V + 31) // 32), dtype=np.uint32)
+    for t in allowed:
+        words[0, t // 32] |= np.uint32(1 << (t % 32))
+    mask = torch.from_numpy(words.view(np.int32))
+    masks = torch.empty((B, mask.shape[1]), dtype=torch.int32, device=DEV)
+    for b in range(B):
+        fill_mask_row(masks[b], mask if b % 2 else None)  # even rows unmasked
+    params = sampler_inputs(B, [3.0] * B, [20] * B, [1.0] * B, [0.0] * B, [99] * B, list(range(B)), V)
+    params["masks"] = masks
+    params["temperature"][:2] = 0.0  # greedy: the masked row's argmax is the best allowed id
+    tokens = torch.full((B,), -7, dtype=torch.int32, device=DEV)
+    L.sample_tokens(kc, row.expand(B, V), tokens=tokens, **params)
+    got = tokens.tolist()
+    assert got[0] == int(row.argmax())
+    assert got[1] == allowed[int(row[allowed].argmax())]
+    assert set(got[1::2]) == set(allowed)  # every allowed id drawn at T = 3, none other
+    assert not set(got[0::2]) <= set(allowed)
+    with pytest.raises(KernelError, match="masks must have shape"):
+        L.sample_tokens(kc, row.expand(B, V), tokens=tokens, **{**params, "masks": masks[:, 1:]})
 
 
 # ---------------------------------------------------------------- launcher checks, cache
