@@ -8,9 +8,10 @@ from __future__ import annotations
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models.llama import LLAMA
 from ninfer.engine.models.qwen3 import QWEN3
+from ninfer.engine.models.qwen3_5 import QWEN3_5
 from ninfer.engine.models.spec import Architecture, StateSpec
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN3)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN3, QWEN3_5)}
 
 
 def architecture(config_or_name: ModelConfig | str) -> Architecture:

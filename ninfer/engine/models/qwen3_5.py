@@ -1,0 +1,184 @@
+"""Qwen3.5 (text): a hybrid of Gated DeltaNet linear-attention layers and gated full attention.
+
+Per layer, `layer_types` picks the token mixer; both are followed by the llama MLP:
+- linear_attention: in_proj_qkv/z/b/a (fused into one projection) -> causal depthwise conv + SiLU
+  over q|k|v -> the gated delta rule per value head (q/k l2-normalized; decay g = -exp(A_log) *
+  softplus(a + dt_bias), write strength beta = sigmoid(b)) -> RMSNorm gated by silu(z) -> out_proj.
+  Its state between steps is the conv window and the delta-rule matrix (RecurrentState).
+- full_attention: q_proj yields each head's query and an output gate side by side; q/k RMSNorm,
+  RoPE over the first partial_rotary_factor of each head, paged attention, output * sigmoid(gate).
+RMSNorms other than the gated one scale by (1 + w) (Hugging Face stores w around 0); the loader
+adds the 1 once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ninfer.engine.config import ModelConfig
+from ninfer.engine.models.llama import MLP, global_weights, mlp_weights
+from ninfer.engine.models.spec import ATTENTION, LINEAR_ATTENTION, Architecture, Shapes
+from ninfer.engine.models.weights import WeightReader
+
+LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                   "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+                   "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                   "out_proj.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def layer_kinds(c: ModelConfig) -> tuple[str, ...]:
+    types = c.layer_types or ["full_attention"] * c.num_hidden_layers
+    return tuple(LINEAR_ATTENTION if t == "linear_attention" else ATTENTION for t in types)
+
+
+def _dims(c: ModelConfig) -> tuple[int, int, int]:
+    """(key_dim, value_dim, conv_dim) of a linear-attention layer."""
+    key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+    return key_dim, value_dim, 2 * key_dim + value_dim
+
+
+def weights(c: ModelConfig) -> Shapes:
+    shapes = global_weights(c)
+    key_dim, value_dim, conv_dim = _dims(c)
+    H, nv, q = c.hidden_size, c.linear_num_value_heads, c.num_attention_heads * c.head_dim
+    kv = c.num_key_value_heads * c.head_dim
+    linear = {
+        "linear_attn.in_proj_qkv.weight": (conv_dim, H),
+        "linear_attn.in_proj_z.weight": (value_dim, H),
+        "linear_attn.in_proj_b.weight": (nv, H),
+        "linear_attn.in_proj_a.weight": (nv, H),
+        "linear_attn.conv1d.weight": (conv_dim, 1, c.linear_conv_kernel_dim),
+        "linear_attn.dt_bias": (nv,),
+        "linear_attn.A_log": (nv,),
+        "linear_attn.norm.weight": (c.linear_value_head_dim,),
+        "linear_attn.out_proj.weight": (H, value_dim),
+    }
+    full = {
+        "self_attn.q_proj.weight": (2 * q, H),  # per head: query rows, then gate rows
+        "self_attn.k_proj.weight": (kv, H),
+        "self_attn.v_proj.weight": (kv, H),
+        "self_attn.o_proj.weight": (H, q),
+        "self_attn.q_norm.weight": (c.head_dim,),
+        "self_attn.k_norm.weight": (c.head_dim,),
+    }
+    for i, kind in enumerate(layer_kinds(c)):
+        per_layer = mlp_weights(c) | (linear if kind == LINEAR_ATTENTION else full)
+        shapes |= {f"model.layers.{i}.{sfx}": shape for sfx, shape in per_layer.items()}
+    return shapes
+
+
+@dataclass(slots=True)
+class GatedAttention:
+    qgkv: Any  # [(2 * heads + 2 * kv_heads) * head_dim, hidden]: q | gate | k | v
+    o_proj: Any
+    q_norm: Any  # [head_dim], 1 + w
+    k_norm: Any
+
+    @classmethod
+    def load(cls, w: WeightReader, p: str, c: ModelConfig) -> GatedAttention:
+        a = p + "self_attn."
+        # q_proj rows are [head][query d | gate d]; regroup to all queries, then all gates
+        q_rows = 2 * c.num_attention_heads * c.head_dim
+        w.permute_rows(a + "q_proj.weight", torch.arange(q_rows).view(c.num_attention_heads, 2, c.head_dim)
+                       .transpose(0, 1).reshape(-1))
+        return cls(w.linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+                   w.linear([a + "o_proj.weight"]), w.vector(a + "q_norm.weight", 1.0),
+                   w.vector(a + "k_norm.weight", 1.0))
+
+    def __call__(self, ops: Any, layer: int, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        y = ops.linear(x, self.qgkv)
+        q, gate = y[:, :q_size], y[:, q_size:2 * q_size]
+        k, v = y[:, 2 * q_size:2 * q_size + kv_size], y[:, 2 * q_size + kv_size:]
+        out = ops.sigmoid_gate(ops.attention(layer, q, k, v, self.q_norm, self.k_norm), gate)
+        return ops.linear(out, self.o_proj)
+
+
+@dataclass(slots=True)
+class GatedDeltaNet:
+    in_proj: Any  # [conv_dim + value_dim + 2 * value_heads, hidden]: q|k|v, z, b, a
+    conv: Any  # [conv_dim, conv_kernel] depthwise taps
+    A_log: Any  # [value_heads]
+    dt_bias: Any  # [value_heads]
+    norm: Any  # [value_head_dim]
+    out_proj: Any  # [hidden, value_dim]
+
+    @classmethod
+    def load(cls, w: WeightReader, p: str) -> GatedDeltaNet:
+        a = p + "linear_attn."
+        conv = w.float32(a + "conv1d.weight")
+        return cls(w.linear([a + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]),
+                   w.ops.vector(conv.reshape(conv.shape[0], -1)), w.vector(a + "A_log"), w.vector(a + "dt_bias"),
+                   w.vector(a + "norm.weight"), w.linear([a + "out_proj.weight"]))
+
+    def __call__(self, ops: Any, layer: int, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+        key_dim, value_dim, conv_dim = _dims(c)
+        T, nk, nv = x.shape[0], c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        y = ops.linear(x, self.in_proj)
+        z = y[:, conv_dim:conv_dim + value_dim]
+        b, a = y[:, conv_dim + value_dim:conv_dim + value_dim + nv], y[:, conv_dim + value_dim + nv:]
+        mixed = ops.short_conv(layer, y[:, :conv_dim], self.conv)  # [T, conv_dim]
+        q = mixed[:, :key_dim].view(T, nk, dk)
+        k = mixed[:, key_dim:2 * key_dim].view(T, nk, dk)
+        v = mixed[:, 2 * key_dim:].view(T, nv, dv)
+        out = ops.gated_delta_rule(layer, q, k, v, a, b, self.A_log, self.dt_bias)  # [T, nv, dv]
+        out = ops.gated_rms_norm(out.reshape(T * nv, dv), z.reshape(T * nv, dv), self.norm, c.rms_norm_eps)
+        return ops.linear(out.reshape(T, value_dim), self.out_proj)
+
+
+@dataclass(slots=True)
+class HybridLayer:
+    input_norm: Any  # [hidden], 1 + w
+    mixer: GatedAttention | GatedDeltaNet
+    index: int  # among the layers of its kind (attention layers and linear-attention layers count apart)
+    post_norm: Any
+    mlp: MLP
+
+
+class Qwen3_5Model:
+    """forward(ops, input_ids [T]) -> final normed hidden [T, hidden]; compute_logits."""
+
+    def __init__(self, config: ModelConfig, embed: Any, layers: list[HybridLayer], norm: Any, lm_head: Any) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+
+    @classmethod
+    def load(cls, w: WeightReader, config: ModelConfig) -> Qwen3_5Model:
+        c = config
+        layers, counts = [], {ATTENTION: 0, LINEAR_ATTENTION: 0}
+        for i, kind in enumerate(layer_kinds(c)):
+            p = f"model.layers.{i}."
+            mixer = GatedDeltaNet.load(w, p) if kind == LINEAR_ATTENTION else GatedAttention.load(w, p, c)
+            layers.append(HybridLayer(w.vector(p + "input_layernorm.weight", 1.0), mixer, counts[kind],
+                                      w.vector(p + "post_attention_layernorm.weight", 1.0), MLP.load(w, p)))
+            counts[kind] += 1
+            w.release(p)
+        embed = w.embedding("model.embed_tokens.weight", lm_head=c.tie_word_embeddings)
+        lm_head = embed if c.tie_word_embeddings else w.linear(["lm_head.weight"])
+        return cls(c, embed, layers, w.vector("model.norm.weight", 1.0), lm_head)
+
+    def forward(self, ops: Any, input_ids: torch.Tensor) -> torch.Tensor:
+        eps, layers = self.config.rms_norm_eps, self.layers
+        h = ops.embed(input_ids, self.embed)
+        x = ops.rms_norm(h, layers[0].input_norm, eps)
+        for i, layer in enumerate(layers):
+            x = ops.add_rms_norm(layer.mixer(ops, layer.index, x, self.config), h, layer.post_norm, eps)
+            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
+            x = ops.add_rms_norm(layer.mlp(ops, x), h, nxt, eps)
+        return x
+
+    def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
+        return ops.logits(hidden, self.lm_head)
+
+
+QWEN3_5 = Architecture(
+    name="qwen3_5", hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    hf_model_types=("qwen3_5", "qwen3_5_text"), gguf_architecture="qwen35",
+    weights=weights, layer_kinds=layer_kinds, model=Qwen3_5Model, quantizable=LINEAR_SUFFIXES, qk_norm=True)
