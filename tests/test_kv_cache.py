@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ninfer.engine.kv_cache import PagePool, pages_for_tokens
+from ninfer.engine.kv_cache import PagePool, StatePool, pages_for_tokens
 
 
 def test_pages_for_tokens() -> None:
@@ -40,3 +40,19 @@ def test_misuse_is_caught() -> None:
         pool.decref([0])
     with pytest.raises(AssertionError):
         pool.incref([1])
+
+
+def test_state_pool_ids_pins_and_counts() -> None:
+    pool = StatePool(3)
+    assert (pool.num_slots, pool.num_free, pool.num_used) == (3, 3, 0)
+    assert pool.allocate(1) == [0] and pool.allocate(1) == [1]
+    pool.incref([0])  # a pending copy pins a checkpoint beside its holder
+    assert pool.decref([0]) == [] and pool.refcount(0) == 1  # the holder dropped it; the pin keeps it
+    assert pool.decref([1]) == [1]
+    assert pool.free_slot_ids() == [2, 1] and pool.num_used == 1
+    assert pool.decref([0]) == [0]  # the copy ran: free at last, behind the others
+    assert pool.free_slot_ids() == [2, 1, 0] and pool.allocate(2) == [2, 1]
+    with pytest.raises(AssertionError):
+        pool.allocate(2)
+    with pytest.raises(AssertionError):
+        pool.decref([1, 1])

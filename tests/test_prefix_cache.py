@@ -1,7 +1,7 @@
 """Prefix index: longest-prefix match, domination, LRU eviction that spares pages in use."""
 from __future__ import annotations
 
-from ninfer.engine.kv_cache import PagePool
+from ninfer.engine.kv_cache import PagePool, StatePool
 from ninfer.engine.prefix_cache import PrefixCache, common_prefix_len, reuse_path
 
 P = 4  # small pages keep the token lists readable
@@ -98,3 +98,44 @@ def test_entries_keep_a_stable_cell_and_reuse_freed_ones() -> None:
     pages = cache.pool.allocate(1)
     cache.insert([5, 5], pages, session=[5, 5, 6])
     assert cache.newest().session == (5, 5, 6) and cache.newest().token_ids == [5, 5]
+
+
+def _retain_hybrid(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], int]:
+    pages = cache.pool.allocate(-(-len(tokens) // P))
+    (slot,) = cache.state_pool.allocate(1)  # the finished sequence's working slot, handed over
+    cache.insert(tokens, pages, state_slot=slot)
+    return pages, slot
+
+
+def test_checkpoint_match_needs_the_whole_entry() -> None:
+    cache = PrefixCache(PagePool(16, P), max_entries=4, state_pool=StatePool(4))
+    _retain_hybrid(cache, [1, 2, 3, 4, 5, 6])  # entry 0, checkpoint slot 0
+    _retain_hybrid(cache, [1, 2, 3])  # entry 1, checkpoint slot 1 (a prefix of entry 0: both stay)
+    prompt = [1, 2, 3, 4, 5, 9, 9]
+    assert cache.match(prompt, max_tokens=6).num_tokens == 5  # any-prefix reuse would pick entry 0
+    m = cache.match_checkpoint(prompt, max_tokens=6)  # only entry 1's frontier lies on the prompt
+    assert (m.entry_id, m.num_tokens, m.entry_tokens) == (1, 3, 3) and cache.entry_checkpoint(1) == 1
+    m = cache.match_checkpoint([1, 2, 3, 4, 5, 6, 7], max_tokens=6)
+    assert (m.entry_id, m.num_tokens) == (0, 6)
+    assert cache.match_checkpoint([1, 2, 3, 4, 5, 6], max_tokens=5).entry_id == 1  # capped below entry 0
+    assert cache.match_checkpoint([1, 2, 7], max_tokens=2) is None
+
+
+def test_checkpoint_slots_free_with_their_entry_unless_pinned() -> None:
+    pool, state = PagePool(16, P), StatePool(3)
+    cache = PrefixCache(pool, max_entries=2, state_pool=state)
+    _retain_hybrid(cache, [1] * 4)  # entry 0: page 0, slot 0
+    _retain_hybrid(cache, [2] * 4)  # entry 1: page 1, slot 1
+    assert cache.freeable_slots() == 2
+    state.incref([0])  # a sequence resuming entry 0 pins its checkpoint until its copy runs
+    assert cache.freeable_slots() == 1
+    # short of slots, not pages: entry 0 is least recently used but frees no slot, so entry 1 goes
+    assert cache.evict(0, need_free_slots=2) == [1]
+    assert state.free_slot_ids() == [2, 1] and pool.free_page_ids()[-1] == 1
+    assert cache.evict(0, need_free_slots=3) == []
+    _retain_hybrid(cache, [1] * 8)  # extends entry 0 (slot 2 handed over): entry 0 is dropped
+    assert [(e.token_ids, e.state_slot) for e in cache.entries()] == [([1] * 8, 2)]
+    assert state.refcount(0) == 1  # still pinned by the pending copy
+    state.decref([0])
+    cache.clear()
+    assert state.num_free == 3 and pool.num_free == 16

@@ -1,11 +1,15 @@
 """Scheduler driven by hand-built runner outputs: exact page ids, admission order, staged
-prefill order, decode rounds, prefix reuse and eviction, EOS / stop string / cancel."""
+prefill order, decode rounds, prefix reuse and eviction, EOS / stop string / cancel; with
+recurrent state: working slots, checkpoints, resume only at a checkpoint, no slot leaks."""
 from __future__ import annotations
+
+import pytest
 
 from ninfer.engine.batch import ScheduledBatch, StepOutput
 from ninfer.engine.config import SchedulerConfig
-from ninfer.engine.kv_cache import PagePool
+from ninfer.engine.kv_cache import PagePool, StatePool
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
+from ninfer.errors import ConfigError
 
 P = 4
 EOS = 2
@@ -245,3 +249,165 @@ def test_a_whole_pool_entitlement_is_admitted_despite_a_partial_prefix_hit() -> 
     batch = run(s)
     assert b.status is not SeqStatus.WAITING and not batch.page_copies
     assert b.num_cached_tokens == 4 and b.block_table[0] == 0  # the full page is still shared
+
+
+# ---- recurrent state (hybrid models) ------------------------------------------------------
+
+
+def make_hybrid(num_pages: int = 32, num_state_slots: int = 3, copy_on_write: bool = True,
+                **kw: object) -> Scheduler:
+    kw.setdefault("max_concurrency", 2)
+    kw.setdefault("prefill_chunk", 64)
+    kw.setdefault("decode_rounds_per_prefill", 1)
+    return Scheduler(SchedulerConfig(**kw), PagePool(num_pages, P), copy_on_write=copy_on_write,
+                     state_pool=StatePool(num_state_slots))
+
+
+def slots(batch: ScheduledBatch) -> list[tuple[int, int]]:
+    return [(w.seq_id, w.state_slot) for w in batch.seqs]
+
+
+def test_hybrid_resumes_exactly_at_the_checkpoint() -> None:
+    s = make_hybrid(max_concurrency=1, num_state_slots=2)  # one lane + one checkpoint
+    a = seq(0, list(range(10, 19)), 2)  # 9 prompt tokens
+    s.add(a)
+    first = run(s)
+    assert slots(first) == [(0, 0)] and first.state_copies == [] and first.page_copies == []
+    assert slots(run(s)) == [(0, 0)]
+    assert a.finished and a.state_slot == -1
+    (entry,) = s.prefix_cache.entries()
+    # the working slot became the checkpoint of the executed frontier (10 tokens), without a copy
+    assert (len(entry.token_ids), entry.pages, entry.state_slot) == (10, [0, 1, 2], 0)
+    assert s.state_pool.free_slot_ids() == [1]
+    b = seq(1, entry.token_ids + [7, 7], 1)
+    s.add(b)
+    batch = s.schedule()
+    # all 10 tokens: full pages 0, 1 shared, the partial page 2 copied into b's page 3, and the
+    # checkpoint copied into b's working slot 1
+    assert rows(batch) == [(1, [7, 7], 10, [0, 1, 3], True)] and slots(batch) == [(1, 1)]
+    assert batch.page_copies == [(2, 3)] and batch.state_copies == [(0, 1)]
+    assert b.num_cached_tokens == 10 and b.reuse_path == "private_endpoint"
+    assert s.state_pool.refcount(0) == 2  # the entry and the pending copy
+    s.update(batch, StepOutput({1: 50}))
+    assert b.finished
+    # b's entry dominated a's: a's checkpoint (no longer pinned) and private page are freed
+    (entry,) = s.prefix_cache.entries()
+    assert (len(entry.token_ids), entry.pages, entry.state_slot) == (12, [0, 1, 3], 1)
+    assert s.state_pool.free_slot_ids() == [0] and s.pool.refcount(2) == 0
+
+
+def test_hybrid_prompt_diverging_inside_an_entry_reuses_nothing() -> None:
+    pure = Scheduler(SchedulerConfig(max_concurrency=1, prefill_chunk=64), PagePool(32, P), copy_on_write=True)
+    hybrid = make_hybrid(max_concurrency=1, num_state_slots=2)
+    for s in (pure, hybrid):
+        a = seq(0, list(range(10, 19)), 2)
+        s.add(a)
+        run(s)
+        run(s)
+        b = seq(1, list(range(10, 16)) + [99, 99, 99], 1)  # diverges after 6 of the entry's 10 tokens
+        s.add(b)
+        batch = run(s)
+        assert b.finished
+        if s is pure:  # any prefix of a KV entry is reusable
+            assert b.num_cached_tokens == 6 and batch.page_copies == [(1, 3)]
+            assert slots(batch) == [(1, -1)] and batch.state_copies == []
+        else:  # no state exists at token 6: root
+            assert rows(batch) == [(1, b.prompt_token_ids, 0, [3, 4, 5], True)]
+            assert slots(batch) == [(1, 1)] and batch.state_copies == [] and batch.page_copies == []
+            assert (b.num_cached_tokens, b.reuse_path) == (0, "root")
+    # both conversations are retained, each with its own checkpoint
+    assert [e.state_slot for e in hybrid.prefix_cache.entries()] == [0, 1]
+    assert hybrid.state_pool.num_free == 0
+
+
+def test_hybrid_without_page_copies_resumes_only_at_a_page_boundary() -> None:
+    s = make_hybrid(max_concurrency=1, num_state_slots=2, copy_on_write=False)
+    a = seq(0, list(range(10, 17)), 2)  # 7 prompt tokens: the frontier is 8, two whole pages
+    s.add(a)
+    run(s)
+    run(s)
+    (entry,) = s.prefix_cache.entries()
+    b = seq(1, entry.token_ids + [7], 1)
+    s.add(b)
+    batch = run(s)
+    assert rows(batch) == [(1, [7], 8, [0, 1, 2], True)] and batch.state_copies == [(0, 1)]
+    assert b.num_cached_tokens == 8
+    (entry,) = s.prefix_cache.entries()  # b's frontier, 9 tokens, ends inside page 2
+    c = seq(2, entry.token_ids + [5], 1)
+    s.add(c)
+    batch = run(s)
+    # the full pages alone would stop short of the checkpoint, where no state exists: root
+    assert batch.seqs[0].start_pos == 0 and batch.state_copies == [] and c.num_cached_tokens == 0
+
+
+def test_hybrid_admission_evicts_the_lru_entry_for_a_slot() -> None:
+    s = make_hybrid(num_pages=32, max_concurrency=2, num_state_slots=3, concurrent_prefill=True)
+    for i in (0, 1):
+        q = seq(i, [i + 3] * 4, 1)
+        s.add(q)
+        run(s)
+        assert q.finished
+    assert [(e.token_ids, e.state_slot) for e in s.prefix_cache.entries()] == [([3] * 4, 0), ([4] * 4, 1)]
+    c, d = seq(2, [5] * 4, 1), seq(3, [6] * 4, 1)
+    s.add(c)
+    s.add(d)
+    s.schedule()
+    # pages are plentiful, but only slot 2 is free: d's admission evicts the LRU entry for its slot
+    assert (c.state_slot, d.state_slot) == (2, 0) and s.running == [c, d]
+    assert [e.token_ids for e in s.prefix_cache.entries()] == [[4] * 4]
+    assert s.pool.refcount(0) == 0  # the evicted entry's page went too
+
+
+def test_hybrid_pinned_checkpoint_holds_admission_until_its_copy_runs() -> None:
+    s = make_hybrid(num_pages=32, max_concurrency=2, num_state_slots=2, concurrent_prefill=True)
+    a = seq(0, [5] * 6, 1)
+    s.add(a)
+    run(s)
+    (entry,) = s.prefix_cache.entries()  # 6 tokens on pages 0, 1; checkpoint slot 0
+    b = seq(1, entry.token_ids + [6, 6], 3)  # resumes the entry
+    x = seq(2, [9] * 3, 1)
+    s.add(b)
+    s.add(x)
+    batch = run(s)
+    # b holds the last free slot and pins the checkpoint: x cannot be given a slot yet
+    assert batch.state_copies == [(0, 1)] and batch.page_copies == [(1, 2)]
+    assert list(s.waiting) == [x]
+    batch = run(s)  # the copy ran: evicting the entry frees slot 0 for x (b decodes first)
+    assert x.status is SeqStatus.PREFILLING and x.state_slot == 0 and len(s.prefix_cache) == 0
+    assert slots(batch) == [(1, 1)]
+    assert slots(run(s)) == [(2, 0)] and x.finished
+    while not b.finished:
+        run(s)
+    assert sorted(e.state_slot for e in s.prefix_cache.entries()) == [0, 1]
+    s.prefix_cache.clear()
+    assert s.state_pool.num_free == 2 and s.pool.num_free == 32
+
+
+def test_hybrid_cancel_and_finish_leak_no_slots() -> None:
+    s = make_hybrid(num_pages=32, max_concurrency=2, num_state_slots=3, concurrent_prefill=True)
+    a = seq(0, [5] * 6, 2)
+    s.add(a)
+    run(s)
+    run(s)
+    (entry,) = s.prefix_cache.entries()
+    b = seq(1, entry.token_ids + [6] * 9, 4)  # resumes the entry with a longer remaining prompt
+    y = seq(2, [8, 8], 4)  # the shorter prompt runs first
+    z = seq(3, [9], 4)
+    for q in (b, y, z):
+        s.add(q)
+    batch = run(s)
+    assert rows(batch)[0][0] == 2 and b.state_copy_src == 0  # b admitted, its copy still pending
+    assert s.state_pool.num_used == 3  # the checkpoint, b's and y's working slots
+    s.abort(b)  # before its copy ran: the pin and the working slot both go, nothing is retained
+    s.abort(z)  # still waiting: it never held a slot
+    assert s.state_pool.num_used == 2 and s.state_pool.refcount(0) == 1 and len(s.prefix_cache) == 1
+    run(s)
+    s.abort(y)  # decoding: not retained
+    assert s.running == [] and s.state_pool.num_used == 1 and s.pool.num_used == len(entry.pages)
+    s.prefix_cache.clear()
+    assert s.state_pool.num_free == 3 and s.pool.num_free == 32
+
+
+def test_hybrid_needs_a_slot_per_lane() -> None:
+    with pytest.raises(ConfigError):
+        make_hybrid(max_concurrency=4, num_state_slots=3)

@@ -2,6 +2,14 @@
 
 The loop is one-way: `scheduler.schedule()` -> `runner.run(batch)` -> `scheduler.update(batch, output)`.
 The runner never touches the page allocator; it gets block tables.
+
+Recurrent state (hybrid models): a runner whose model keeps per-sequence recurrent state (conv
+window + delta-rule matrix per linear-attention layer) has `num_state_slots > 0` and owns that
+many physical state slots, each holding every recurrent layer's state of one sequence at one
+token position. The scheduler addresses them by slot id exactly as it addresses pages:
+`SequenceWork.state_slot` is the slot a row reads and updates, `ScheduledBatch.state_copies`
+the slot-to-slot copies to run first. A pure-attention runner has no `num_state_slots` (or 0):
+then state_slot is always -1 and state_copies always empty.
 """
 from __future__ import annotations
 
@@ -28,6 +36,13 @@ class SequenceWork:
     output_token_ids: list[int] = field(default_factory=list)  # generated so far (penalties)
     seed: int = 0  # the request's resolved seed: the RNG stream is (seed, number of tokens sampled)
     token_mask: Any = None  # structured output: the ids this sample may take (grammar.Matcher.next_mask)
+    # Hybrid models: the recurrent-state slot this sequence reads its state from and writes its
+    # state back to, advanced over token_ids; after the step it holds the state after exactly
+    # start_pos + len(token_ids) tokens. start_pos == 0 means a fresh sequence: the runner starts
+    # from zero state (the slot may hold a previous sequence's stale state). start_pos > 0 means
+    # the slot already holds the state after start_pos tokens (earlier steps, or this batch's
+    # state_copies). -1 for a pure-attention model.
+    state_slot: int = -1
 
 
 @dataclass(slots=True)
@@ -37,6 +52,11 @@ class ScheduledBatch:
     # a prefix hit that ends inside a page gets a private copy of it (copy-on-write). Only
     # emitted when the runner has `copy_pages`.
     page_copies: list[tuple[int, int]] = field(default_factory=list)
+    # (src slot, dst slot): copy every recurrent layer's state of slot src into slot dst before
+    # computing the batch (the runner does it in run(), before any row reads its state_slot). A
+    # prompt that resumes a retained entry starts from a copy of the entry's checkpoint in its
+    # own working slot; src is never written by anyone until the copy has run. Hybrid models only.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -52,10 +72,15 @@ class StepOutput:
 
 
 class ModelRunner(Protocol):
+    """Executes batches. A hybrid model's runner also has `num_state_slots: int` (the engine
+    reads it with getattr, default 0) and honours SequenceWork.state_slot and
+    ScheduledBatch.state_copies."""
+
     page_size: int
     num_pages: int
     vocab_size: int
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Write the batch's K/V into its pages, run the model, sample where asked."""
+        """Run the batch's state_copies, write its K/V into its pages (and its recurrent state
+        into its state slots), run the model, sample where asked."""
         ...

@@ -29,6 +29,7 @@ class ContinuationInfo:
     n_pages: int
     slot: int  # its stable cell, 0..max_private_continuations-1
     session: tuple[int, ...] = ()  # the retained session's token ids (the entry's own tuple, not a copy)
+    state_slot: int = -1  # hybrid models: the state slot of its checkpoint at n_tokens; -1 without recurrent state
 
 
 @dataclass(slots=True, frozen=True)
@@ -81,6 +82,10 @@ class EngineSnapshot:
     waiting_expired: int = 0  # reached --pending-timeout-ms before admission
     prefix_cache_hit_tokens: int = 0  # cached tokens of completed requests
     context_selections: dict[str, int] = field(default_factory=dict)  # reuse path -> admissions
+    # recurrent-state slots (hybrid models; both 0 for a pure-attention model): working slots of
+    # admitted requests plus checkpoints of retained continuations
+    state_slots_total: int = 0
+    state_slots_used: int = 0
     lanes: tuple[LaneInfo, ...] = ()
     continuations: tuple[ContinuationInfo, ...] = ()
     queue: tuple[QueueEntry, ...] = ()  # the first 16 waiting, in submission order

@@ -23,7 +23,7 @@ from ninfer.engine.batch import ModelRunner, ScheduledBatch
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnapshot, LaneInfo,
                                     QueueEntry)
-from ninfer.engine.kv_cache import PagePool
+from ninfer.engine.kv_cache import PagePool, StatePool
 from ninfer.engine.output import OutputProcessor
 from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
@@ -95,7 +95,12 @@ class Engine:
         # a sequence can never hold more tokens than the pool
         self.context_limit = min(self.max_context, self.kv_capacity_tokens)
         self._copy_pages = getattr(runner, "copy_pages", None)
-        self.scheduler = Scheduler(config, self.pool, copy_on_write=callable(self._copy_pages))
+        # a hybrid model's recurrent-state slots: max_concurrency working slots + the retained
+        # entries' checkpoints (the runner sizes them; 0 or absent: pure attention)
+        num_state_slots = getattr(runner, "num_state_slots", 0)
+        self.state_pool = StatePool(num_state_slots) if num_state_slots > 0 else None
+        self.scheduler = Scheduler(config, self.pool, copy_on_write=callable(self._copy_pages),
+                                   state_pool=self.state_pool)
         self._cv = threading.Condition()
         self._inbox: deque[_Live] = deque()
         self._cancels: list[str] = []
@@ -460,8 +465,10 @@ class Engine:
     def _make_snapshot(self) -> EngineSnapshot:
         s, c, pool = self.scheduler, self._counters, self.pool
         cache = s.prefix_cache
-        continuations = tuple(ContinuationInfo(e.entry_id, len(e.token_ids), len(e.pages), e.slot, e.session)
+        continuations = tuple(ContinuationInfo(e.entry_id, len(e.token_ids), len(e.pages), e.slot, e.session,
+                                               e.state_slot)
                               for e in cache.entries()) if cache else ()
+        state = self.state_pool
         lanes = tuple(LaneInfo(q.lane, q.request_id, q.status is SeqStatus.PREFILLING, q.prompt_len,
                                q.num_cached_tokens, q.num_computed_tokens, len(q.output_token_ids),
                                q.reuse_path) for q in s.running)
@@ -503,6 +510,8 @@ class Engine:
             waiting_expired=c.waiting_expired,
             prefix_cache_hit_tokens=c.prefix_cache_hit_tokens,
             context_selections=dict(c.context_selections),
+            state_slots_total=state.num_slots if state else 0,
+            state_slots_used=state.num_used if state else 0,
             lanes=lanes,
             continuations=continuations,
             queue=queue_entries,

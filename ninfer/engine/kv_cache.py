@@ -1,9 +1,15 @@
-"""The KV page pool: page ids, refcounts and a free list, in plain Python (no torch).
+"""The KV page pool and the recurrent-state slot pool: ids, refcounts and a free list, in plain
+Python (no torch).
 
 A page holds `page_size` consecutive token positions of one sequence in every layer; the runner
 owns the physical tensors and addresses them by page id. A page is shared by refcount: a
 sequence that reuses a retained prefix holds the same full pages as the prefix cache entry,
 and a page returns to the free list only when its last holder releases it.
+
+A state slot holds every recurrent layer's state (conv window + delta-rule matrix) of one
+sequence at one token position: a running sequence's working state, or a retained entry's
+checkpoint. It is never shared for writing; the refcount only keeps a checkpoint alive until a
+pending copy out of it has run.
 """
 from __future__ import annotations
 
@@ -16,18 +22,16 @@ def pages_for_tokens(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-class PagePool:
-    """Fixed pool of `num_pages` KV pages. Allocation takes the free list's head and frees
-    go to its tail, so page ids are deterministic (a fresh pool hands out 0, 1, 2, ...)."""
+class _RefcountedIds:
+    """Ids 0..n-1 with refcounts and a FIFO free list. Allocation takes the free list's head and
+    frees go to its tail, so ids are deterministic (a fresh pool hands out 0, 1, 2, ...)."""
 
-    __slots__ = ("num_pages", "page_size", "_refcounts", "_free")
+    __slots__ = ("_refcounts", "_free")
+    _what = "id"  # what an id names, for assertion messages
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        assert num_pages > 0 and page_size > 0
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self._refcounts = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+    def __init__(self, n: int) -> None:
+        self._refcounts = [0] * n
+        self._free: deque[int] = deque(range(n))
 
     @property
     def num_free(self) -> int:
@@ -35,36 +39,73 @@ class PagePool:
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return len(self._refcounts) - len(self._free)
 
-    def refcount(self, page: int) -> int:
-        return self._refcounts[page]
+    def refcount(self, i: int) -> int:
+        return self._refcounts[i]
 
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free pages (refcount 1 each). The caller checked `num_free` first."""
-        assert 0 <= n <= len(self._free), f"allocate({n}) with {len(self._free)} free pages"
-        pages = [self._free.popleft() for _ in range(n)]
-        for p in pages:
-            self._refcounts[p] = 1
-        return pages
+        """Take `n` free ids (refcount 1 each). The caller checked `num_free` first."""
+        assert 0 <= n <= len(self._free), f"allocate({n}) with {len(self._free)} free {self._what}s"
+        ids = [self._free.popleft() for _ in range(n)]
+        for i in ids:
+            self._refcounts[i] = 1
+        return ids
 
-    def incref(self, pages: Iterable[int]) -> None:
-        """Add a holder to pages that are already in use (sharing a prefix)."""
-        for p in pages:
-            assert self._refcounts[p] > 0, f"incref of free page {p}"
-            self._refcounts[p] += 1
+    def incref(self, ids: Iterable[int]) -> None:
+        """Add a holder to ids that are already in use (sharing a prefix, pinning a copy source)."""
+        for i in ids:
+            assert self._refcounts[i] > 0, f"incref of free {self._what} {i}"
+            self._refcounts[i] += 1
 
-    def decref(self, pages: Iterable[int]) -> list[int]:
-        """Drop one holder from each page; returns the pages that became free, in order."""
+    def decref(self, ids: Iterable[int]) -> list[int]:
+        """Drop one holder from each id; returns the ids that became free, in order."""
         freed: list[int] = []
-        for p in pages:
-            assert self._refcounts[p] > 0, f"decref of free page {p}"
-            self._refcounts[p] -= 1
-            if self._refcounts[p] == 0:
-                self._free.append(p)
-                freed.append(p)
+        for i in ids:
+            assert self._refcounts[i] > 0, f"decref of free {self._what} {i}"
+            self._refcounts[i] -= 1
+            if self._refcounts[i] == 0:
+                self._free.append(i)
+                freed.append(i)
         return freed
 
+
+class PagePool(_RefcountedIds):
+    """Fixed pool of `num_pages` KV pages of `page_size` token positions each."""
+
+    __slots__ = ("num_pages", "page_size")
+    _what = "page"
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        assert num_pages > 0 and page_size > 0
+        super().__init__(num_pages)
+        self.num_pages = num_pages
+        self.page_size = page_size
+
     def free_page_ids(self) -> list[int]:
+        """The free list, head first (tests and invariant checks)."""
+        return list(self._free)
+
+
+class StatePool(_RefcountedIds):
+    """Fixed pool of `num_slots` recurrent-state slots (hybrid models only; a pure-attention
+    model has no StatePool).
+
+    Sizing: a running sequence holds one working slot and a retained prefix-cache entry one
+    checkpoint slot, so the engine sizes the pool as max_concurrency (working state, one per
+    lane) + the number of retained entries that should keep their checkpoint (normally
+    --max-private-continuations). Admission evicts least recently used entries when no slot
+    is free, so a smaller checkpoint share only retains fewer conversations; fewer than
+    max_concurrency slots in all would leave lanes idle and is refused by the scheduler."""
+
+    __slots__ = ("num_slots",)
+    _what = "state slot"
+
+    def __init__(self, num_slots: int) -> None:
+        assert num_slots > 0
+        super().__init__(num_slots)
+        self.num_slots = num_slots
+
+    def free_slot_ids(self) -> list[int]:
         """The free list, head first (tests and invariant checks)."""
         return list(self._free)

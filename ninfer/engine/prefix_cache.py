@@ -7,13 +7,20 @@ prompt (a regenerated completion), reuses the longest common prefix. The catalog
 (--max-private-continuations, 2 x concurrency by default), so lookup is a scan comparing one
 page of tokens at a time. Eviction is least recently used first, and only releases the entry's
 references: a page an active request also holds stays allocated until that request ends.
+
+With recurrent state (a hybrid model: a StatePool is given) an entry also keeps one checkpoint:
+the state slot holding the recurrent state after exactly its tokens (its executed frontier),
+handed over from the finished sequence's working slot. That state cannot be rewound, so the
+frontier is the entry's only resume point: `match_checkpoint` finds the longest entry the prompt
+extends as a whole, and a prompt that diverges inside an entry reuses nothing of it. Dropping
+an entry releases its checkpoint slot with its pages.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
 
-from ninfer.engine.kv_cache import PagePool, pages_for_tokens
+from ninfer.engine.kv_cache import PagePool, StatePool, pages_for_tokens
 
 LONG_RAW_PROMPT = 512  # raw prompts this long resume one token short of their end (spec)
 
@@ -26,6 +33,7 @@ class CacheEntry:
     last_used: int  # LRU clock value of the last insert or hit
     slot: int  # its cell in 0..max_entries-1 (the /slots id, a response's id_slot); stable while retained
     session: tuple[int, ...]  # the session: token_ids plus any sampled tokens not yet executed
+    state_slot: int = -1  # checkpoint: the state after exactly token_ids (one ref); -1 without recurrent state
 
 
 @dataclass(slots=True, frozen=True)
@@ -61,13 +69,15 @@ def common_prefix_len(a: list[int], b: list[int], step: int = 64) -> int:
 
 
 class PrefixCache:
-    """Retained continuations over a PagePool, at most `max_entries` of them."""
+    """Retained continuations over a PagePool (and, for a hybrid model, a StatePool holding
+    their checkpoints), at most `max_entries` of them."""
 
-    __slots__ = ("pool", "max_entries", "_entries", "_clock", "_next_id")
+    __slots__ = ("pool", "max_entries", "state_pool", "_entries", "_clock", "_next_id")
 
-    def __init__(self, pool: PagePool, max_entries: int) -> None:
+    def __init__(self, pool: PagePool, max_entries: int, state_pool: StatePool | None = None) -> None:
         self.pool = pool
         self.max_entries = max_entries
+        self.state_pool = state_pool
         self._entries: dict[int, CacheEntry] = {}
         self._clock = 0
         self._next_id = 0
@@ -96,6 +106,23 @@ class PrefixCache:
                 best = PrefixMatch(e.entry_id, n, len(e.token_ids))
         return best
 
+    def match_checkpoint(self, token_ids: list[int], max_tokens: int) -> PrefixMatch | None:
+        """The longest entry whose whole token list is a prefix of `token_ids` and at most
+        `max_tokens` long: the only match recurrent state can resume from (its checkpoint).
+        None when no entry qualifies."""
+        best: PrefixMatch | None = None
+        for e in sorted(self._entries.values(), key=lambda e: -e.last_used):
+            n = len(e.token_ids)
+            if 0 < n <= max_tokens and (best is None or n > best.num_tokens) \
+                    and common_prefix_len(token_ids, e.token_ids, self.pool.page_size) == n:
+                best = PrefixMatch(e.entry_id, n, n)
+        return best
+
+    def entry_checkpoint(self, entry_id: int) -> int:
+        """The entry's checkpoint state slot (-1 without recurrent state); a sequence resuming
+        from it increfs it until its copy has run."""
+        return self._entries[entry_id].state_slot
+
     def entry_pages(self, entry_id: int) -> list[int]:
         """The entry's pages (a copy); a sequence that shares some of them increfs them."""
         return list(self._entries[entry_id].pages)
@@ -106,16 +133,19 @@ class PrefixCache:
         if e is not None:
             e.last_used = self._tick()
 
-    def insert(self, token_ids: list[int], pages: list[int], session: list[int] | None = None) -> list[int]:
-        """Retain a finished sequence: the caller hands over one reference on each page.
-        `session` (default `token_ids`) is the whole conversation, which may run past the KV
-        frontier by the last sampled token.
+    def insert(self, token_ids: list[int], pages: list[int], session: list[int] | None = None,
+               state_slot: int = -1) -> list[int]:
+        """Retain a finished sequence: the caller hands over one reference on each page and, for
+        a hybrid model, its working `state_slot` (the state after exactly `token_ids`), which
+        becomes the entry's checkpoint. `session` (default `token_ids`) is the whole
+        conversation, which may run past the KV frontier by the last sampled token.
 
         Entries whose tokens are a prefix of the new one are dropped (the new entry serves
         every prompt they could); then the least recently used go while the catalog is full.
         The new entry takes the lowest free cell. Returns the ids of the entries removed, in order."""
         assert len(pages) == pages_for_tokens(len(token_ids), self.pool.page_size)
         assert self.max_entries >= 1
+        assert (state_slot >= 0) == (self.state_pool is not None), "a hybrid entry needs its checkpoint"
         removed = [e.entry_id for e in self.entries()
                    if len(e.token_ids) <= len(token_ids) and token_ids[:len(e.token_ids)] == e.token_ids]
         for entry_id in removed:
@@ -129,7 +159,7 @@ class PrefixCache:
         used = {e.slot for e in self._entries.values()}
         slot = next(i for i in range(self.max_entries) if i not in used)
         entry = CacheEntry(self._next_id, list(token_ids), list(pages), self._tick(), slot,
-                           tuple(session if session is not None else token_ids))
+                           tuple(session if session is not None else token_ids), state_slot)
         self._next_id += 1
         self._entries[entry.entry_id] = entry
         return removed
@@ -139,13 +169,26 @@ class PrefixCache:
         return max(self._entries.values(), key=lambda e: e.last_used)
 
     def drop(self, entry_id: int) -> list[int]:
-        """Remove one entry and release its page references; returns the pages freed."""
+        """Remove one entry and release its page references and its checkpoint slot; returns
+        the pages freed."""
         e = self._entries.pop(entry_id)
+        if e.state_slot >= 0:
+            assert self.state_pool is not None
+            self.state_pool.decref([e.state_slot])
         return self.pool.decref(e.pages)
 
     def _freeable(self, entry: CacheEntry) -> int:
         # pages this entry is the last holder of
         return sum(1 for p in entry.pages if self.pool.refcount(p) == 1)
+
+    def _frees_slot(self, entry: CacheEntry) -> bool:
+        # the entry holds the last reference on its checkpoint (no pending copy pins it)
+        return entry.state_slot >= 0 and self.state_pool.refcount(entry.state_slot) == 1
+
+    def freeable_slots(self) -> int:
+        """State slots that evicting every entry would return to the pool (a checkpoint pinned
+        by a pending copy is not counted)."""
+        return sum(1 for e in self._entries.values() if self._frees_slot(e))
 
     def freeable_pages(self) -> int:
         """Pages that evicting every entry would return to the pool (pages an active request
@@ -153,12 +196,18 @@ class PrefixCache:
         holders = Counter(p for e in self._entries.values() for p in e.pages)
         return sum(1 for p, n in holders.items() if self.pool.refcount(p) == n)
 
-    def evict(self, need_free: int) -> list[int]:
-        """Evict least recently used entries until the pool has `need_free` free pages, skipping
-        entries whose eviction would free nothing now. Returns the evicted entry ids in order."""
+    def evict(self, need_free: int, need_free_slots: int = 0) -> list[int]:
+        """Evict least recently used entries until the page pool has `need_free` free pages and
+        the state pool `need_free_slots` free slots, skipping entries whose eviction would free
+        nothing that is still short. Returns the evicted entry ids in order."""
         evicted: list[int] = []
-        while self.pool.num_free < need_free:
-            victim = next((e for e in self.entries() if self._freeable(e) > 0), None)
+        while True:
+            short_pages = self.pool.num_free < need_free
+            short_slots = self.state_pool is not None and self.state_pool.num_free < need_free_slots
+            if not (short_pages or short_slots):
+                break
+            victim = next((e for e in self.entries() if (short_pages and self._freeable(e) > 0)
+                           or (short_slots and self._frees_slot(e))), None)
             if victim is None:
                 break
             self.drop(victim.entry_id)

@@ -7,6 +7,11 @@ a prefix hit, a chunked prefill and a decode step are just different token count
 Admission is FIFO and reserves the request's whole page entitlement (prompt + effective output)
 through completion; pages are allocated lazily as tokens are computed, and the reservation
 counts against later admissions, so a running request never runs out of pages.
+
+With recurrent state (a hybrid model, a StatePool) every admitted request also takes one working
+state slot, which admission counts like pages (evicting retained entries when none is free);
+a finished request's slot becomes its retained entry's checkpoint, and a prompt resumes from
+a retained entry only at that checkpoint, through a state copy (ScheduledBatch.state_copies).
 """
 from __future__ import annotations
 
@@ -16,9 +21,10 @@ from dataclasses import dataclass, field
 
 from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import SchedulerConfig
-from ninfer.engine.kv_cache import PagePool, pages_for_tokens
+from ninfer.engine.kv_cache import PagePool, StatePool, pages_for_tokens
 from ninfer.engine.prefix_cache import PrefixCache, reuse_path
 from ninfer.engine.request import SamplingParams
+from ninfer.errors import ConfigError
 
 MAX_PASSED_OVER = 8  # a staged lane passed over this many times runs next (spec)
 
@@ -54,6 +60,8 @@ class Sequence:
     lane: int = -1
     passed_over: int = 0
     copy_src: int | None = None  # a page we hold a ref on until its copy has run
+    state_slot: int = -1  # the working recurrent-state slot while admitted (-1: none)
+    state_copy_src: int | None = None  # a checkpoint slot we hold a ref on until its copy has run
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     slot: int | None = None  # the context-cache cell it was retained in, once finished
@@ -95,18 +103,26 @@ class Scheduler:
     """Lanes over a page pool and an optional prefix cache.
 
     copy_on_write: the runner can copy a page (ScheduledBatch.page_copies), so a prefix hit
-    that ends inside a page reuses it exactly; without it the partial page is recomputed."""
+    that ends inside a page reuses it exactly; without it the partial page is recomputed.
+    state_pool: the recurrent-state slots of a hybrid model (None: pure attention). It needs at
+    least max_concurrency slots (one working slot a lane); the rest hold checkpoints of
+    retained entries (see StatePool for the sizing)."""
 
-    def __init__(self, config: SchedulerConfig, pool: PagePool, *, copy_on_write: bool = False) -> None:
+    def __init__(self, config: SchedulerConfig, pool: PagePool, *, copy_on_write: bool = False,
+                 state_pool: StatePool | None = None) -> None:
         self.config = config
         self.pool = pool
         self.page_size = pool.page_size
         self.copy_on_write = copy_on_write
+        if state_pool is not None and state_pool.num_slots < config.max_concurrency:
+            raise ConfigError(f"{state_pool.num_slots} recurrent-state slots cannot serve {config.max_concurrency} "
+                              "lanes: the runner needs at least max_concurrency slots")
+        self.state_pool = state_pool
         max_entries = config.max_private_continuations
         if max_entries is None:
             max_entries = 2 * config.max_concurrency
         self.prefix_cache: PrefixCache | None = (
-            PrefixCache(pool, max_entries) if config.prefix_reuse and max_entries > 0 else None)
+            PrefixCache(pool, max_entries, state_pool) if config.prefix_reuse and max_entries > 0 else None)
         rounds = config.decode_rounds_per_prefill or 0
         self.decode_rounds_per_prefill = rounds if rounds > 0 else max(1, config.prefill_chunk // 64)
         self.waiting: deque[Sequence] = deque()
@@ -145,6 +161,11 @@ class Scheduler:
         if seq.copy_src is not None:
             self.pool.decref([seq.copy_src])
             seq.copy_src = None
+        state_slot, seq.state_slot = seq.state_slot, -1
+        if seq.state_copy_src is not None:  # never ran: its working slot holds no state
+            self.state_pool.decref([seq.state_copy_src])
+            seq.state_copy_src = None
+            retain = False
         table, seq.block_table = seq.block_table, []
         n = seq.num_computed_tokens
         if retain and n > 0:
@@ -152,10 +173,13 @@ class Scheduler:
             self.pool.decref(table[keep:])
             session = seq.prompt_token_ids + seq.output_token_ids
             assert self.prefix_cache is not None
-            self.prefix_cache.insert(session[:n], table[:keep], session)
+            # the working slot holds the state after exactly n tokens: it becomes the checkpoint
+            self.prefix_cache.insert(session[:n], table[:keep], session, state_slot)
             seq.slot = self.prefix_cache.newest().slot
         else:
             self.pool.decref(table)
+            if state_slot >= 0:
+                self.state_pool.decref([state_slot])
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -165,37 +189,51 @@ class Scheduler:
     def _try_admit(self, seq: Sequence) -> bool:
         P = self.page_size
         entitlement = pages_for_tokens(seq.prompt_len + seq.max_output_tokens, P)
-        cache = self.prefix_cache
-        match = cache.match(seq.prompt_token_ids, seq.prompt_len - 1) if cache and seq.cache_prompt else None
+        cache, state = self.prefix_cache, self.state_pool
+        match = None
+        if cache and seq.cache_prompt:
+            # recurrent state resumes only at an entry's checkpoint (its whole frontier)
+            find = cache.match_checkpoint if state else cache.match
+            match = find(seq.prompt_token_ids, seq.prompt_len - 1)
         matched = match.num_tokens if match else 0
         full, tail = divmod(matched, P)
         # Reuse plans, most first: the whole hit (its partial page copied), its full pages, nothing.
         # A plan pins what it reuses before eviction runs, so when the pool cannot hold the
         # entitlement beside the pinned pages (a request as large as the pool), reuse less.
+        # With recurrent state a plan must reuse the whole hit: no state exists short of it.
         plans = [(full, True)] if tail and self.copy_on_write else []
-        plans += [(full, False)] if full else []
+        plans += [(full, False)] if full and not (state and tail) else []
         plans.append((0, False))
+        need_slots = 1 if state else 0  # the working state slot
         for full_pages, copy in plans:
             shared: list[int] = []
             copy_src: int | None = None
+            checkpoint: int | None = None
             if full_pages or copy:
-                # hold the shared pages (and the copy source) before any eviction can touch them
+                # hold the shared pages (and the copy sources) before any eviction can touch them
                 pages = cache.entry_pages(match.entry_id)
                 shared = pages[:full_pages]
                 self.pool.incref(shared)
                 if copy:
                     copy_src = pages[full_pages]
                     self.pool.incref([copy_src])
+                if state:
+                    checkpoint = cache.entry_checkpoint(match.entry_id)
+                    state.incref([checkpoint])
             need = entitlement - len(shared) + self._outstanding_pages()
             freeable = cache.freeable_pages() if cache else 0
-            if self.pool.num_free + freeable >= need:
+            slots_fit = not state or state.num_free + (cache.freeable_slots() if cache else 0) >= need_slots
+            if self.pool.num_free + freeable >= need and slots_fit:
                 break
             self.pool.decref(shared + ([copy_src] if copy_src is not None else []))
+            if checkpoint is not None:
+                state.decref([checkpoint])
         else:
             return False
         reused = matched if copy else full_pages * P
-        if cache and self.pool.num_free < need:
-            cache.evict(need)
+        assert not state or reused in (0, matched), "recurrent state resumed off its checkpoint"
+        if cache and (self.pool.num_free < need or (state and state.num_free < need_slots)):
+            cache.evict(need, need_slots)
         assert self.pool.num_free >= need
         if match and reused:
             cache.touch(match.entry_id)
@@ -204,6 +242,9 @@ class Scheduler:
         if copy:
             seq.block_table.append(self.pool.allocate(1)[0])
             seq.copy_src = copy_src
+        if state:
+            seq.state_slot = state.allocate(1)[0]
+            seq.state_copy_src = checkpoint
         seq.num_computed_tokens = reused
         seq.num_cached_tokens = reused
         seq.reuse_path = reuse_path(matched, match.entry_tokens, seq.prompt_len, seq.raw_prompt) \
@@ -238,7 +279,7 @@ class Scheduler:
         return SequenceWork(
             seq_id=seq.seq_id, token_ids=[seq.token_at(i) for i in range(start, end)], start_pos=start,
             block_table=list(seq.block_table), sample=sample, sampling=seq.sampling,
-            output_token_ids=list(seq.output_token_ids), seed=seq.seed)
+            output_token_ids=list(seq.output_token_ids), seed=seq.seed, state_slot=seq.state_slot)
 
     def _pick_prefill(self, staged: list[Sequence]) -> Sequence:
         starved = [s for s in staged if s.passed_over >= MAX_PASSED_OVER]
@@ -267,6 +308,8 @@ class Scheduler:
                 batch = ScheduledBatch([self._work(unit, start, start + n, start + n == unit.prompt_len)])
                 if unit.copy_src is not None:  # the partially reused page: copy before writing into it
                     batch.page_copies.append((unit.copy_src, unit.block_table[start // self.page_size]))
+                if unit.state_copy_src is not None:  # resume from the entry's checkpoint
+                    batch.state_copies.append((unit.state_copy_src, unit.state_slot))
                 return batch
         if decoding:
             self._rounds_since_prefill += 1
@@ -288,6 +331,9 @@ class Scheduler:
             if seq.copy_src is not None:
                 self.pool.decref([seq.copy_src])  # the copy ran with this batch
                 seq.copy_src = None
+            if seq.state_copy_src is not None:
+                self.state_pool.decref([seq.state_copy_src])  # likewise the state copy
+                seq.state_copy_src = None
             if not work.sample:
                 continue
             token = output.sampled[work.seq_id]

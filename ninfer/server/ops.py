@@ -115,10 +115,13 @@ def load_report(call: Call, obj: str) -> dict[str, Any]:
         "capacity": {"max_concurrency": snap.max_concurrency, "max_pending_requests": snap.max_pending_requests,
                      "max_admitted_requests": snap.max_concurrency + snap.max_pending_requests,
                      "max_context": snap.max_context, "kv_capacity_tokens": snap.kv_capacity_tokens,
-                     "kv_capacity_pages": snap.kv_capacity_pages, "kv_page_tokens": snap.kv_page_tokens},
+                     "kv_capacity_pages": snap.kv_capacity_pages, "kv_page_tokens": snap.kv_page_tokens,
+                     # recurrent-state slots (hybrid models; 0 for pure attention): lanes + checkpoints
+                     "device_state_slots": snap.state_slots_total},
         "requests": {"admitted": max(state.admitted, snap.admitted), "running": snap.running,
                      "prefilling": snap.prefilling, "decode_ready": snap.decode_ready, "waiting": snap.waiting},
-        "occupancy": {"device_main_kv_pages": snap.kv_pages_used, "device_main_kv_tokens": snap.kv_tokens_used},
+        "occupancy": {"device_main_kv_pages": snap.kv_pages_used, "device_main_kv_tokens": snap.kv_tokens_used,
+                      "device_state_slots": snap.state_slots_used},
         "counters": {"computed_prefill_tokens": snap.computed_prefill_tokens,
                      "committed_decode_tokens": snap.committed_decode_tokens,
                      "reused_prompt_tokens": snap.reused_prompt_tokens,
@@ -174,9 +177,12 @@ async def handle_slots(call: Call) -> None:
         known = state.slot_digests.get(c.entry_id)
         digests[c.entry_id] = known or (session_digest(list(c.session)), session_digest(list(c.session[:c.n_tokens])))
         session, endpoint = digests[c.entry_id]
+        checkpoint: dict[str, Any] = {"frontier": c.n_tokens, "session_digest": endpoint}
+        if c.state_slot >= 0:  # a hybrid model: the recurrent-state slot the checkpoint occupies
+            checkpoint["state_slot"] = c.state_slot
         # the session depth as both counts; the endpoint checkpoint sits at the executed frontier
         slots.append({"id": c.slot, "is_processing": False, "retained": True, "session_digest": session,
-                      "checkpoints": [{"frontier": c.n_tokens, "session_digest": endpoint}],
+                      "checkpoints": [checkpoint],
                       "n_ctx": snap.max_context, "n_prompt_tokens": len(c.session),
                       "n_prompt_tokens_cache": len(c.session), "n_pages": c.n_pages, "speculative": False})
     state.slot_digests = digests  # only live entries stay memoized
@@ -237,7 +243,12 @@ def metrics_text(call: Call) -> str:
         _series(L, "ninfer:context_selections_total", "counter",
                 "admissions by the context-cache source they started from", 0, selections, "source")
     _series(L, "ninfer:context_occupancy", "gauge", "context-cache resources in use", 0,
-            {"device_main_kv_pages": snap.kv_pages_used}, "pool")
+            {"device_main_kv_pages": snap.kv_pages_used, "device_state_slots": snap.state_slots_used}, "pool")
+    _series(L, "ninfer:state_slots_total", "gauge",
+            "recurrent-state slots (hybrid models; 0 for pure attention): one a lane plus checkpoints",
+            snap.state_slots_total)
+    _series(L, "ninfer:state_slots_used", "gauge",
+            "recurrent-state slots held by admitted requests and retained checkpoints", snap.state_slots_used)
     return "\n".join(L) + "\n"
 
 
