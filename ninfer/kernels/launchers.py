@@ -165,15 +165,17 @@ def rope_cos_sin(head_dim: int, max_positions: int, theta: float, device: torch.
 def rope_kv_write(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                  eps: float = 1e-6) -> None:
+                  eps: float = 1e-6, rotary_dim: int | None = None) -> None:
     """Rotate q in place and write rotated k and v into the paged cache at slot_mapping[t].
 
-    q [T, Hq, D], k/v [T, Hkv, D] (token strides free, heads packed); cos/sin [P, D/2] fp32;
+    q [T, Hq, D], k/v [T, Hkv, D] (token strides free, heads packed); cos/sin [P, rotary_dim/2] fp32;
     positions, slot_mapping [T] int32 (slot < 0: no write); caches [pages, page_size, Hkv, D];
     q_norm/k_norm [D]: per-head RMSNorm before RoPE (qwen3), both or neither. q, k, v, the caches
-    and the norms are all bf16 or all fp32.
+    and the norms are all bf16 or all fp32. rotary_dim (default D, a multiple of 4): only the first
+    rotary_dim dims of each head rotate (partial rotary, qwen3.5); the rest pass through, normed.
     """
     T, Hq, D = q.shape
+    R = D if rotary_dim is None else rotary_dim
     Hkv = k.shape[1]
     act, defines = q.dtype, _act(q.dtype, "q")
     pair = 2 * q.element_size()  # a lane moves two activations at a time
@@ -183,7 +185,9 @@ def rope_kv_write(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch
             raise KernelError(f"{name} must have packed heads and {pair}-byte aligned rows, got strides {t.stride()}")
     if D % 4:
         raise KernelError(f"head_dim {D} must be a multiple of 4")
-    _check(cos, "cos", F32_DT, [None, D // 2], kc.device)
+    if not 0 < R <= D or R % 4:
+        raise KernelError(f"rotary_dim {R} must be a multiple of 4 in (0, head_dim {D}]")
+    _check(cos, "cos", F32_DT, [None, R // 2], kc.device)
     _check(sin, "sin", F32_DT, list(cos.shape), kc.device)
     _check(positions, "positions", I32_DT, [T], kc.device)
     _check(slot_mapping, "slot_mapping", I32_DT, [T], kc.device)
@@ -198,7 +202,7 @@ def rope_kv_write(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch
         kc.kernel("rope_kv.cu", "rope_kv_write", defines).launch(
             (T, 1, 1), (128, 1, 1),
             [ptr(q), ptr(k), ptr(v), ptr(cos), ptr(sin), ptr(positions), ptr(slot_mapping), ptr(k_cache),
-             ptr(v_cache), ptr(q_norm), ptr(k_norm), I32(Hq), I32(Hkv), I32(D), I64(q.stride(0)),
+             ptr(v_cache), ptr(q_norm), ptr(k_norm), I32(Hq), I32(Hkv), I32(D), I32(R), I64(q.stride(0)),
              I64(k.stride(0)), I64(v.stride(0)), F32(eps)])
 
 

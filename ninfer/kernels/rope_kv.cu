@@ -2,7 +2,9 @@
 // per-head q/k RMSNorm before the rotation (qwen3).
 //   q [T, Hq, D], k/v [T, Hkv, D] act (bf16, or fp32 with ACT_F32); rows may be views of a fused qkv buffer (row strides
 //   given; head stride D, element stride 1).
-//   cos/sin [max_pos, D/2] fp32; positions [T] int32.
+//   cos/sin [max_pos, R/2] fp32; positions [T] int32. Only the first R (rotary_dim, R <= D, R % 4 == 0)
+//   dims of a head rotate (partial rotary, qwen3.5); dims R..D-1 pass through (normed, if q/k norms).
+//   R == D is plain RoPE.
 //   k_cache/v_cache [num_pages, page_size, Hkv, D] act; q_norm/k_norm [D] act; slot_mapping [T] int32, slot =
 //   page * page_size + pos % page_size; a negative slot skips the cache write (padding).
 // q is rotated in place; rotated k and v go to the cache only.
@@ -14,11 +16,11 @@ extern "C" __global__ void rope_kv_write(act* q, const act* __restrict__ k, cons
                                          const i32* __restrict__ positions, const i32* __restrict__ slot_mapping,
                                          act* __restrict__ k_cache, act* __restrict__ v_cache,
                                          const act* __restrict__ q_norm, const act* __restrict__ k_norm,
-                                         int Hq, int Hkv, int D, i64 q_stride, i64 k_stride, i64 v_stride,
-                                         float eps) {
+                                         int Hq, int Hkv, int D, int R, i64 q_stride, i64 k_stride,
+                                         i64 v_stride, float eps) {
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int half = D / 2;
+  const int half = R / 2;
   const int pos = positions[t];
   const i32 slot = slot_mapping[t];
   const float* cr = cos_t + (i64)pos * half;
@@ -72,6 +74,17 @@ extern "C" __global__ void rope_kv_write(act* q, const act* __restrict__ k, cons
       const float hi[2] = {y[0] * c0 + x[0] * s0, y[1] * c1 + x[1] * s1};
       store_act<2>(dst + j, lo);
       store_act<2>(dst + j + half, hi);
+    }
+    for (int j = R + lane * 2; j < D; j += 2 * WARP) {  // the dims past rotary_dim: norm only
+      float x[2];
+      load_act<2>(src + j, x);
+      x[0] *= inv; x[1] *= inv;
+      if (nw) {
+        float w[2];
+        load_act<2>(nw + j, w);
+        x[0] *= w[0]; x[1] *= w[1];
+      }
+      store_act<2>(dst + j, x);
     }
   }
 }

@@ -103,9 +103,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-@pytest.mark.parametrize("D,Hq,Hkv,qk_norm", [(64, 9, 3, False), (128, 8, 2, True)])
+@pytest.mark.parametrize("D,Hq,Hkv,qk_norm,R", [(64, 9, 3, False, None), (128, 8, 2, True, None),
+                                                 (256, 8, 2, True, 64), (128, 4, 4, False, 32)],
+                         ids=["d64", "d128-norm", "d256-norm-partial64", "d128-partial32"])
 @ACTS
-def test_rope_kv_write(kc: KernelCompiler, D: int, Hq: int, Hkv: int, qk_norm: bool, act: torch.dtype) -> None:
+def test_rope_kv_write(kc: KernelCompiler, D: int, Hq: int, Hkv: int, qk_norm: bool, R: int | None,
+                       act: torch.dtype) -> None:
+    """R: rotary_dim (qwen3.5's partial rotary: only the first R dims of a head rotate); None: all D."""
     g = gen(5)
     T, page_size, num_pages = 6, 16, 8
     qkv = randn((T, (Hq + 2 * Hkv) * D), g, act)  # q, k, v are views of one fused buffer
@@ -113,14 +117,18 @@ def test_rope_kv_write(kc: KernelCompiler, D: int, Hq: int, Hkv: int, qk_norm: b
     k = qkv[:, Hq * D: (Hq + Hkv) * D].view(T, Hkv, D)
     v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
-    cos, sin = L.rope_cos_sin(D, 4096, 10000.0, DEV)
+    rot = D if R is None else R
+    cos, sin = L.rope_cos_sin(rot, 4096, 10000.0, DEV)
     positions = torch.tensor([0, 1, 17, 100, 2047, 4095], dtype=torch.int32, device=DEV)
     slots = torch.randperm(num_pages * page_size, generator=g, device=DEV)[:T].to(torch.int32)
     slots[2] = -1  # padding: no cache write
     k_cache, v_cache = poisoned((num_pages, page_size, Hkv, D), act), poisoned((num_pages, page_size, Hkv, D), act)
     qn = randn((D,), g, act) if qk_norm else None
     kn = randn((D,), g, act) if qk_norm else None
-    L.rope_kv_write(kc, q, k, v, cos, sin, positions, slots, k_cache, v_cache, qn, kn, 1e-6)
+    if R is None:
+        L.rope_kv_write(kc, q, k, v, cos, sin, positions, slots, k_cache, v_cache, qn, kn, 1e-6)
+    else:
+        L.rope_kv_write(kc, q, k, v, cos, sin, positions, slots, k_cache, v_cache, qn, kn, 1e-6, rotary_dim=R)
 
     def ref_rope(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
         xf = x.double()
@@ -128,7 +136,8 @@ def test_rope_kv_write(kc: KernelCompiler, D: int, Hq: int, Hkv: int, qk_norm: b
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
         c = torch.cat((cos, cos), -1)[positions.long()][:, None, :].double()
         s = torch.cat((sin, sin), -1)[positions.long()][:, None, :].double()
-        return xf * c + rotate_half(xf) * s
+        xr = xf[..., :rot]
+        return torch.cat((xr * c + rotate_half(xr) * s, xf[..., rot:]), -1)
 
     assert rel(q, ref_rope(q0, qn)) < TOL[act]
     kref = ref_rope(k0, kn)
