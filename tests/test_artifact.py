@@ -123,3 +123,30 @@ def test_write_refuses_invalid(tmp_path: Path) -> None:
     with pytest.raises(ArtifactError, match="missing tensor model.embed_tokens.weight"):
         write_artifact(tmp_path / "w.ninfer", tensors, meta)
     assert not (tmp_path / "w.ninfer").exists()
+
+
+def test_model_facts_are_read_once_from_the_artifact(tmp_path: Path) -> None:
+    """The facts the server reports (/v1/models meta, /props) come from the engine's loader."""
+    import math
+    from types import SimpleNamespace
+
+    from ninfer.engine.loader import model_facts
+    from ninfer.engine.synthetic import SyntheticArtifact
+
+    tensors, meta = _parts_and_meta()
+    path = write_artifact(tmp_path / "ok.ninfer", tensors, meta)
+    art = Artifact.open(path)
+    facts = model_facts(art, SimpleNamespace(vocab_size=60), max_context=128)
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert facts.stored_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert facts.stored_bytes == path.stat().st_size - 8 - header_len  # the payload after the header
+    assert facts.num_parameters == sum(math.prod(s) for s in expected_weights(CONFIG).values())
+    assert facts.weight_formats == ("f32", "int4ag32")
+    assert (facts.path, facts.vocab_size, facts.logits_size, facts.max_context) == (str(path), 60, 64, 128)
+    assert (facts.trained_context, facts.hidden_size) == (CONFIG.max_position_embeddings, 32)
+
+    synthetic = SyntheticArtifact("smollm2-135m", "bf16")
+    facts = model_facts(synthetic, SimpleNamespace(vocab_size=49152), max_context=8192)
+    shapes = expected_weights(synthetic.meta.config).values()
+    assert facts.stored_bytes == sum(math.prod(s) * (2 if len(s) == 2 else 4) for s in shapes)
+    assert facts.weight_formats == ("bf16", "f32") and facts.path == "synthetic:smollm2-135m"

@@ -1,6 +1,7 @@
 """Layering rules of DESIGN.md, checked on the source with `ast`: kernels/ imports nothing from
 engine/; engine/ imports nothing from server/ and raises engine errors, never errors that carry
-HTTP facts (the server maps engine errors to HTTP at its edge)."""
+HTTP facts (the server maps engine errors to HTTP at its edge); the server reads model facts from
+the engine (LoadedModel.facts), never from the artifact or its metadata."""
 from __future__ import annotations
 
 import ast
@@ -10,6 +11,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ninfer"
 HTTP_KEYWORDS = {"status", "status_code"}  # an error constructed with these carries an HTTP status
+# what the server would need to compute model facts itself: the artifact, its weight table, the file format
+ARTIFACT_MODULES = ("ninfer.engine.artifact", "ninfer.engine.models", "ninfer.engine.quant", "ninfer.engine.convert",
+                    "ninfer.formats", "safetensors", "struct")
 
 
 def module_name(path: Path) -> str:
@@ -65,12 +69,25 @@ def _mark_raised(tree: ast.AST) -> ast.AST:
     return tree
 
 
-def violations(subpackage: str, forbidden: str) -> list[str]:
+def artifact_reads(source: str) -> list[tuple[int, str]]:
+    """(line, expression) for each read of a loaded model's artifact metadata or path
+    (`loaded.meta`, `state.loaded.path`, ...): the facts object is the server's one source."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in ("meta", "path"):
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "loaded") or \
+                    (isinstance(base, ast.Attribute) and base.attr == "loaded"):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def violations(subpackage: str, *forbidden: str) -> list[str]:
     out = []
     for path in sorted((PACKAGE / subpackage).rglob("*.py")):
         module = module_name(path)
         for line, name in imported_modules(path.read_text(), module, path.name == "__init__.py"):
-            if name == forbidden or name.startswith(forbidden + "."):
+            if any(name == f or name.startswith(f + ".") for f in forbidden):
                 out.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}")
     return out
 
@@ -88,6 +105,8 @@ def test_the_checks_can_fail() -> None:
     assert http_errors_raised("err = OverloadedError('full', status=429)")
     assert not http_errors_raised("raise EngineOverloaded(12)")
     assert not http_errors_raised("seq = Sequence(status=SeqStatus.WAITING)")  # not an error: engine state
+    assert artifact_reads("n = loaded.meta.config.vocab_size") and artifact_reads("p = str(state.loaded.path)")
+    assert not artifact_reads("p = state.loaded.facts.path")
 
 
 def test_kernels_import_nothing_from_engine() -> None:
@@ -102,3 +121,10 @@ def test_engine_imports_nothing_from_server() -> None:
 def test_engine_raises_no_http_errors(path: Path) -> None:
     """The engine raises ninfer/engine/errors.py classes; HTTP status, type and code are the server's."""
     assert http_errors_raised(path.read_text()) == []
+
+
+def test_server_reads_model_facts_not_artifacts() -> None:
+    assert violations("server", *ARTIFACT_MODULES) == []
+    reads = [f"{p.relative_to(PACKAGE.parent)}:{line} reads {expr}" for p in sorted((PACKAGE / "server").rglob("*.py"))
+             for line, expr in artifact_reads(p.read_text())]
+    assert reads == []

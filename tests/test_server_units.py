@@ -245,6 +245,19 @@ def test_engine_errors_map_to_http_at_the_edge(err: EngineError, status: int, ki
     assert http_error(own) is own  # the server's own errors pass through
 
 
+def test_model_meta_encodes_the_engine_facts() -> None:
+    from ninfer.engine.loader import ModelFacts
+    from ninfer.server.ops import model_meta
+
+    facts = ModelFacts(path="/m.ninfer", vocab_size=49152, logits_size=49152, max_context=4096, trained_context=8192,
+                       hidden_size=576, num_parameters=134515008, stored_bytes=96576768,
+                       weight_formats=("f32", "int4ag32"), sampler_presets={})
+    meta = model_meta(facts)
+    assert list(meta) == ["n_vocab", "n_ctx", "n_ctx_train", "n_embd", "n_params", "size", "ftype"]
+    assert meta == {"n_vocab": 49152, "n_ctx": 4096, "n_ctx_train": 8192, "n_embd": 576, "n_params": 134515008,
+                    "size": 96576768, "ftype": "f32+int4ag32"}
+
+
 def test_responses_input_items_and_turns() -> None:
     from ninfer.server.responses import normalize_input, turns_of
 

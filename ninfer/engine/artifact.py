@@ -159,11 +159,13 @@ def _validate_tensors(path: Path, meta: ArtifactMetadata,
 
 
 class Artifact:
-    """An opened, validated .ninfer file. Tensors are read lazily (memory-mapped)."""
+    """An opened, validated .ninfer file. Tensors are read lazily (memory-mapped).
+    `payload_bytes`: the stored tensor data (after the header), as the header's offsets say."""
 
-    def __init__(self, path: Path, meta: ArtifactMetadata) -> None:
+    def __init__(self, path: Path, meta: ArtifactMetadata, payload_bytes: int = 0) -> None:
         self.path = path
         self.meta = meta
+        self.payload_bytes = payload_bytes
 
     @classmethod
     def open(cls, path: str | Path) -> Artifact:
@@ -186,6 +188,7 @@ class Artifact:
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(f"{path}: malformed ninfer.metadata ({e})") from None
         stored = {}
+        payload_bytes = 0
         for key, info in header.items():
             if key == "__metadata__":
                 continue
@@ -193,8 +196,9 @@ class Artifact:
             if dtype is None:
                 raise ArtifactError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
             stored[key] = (tuple(info.get("shape", ())), dtype)
+            payload_bytes = max(payload_bytes, int((info.get("data_offsets") or (0, 0))[1]))
         _validate_tensors(path, meta, stored)
-        return cls(path, meta)
+        return cls(path, meta, payload_bytes)
 
     def load_parts(self, device: str | torch.device = "cpu") -> dict[str, dict[str, torch.Tensor]]:
         """name -> {suffix: stored tensor} for every expected weight."""

@@ -2,6 +2,7 @@
 KV pool, build runner + tokenizer + engine."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -9,7 +10,9 @@ from typing import TYPE_CHECKING
 from ninfer.engine.artifact import Artifact, ArtifactMetadata
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.model_store import resolve_model
+from ninfer.engine.models import expected_weights
 from ninfer.errors import ConfigError
+from ninfer.formats import TensorFormat
 
 if TYPE_CHECKING:  # imported lazily at run time: they pull in torch
     from ninfer.engine.engine import Engine
@@ -18,6 +21,23 @@ if TYPE_CHECKING:  # imported lazily at run time: they pull in torch
 PAGE_SIZE = 64
 DEFAULT_MAX_CONTEXT = 8192  # --max-context default (spec)
 BACKENDS = ("auto", "torch", "cuda")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFacts:
+    """What the loaded model is, computed once at load. The server reports these (/v1/models,
+    /props, its start record) and never opens or parses the artifact itself."""
+
+    path: str  # the artifact file ("synthetic:NAME" for random weights)
+    vocab_size: int  # the tokenizer's vocabulary
+    logits_size: int  # rows of the output head (config.vocab_size; may pad the vocabulary)
+    max_context: int  # tokens one sequence may hold on this server (--max-context)
+    trained_context: int  # max_position_embeddings
+    hidden_size: int
+    num_parameters: int  # logical elements of every weight
+    stored_bytes: int  # the stored weight payload (quantized weights packed)
+    weight_formats: tuple[str, ...]  # sorted, distinct: f32, bf16, int8g32, int4g32 (symmetric), int4ag32
+    sampler_presets: dict[str, dict[str, float]]  # the model's presets by mode (thinking, non_thinking, ...)
 
 
 @dataclass(slots=True)
@@ -30,6 +50,33 @@ class LoadedModel:
     max_context: int
     backend: str
     device: str
+    facts: ModelFacts
+
+
+def model_facts(artifact, tokenizer: Tokenizer, max_context: int) -> ModelFacts:
+    """The facts of an opened artifact (or a SyntheticArtifact) served with `max_context`."""
+    meta = artifact.meta
+    shapes = expected_weights(meta.config)
+    return ModelFacts(
+        path=str(artifact.path),
+        vocab_size=tokenizer.vocab_size,
+        logits_size=meta.config.vocab_size,
+        max_context=max_context,
+        trained_context=meta.config.max_position_embeddings,
+        hidden_size=meta.config.hidden_size,
+        num_parameters=sum(math.prod(shape) for shape in shapes.values()),
+        stored_bytes=artifact.payload_bytes,
+        weight_formats=tuple(sorted({weight_format_name(f) for f in meta.tensor_formats.values()})),
+        sampler_presets=dict(meta.sampler_presets or {}),
+    )
+
+
+def weight_format_name(fmt: TensorFormat) -> str:
+    """A format's short name: f32, bf16, int8g32, int4g32 (symmetric) or int4ag32 (asymmetric)."""
+    if not fmt.quantized:
+        return fmt.format
+    kind = fmt.format if fmt.format == "int8" or fmt.symmetric else "int4a"
+    return f"{kind}g{fmt.group_size}"
 
 
 def resolve_backend(backend: str, device: int) -> tuple[str, str]:
@@ -90,6 +137,18 @@ def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_p
     return pages
 
 
+def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
+    """Recurrent-state slots of a hybrid model (0 for pure attention): one working slot per lane and
+    one checkpoint per retained continuation the prefix cache may hold."""
+    from ninfer.engine.models import state_spec
+
+    if state_spec(config).recurrent is None:
+        return 0
+    entries = scheduler.max_private_continuations
+    entries = 2 * scheduler.max_concurrency if entries is None else entries
+    return scheduler.max_concurrency + (entries if scheduler.prefix_reuse else 0)
+
+
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
@@ -128,19 +187,22 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     tokenizer.token_bytes(0)  # build the byte table now (~0.4 s), not on the first request's first token
     bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype)  # the same for both backends
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
+    num_state_slots = resolve_state_slots(meta.config, scheduler)
 
     def build_runner():  # runs on the engine's worker thread (Engine.spawn says why)
         if backend == "cuda":
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
-                                   **({"dtype": dtype} if dtype is not None else {}))
+                                   num_state_slots=num_state_slots, **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
-        return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype)
+        return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
+                                num_state_slots=num_state_slots)
 
+    facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
-                       max_context=max_context, backend=backend, device=torch_device)
+                       max_context=max_context, backend=backend, device=torch_device, facts=facts)
 
 
 def _read_template(value: str) -> str:

@@ -6,6 +6,7 @@ tensors on the target device instead of reading a file.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -84,6 +85,13 @@ class SyntheticArtifact:
         if len(shape) == 1:
             return torch.ones(shape, dtype=torch.float32, device=device)
         return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * 0.02
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes these weights would take stored in an artifact (as Artifact.payload_bytes)."""
+        return sum(math.prod(stored) * fmt.stored_dtypes()[suffix].itemsize
+                   for name, fmt in self.meta.tensor_formats.items()
+                   for suffix, stored in fmt.stored_shapes(self._shapes[name]).items())
 
     def load_parts(self, device: str | torch.device = "cpu") -> dict[str, dict[str, torch.Tensor]]:
         device = str(device)

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer.engine.request import OutputEvent, PreparedRequest, TokenLogprob, Usage
 from ninfer.engine.errors import EngineError
+from ninfer.engine.request import OutputEvent, PreparedRequest, TokenLogprob, Usage
 from ninfer.errors import RequestError
 from ninfer.server.errors import http_error
 from ninfer.server.http import Call

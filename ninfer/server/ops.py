@@ -6,12 +6,15 @@ never waits on the engine.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ninfer.errors import RequestError
 from ninfer.server.generate import session_digest
 from ninfer.server.http import Call
 from ninfer.version import version_string
+
+if TYPE_CHECKING:
+    from ninfer.engine.loader import ModelFacts
 
 API_INDEX = (
     ("GET", "/health", "process health and build version"),
@@ -43,20 +46,27 @@ async def handle_health(call: Call) -> None:
 
 def model_object(call: Call) -> dict[str, Any]:
     state = call.state
-    facts = state.facts
-    assert facts is not None
+    assert state.loaded is not None
+    facts = state.loaded.facts
     return {
         "id": state.model_id,
         "object": "model",
         "created": int(state.ready_unix),
         "owned_by": "ninfer",
-        "max_model_len": facts.n_ctx,
-        "context_window": facts.n_ctx,
-        "context_length": facts.n_ctx,
+        "max_model_len": facts.max_context,
+        "context_window": facts.max_context,
+        "context_length": facts.max_context,
         "modalities": {"vision": False},
         "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-        "meta": facts.to_dict(),
+        "meta": model_meta(facts),
     }
+
+
+def model_meta(facts: ModelFacts) -> dict[str, Any]:
+    """llama.cpp's `meta` object of a model entry, from the engine's facts."""
+    return {"n_vocab": facts.vocab_size, "n_ctx": facts.max_context, "n_ctx_train": facts.trained_context,
+            "n_embd": facts.hidden_size, "n_params": facts.num_parameters, "size": facts.stored_bytes,
+            "ftype": "+".join(facts.weight_formats)}
 
 
 async def handle_models(call: Call) -> None:
@@ -95,7 +105,7 @@ async def handle_props(call: Call) -> None:
         },
         "total_slots": state.loaded.engine.snapshot().max_concurrency,
         "model_alias": state.model_id,
-        "model_path": state.config.model_path or str(state.loaded.path),
+        "model_path": state.config.model_path or state.loaded.facts.path,
         "modalities": {"vision": False, "audio": False},
         "build_info": f"ninfer {version_string()}",
         "endpoint_slots": True,

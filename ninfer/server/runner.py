@@ -180,7 +180,7 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         loaded = loaded_box["model"]
         state.set_ready(loaded)
         snap = loaded.engine.snapshot()
-        state.reqlog.server_start(artifact=str(loaded.path), model=state.model_id, backend=loaded.backend,
+        state.reqlog.server_start(artifact=loaded.facts.path, model=state.model_id, backend=loaded.backend,
                                   device=loaded.device, max_context=loaded.max_context,
                                   max_concurrency=snap.max_concurrency,
                                   max_pending_requests=snap.max_pending_requests,

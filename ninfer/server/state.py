@@ -5,12 +5,8 @@ as snapshots), so plain ints need no lock.
 """
 from __future__ import annotations
 
-import json
-import math
-import struct
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ninfer.engine.request import SamplingParams
@@ -23,56 +19,6 @@ if TYPE_CHECKING:
     from ninfer.engine.loader import LoadedModel
 
 
-@dataclass(slots=True, frozen=True)
-class ModelFacts:
-    """The llama.cpp-style `meta` object of /v1/models, computed once when the model is ready."""
-
-    n_vocab: int
-    n_ctx: int
-    n_ctx_train: int
-    n_embd: int
-    n_params: int
-    size: int
-    ftype: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-def model_facts(loaded: LoadedModel) -> ModelFacts:
-    """Logical element count, stored payload bytes and formats of the artifact behind the alias."""
-    from ninfer.engine.models import expected_weights
-
-    meta = loaded.meta
-    shapes = expected_weights(meta.config)
-    n_params = sum(math.prod(shape) for shape in shapes.values())
-    formats = sorted({_format_name(f) for f in meta.tensor_formats.values()})
-    return ModelFacts(
-        n_vocab=loaded.tokenizer.vocab_size,
-        n_ctx=loaded.max_context,
-        n_ctx_train=meta.config.max_position_embeddings,
-        n_embd=meta.config.hidden_size,
-        n_params=n_params,
-        size=_payload_bytes(Path(loaded.path)),
-        ftype="+".join(formats),
-    )
-
-
-def _format_name(fmt: Any) -> str:
-    if not fmt.quantized:
-        return fmt.format
-    kind = fmt.format if fmt.format == "int8" or fmt.symmetric else "int4a"
-    return f"{kind}g{fmt.group_size}"
-
-
-def _payload_bytes(path: Path) -> int:
-    # safetensors: u64 header length, JSON header with data_offsets per tensor, then the payload
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-
-
 @dataclass(slots=True)
 class ServerState:
     """Readiness, the loaded model and the HTTP-side counters /v1/load, /stats and /metrics read."""
@@ -80,7 +26,6 @@ class ServerState:
     config: ServerConfig
     started_at: float = field(default_factory=time.monotonic)
     loaded: LoadedModel | None = None
-    facts: ModelFacts | None = None
     ready_at: float | None = None  # monotonic time warm-up ended
     ready_unix: float = 0.0
     base_sampling: SamplingParams = field(default_factory=SamplingParams)  # preset + process flags
@@ -115,11 +60,10 @@ class ServerState:
 
     def set_ready(self, loaded: LoadedModel) -> None:
         """Publish the warm model; from here on every route serves."""
-        self.facts = model_facts(loaded)
         self.base_sampling = base_sampling(loaded, self.config)
         if self.config.structured_output:
             from ninfer.engine.grammar import JsonGrammars  # xgrammar loads only when asked for
-            self.grammars = JsonGrammars(loaded.tokenizer, loaded.meta.config.vocab_size)
+            self.grammars = JsonGrammars(loaded.tokenizer, loaded.facts.logits_size)
         self.ready_unix = time.time()
         self.ready_at = time.monotonic()
         self.loaded = loaded
@@ -145,7 +89,7 @@ class ServerState:
 
 def base_sampling(loaded: LoadedModel, config: ServerConfig) -> SamplingParams:
     """The model's preset under the process flags: what a request that names no sampler field gets."""
-    presets = loaded.meta.sampler_presets or {}
+    presets = loaded.facts.sampler_presets
     preset = presets.get("non_thinking") or presets.get("default") or presets.get("thinking") or {}
     values: dict[str, Any] = {}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty"):
