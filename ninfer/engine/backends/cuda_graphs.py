@@ -8,50 +8,25 @@ sampled ids back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 MAX_DECODE_ROWS = 8  # the gemv kernel's row limit, and the engine's lane count
 
 
-@dataclass(slots=True)
-class Activations:
-    """Per-row scratch of one forward, in the activation dtype (bf16 or fp32); row counts may
-    exceed the rows in use (padding)."""
-
-    residual: torch.Tensor  # [rows, hidden]: the residual stream
-    x: torch.Tensor  # [rows, hidden]: normed input of the next projection
-    qkv: torch.Tensor  # [rows, (heads + 2 * kv_heads) * head_dim]
-    attn: torch.Tensor  # [rows, heads * head_dim]
-    proj: torch.Tensor  # [rows, hidden]: o_proj and down outputs
-    gate_up: torch.Tensor  # [rows, 2 * intermediate]
-    act: torch.Tensor  # [rows, intermediate]
-    positions: torch.Tensor  # [rows] int32
-    slots: torch.Tensor  # [rows] int32: page * page_size + pos % page_size
-
-    @classmethod
-    def allocate(cls, rows: int, hidden: int, qkv: int, attn: int, inter: int, device: torch.device,
-                 positions: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> Activations:
-        # Zeroed where a padded row is a matmul input, so padding stays finite.
-        bf = dict(dtype=dtype, device=device)
-        return cls(torch.empty(rows, hidden, **bf), torch.zeros(rows, hidden, **bf), torch.empty(rows, qkv, **bf),
-                   torch.zeros(rows, attn, **bf), torch.empty(rows, hidden, **bf),
-                   torch.empty(rows, 2 * inter, **bf), torch.zeros(rows, inter, **bf), positions, slots)
-
-
 class DecodeState:
     """The fixed device buffers a captured decode step reads and writes (MAX_DECODE_ROWS rows).
 
-    i32 holds, in order: ids, positions, slots, context_lens, top_k (8 each) and the block
-    tables [8, max_pages]; f32 holds temperature, top_p, min_p, presence, frequency; i64 holds
-    seeds and steps. Each is filled by one host->device copy of its used prefix.
+    i32 holds, in order: ids, positions, kv slots, context_lens, top_k, state slots (8 each), the
+    decode cu_seqlens 0..8 (9) and the block tables [8, max_pages]; f32 holds temperature, top_p,
+    min_p, presence, frequency; i64 holds seeds and steps. Each is filled by one host->device copy
+    of its used prefix. masks: the rows' packed token bitmasks (every bit set without a grammar).
     """
 
-    HEAD = 5 * MAX_DECODE_ROWS  # int32 entries before the block tables
+    HEAD = 6 * MAX_DECODE_ROWS + MAX_DECODE_ROWS + 1  # int32 entries before the block tables
 
-    def __init__(self, *, hidden: int, qkv: int, attn: int, inter: int, vocab: int, heads: int, head_dim: int,
-                 max_pages: int, max_parts: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, *, vocab: int, heads: int, head_dim: int, max_pages: int, max_parts: int,
+                 device: torch.device) -> None:
         R = MAX_DECODE_ROWS
         self.max_pages = max_pages
         self.max_parts = max_parts
@@ -59,12 +34,15 @@ class DecodeState:
         self.f32 = torch.zeros(5 * R, dtype=torch.float32, device=device)
         self.i64 = torch.zeros(2 * R, dtype=torch.int64, device=device)
         v = self.i32
-        self.ids, self.context_lens, self.top_k = v[0:R], v[3 * R:4 * R], v[4 * R:5 * R]
+        self.ids, self.positions, self.kv_slots = v[0:R], v[R:2 * R], v[2 * R:3 * R]
+        self.context_lens, self.top_k, self.state_slots = v[3 * R:4 * R], v[4 * R:5 * R], v[5 * R:6 * R]
+        self.cu_seqlens = v[6 * R:7 * R + 1]
+        self.cu_seqlens.copy_(torch.arange(R + 1, dtype=torch.int32))  # one row per sequence, fixed
         self.block_tables = v[self.HEAD:].view(R, max_pages)
         self.temperature, self.top_p, self.min_p, self.presence, self.frequency = self.f32.view(5, R).unbind(0)
         self.seeds, self.steps = self.i64.view(2, R).unbind(0)
-        self.act = Activations.allocate(R, hidden, qkv, attn, inter, device, v[R:2 * R], v[2 * R:3 * R], dtype)
         self.counts = torch.zeros(R, vocab, dtype=torch.int32, device=device)  # generated-token counts
+        self.masks = torch.full((R, (vocab + 31) // 32), -1, dtype=torch.int32, device=device)
         self.logits = torch.empty(R, vocab, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(R, dtype=torch.int32, device=device)
         # split-K attention workspace, viewed per bucket as [n, heads, parts, head_dim] (+ [.., 2])
@@ -84,13 +62,16 @@ class DecodeGraphs:
     into at most `parts` partitions) through CUDA graphs captured on first use, one per (n, parts).
 
     Capture follows the usual recipe: one eager run on a side stream (loads every kernel module,
-    which capture forbids), then capture into a shared memory pool, then replay. The step is
-    idempotent for fixed inputs (it rewrites the same K/V slots with the same values), so the
-    warm-up and the first replay computing the same step twice is harmless.
+    which capture forbids), then capture into a shared memory pool, then replay. K/V writes are
+    idempotent for fixed inputs (the same slots get the same values), but a recurrent state
+    advances in place: `preserve(n)` (optional) saves what the step would advance for rows [:n]
+    and returns the function that puts it back after the warm-up run.
     """
 
-    def __init__(self, step: Callable[[int, int], None], device: torch.device, enabled: bool = True) -> None:
+    def __init__(self, step: Callable[[int, int], None], device: torch.device, enabled: bool = True,
+                 preserve: Callable[[int], Callable[[], None]] | None = None) -> None:
         self.step = step
+        self.preserve = preserve
         self.device = device
         self.enabled = enabled
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -111,7 +92,10 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
+            restore = self.preserve(n) if self.preserve is not None else None
             self.step(n, parts)
+            if restore is not None:
+                restore()
         current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

@@ -1,111 +1,37 @@
-"""The cuda ModelRunner: ninfer's NVRTC kernels over weights and a paged KV cache in device memory.
+"""The cuda ModelRunner: the model's one forward (models/<arch>.py) over the cuda ops
+(ops/cuda_ops.py), with weights, the paged KV cache and recurrent state in device memory.
 
-A step splits its sequences in two paths:
-- decode rows (one new token of a sequence already generating; at most 8 at a time): embedding,
-  per layer rmsnorm -> gemv qkv -> rope_kv_write -> paged_attention_decode -> gemv o_proj ->
-  rmsnorm_residual -> gemv gate_up -> swiglu -> gemv down, then the final norm, gemv lm_head to fp32
-  logits and sample_tokens; replayed from a CUDA graph per row count (cuda_graphs.py).
-- prompt rows (prefill, chunks, prefix-hit suffixes): the same layers with torch.mm (cuBLAS) on
-  dense weights (quantized weights dequantized per projection on the fly) and paged_attention_prefill;
-  rows that sample take the lm_head gemv and the sampler like decode rows.
-
-Activations, the KV cache and the norm weights are bf16, or fp32 with dtype=torch.float32 (the
-faithful mode: every kernel computes in fp32 anyway, so then only the summation order differs from
-an fp32 reference). Linear weights keep their stored format: int8/int4 groupwise, bf16, or f32/f16
-as bf16 (fp32 in the fp32 mode).
-
-Batch invariance: every kernel computes a row from that row alone, the attention split depends only
-on a sequence's own length, and cuBLAS always sees blocks of exactly PREFILL_ROWS rows (padded), so
-a row's bits do not depend on the other rows of the batch or on where a prefix hit starts.
+What is the runner's own: the step's inputs on the device, the cache tensors, CUDA graphs and
+sampling. A step splits its sequences in two routes:
+- decode rows (one new token of a sequence already generating; at most 8 at a time): the forward
+  on the decode route, then the lm_head gemv to fp32 logits and sample_tokens (grammar masks
+  applied in the kernel, before the draw); replayed from a CUDA graph per row count and attention
+  split bucket (cuda_graphs.py).
+- prompt rows (prefill, chunks, prefix-hit suffixes): the forward on the prompt route; rows that
+  sample take the lm_head gemv and the sampler like decode rows.
+The sampler is the one definition (ninfer.engine.sampler): the kernel draws every token; rows that
+ask for logprobs get the records of the drawn token, computed from the same logits.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ninfer.engine.backends.cuda_graphs import MAX_DECODE_ROWS, Activations, DecodeGraphs, DecodeState
+from ninfer.engine.backends.cuda_graphs import MAX_DECODE_ROWS, DecodeGraphs, DecodeState
+from ninfer.engine.backends.torch_runner import check_state_slots
 from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
-from ninfer.engine.models.layers import rope_inv_freq
-from ninfer.engine.quant import TensorFormat, dequantize
+from ninfer.engine.models import architecture, state_spec
+from ninfer.engine.models.weights import WeightReader
+from ninfer.engine.ops.cuda_ops import DTYPES, PARTITION, CudaContext, CudaOps
+from ninfer.engine.sampler import fill_mask_row, logprob_records
 from ninfer.errors import ConfigError
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler, default_cache_dir
 
-PREFILL_ROWS = 128  # cuBLAS row block: every prompt matmul is [PREFILL_ROWS, K] @ [K, N]
-PARTITION = 512  # decode attention split-K partition (keys); fixed, for batch invariance
-DTYPES = {torch.bfloat16: TensorFormat("bf16"), torch.float32: TensorFormat("f32")}  # activation dtypes
 _MASK64 = (1 << 64) - 1
-
-
-@dataclass(slots=True)
-class Weight:
-    """A linear weight [N, K] as quant.py stores it (parts '', '.scales', '.mins'); fused
-    projections are their row blocks concatenated, which holds for the quantized parts too."""
-
-    fmt: TensorFormat
-    parts: dict[str, torch.Tensor]
-
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """[N, K] in `dtype` (the stored tensor where it already is one, else a fresh expanded copy)."""
-        w = self.parts[""]
-        return w if w.dtype == dtype and not self.fmt.quantized else dequantize(self.fmt, self.parts, dtype)
-
-
-@dataclass(slots=True)
-class Layer:
-    input_norm: torch.Tensor  # [hidden], activation dtype like every vector here
-    qkv: Weight  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # [head_dim] (qwen3)
-    k_norm: torch.Tensor | None
-    o_proj: Weight  # [hidden, heads * head_dim]
-    post_norm: torch.Tensor
-    gate_up: Weight  # [2 * intermediate, hidden]
-    down: Weight  # [hidden, intermediate]
-
-
-def _gemv_ok(fmt: TensorFormat, k: int) -> bool:
-    """Whether the gemv kernel takes this format at input width k (launchers.gemv's checks)."""
-    if fmt.format in ("bf16", "f32"):
-        return k % L.GEMV_CHUNK[L.GEMV_FORMATS[fmt.format]] == 0
-    if fmt.format not in ("int8", "int4"):
-        return False
-    code = 1 if fmt.format == "int8" else (2 if fmt.symmetric else 3)
-    chunk, g = L.GEMV_CHUNK[code], fmt.group_size
-    return k % chunk == 0 and g % chunk == 0 and k % g == 0
-
-
-class _Loader:
-    """Turns an artifact's stored parts (on the device) into fused Weights and vectors in the
-    activation dtype."""
-
-    def __init__(self, artifact, device: torch.device, dtype: torch.dtype) -> None:
-        self.parts: dict[str, dict[str, torch.Tensor]] = artifact.load_parts(device)
-        self.formats: dict[str, TensorFormat] = artifact.meta.tensor_formats
-        self.dtype = dtype
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return dequantize(self.formats[name], self.parts[name], self.dtype).contiguous()
-
-    def linear(self, names: list[str]) -> Weight:
-        fmts = [self.formats[n] for n in names]
-        k = self.parts[names[0]][""].shape[1] * (2 if fmts[0].format == "int4" else 1)
-        if all(f == fmts[0] for f in fmts) and _gemv_ok(fmts[0], k) and (
-                fmts[0].quantized or fmts[0].format == "bf16"):  # bf16 is exact in either dtype
-            return Weight(fmts[0], {sfx: torch.cat([self.parts[n][sfx] for n in names]).contiguous()
-                                    for sfx in self.parts[names[0]]})
-        # f32/f16, mixed formats or shapes the gemv kernel does not take: the activation dtype
-        return Weight(DTYPES[self.dtype], {"": torch.cat([dequantize(self.formats[n], self.parts[n], self.dtype)
-                                                          for n in names]).contiguous()})
-
-    def drop(self, names: list[str]) -> None:
-        for n in names:
-            self.parts.pop(n, None)
 
 
 class CudaModelRunner:
@@ -114,11 +40,12 @@ class CudaModelRunner:
     cuda_graph: replay decode from CUDA graphs (False: launch every kernel each step).
     kernel_cache_dir: where compiled cubins are kept (None: `default_cache_dir()`).
     dtype: the activation and KV dtype, torch.bfloat16 or torch.float32.
+    num_state_slots: recurrent-state slots (hybrid models; see TorchModelRunner).
     """
 
     def __init__(self, artifact, *, num_pages: int, page_size: int = 64, device: str = "cuda",
                  cuda_graph: bool = True, kernel_cache_dir: Path | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
         if dtype not in DTYPES:
@@ -129,78 +56,62 @@ class CudaModelRunner:
             raise ConfigError(f"the cuda backend runs on a CUDA device, got {device!r}")
         self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         c: ModelConfig = artifact.meta.config
+        check_state_slots(c, num_state_slots)
         self.config = c
+        self.spec = state_spec(c)
         self.page_size = page_size
         self.num_pages = num_pages
+        self.num_state_slots = num_state_slots if self.spec.recurrent else 0
         self.vocab_size = c.vocab_size
-        self.kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * dtype.itemsize
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(dtype.itemsize)
         self._check_shapes(c)
         self.kc = KernelCompiler(kernel_cache_dir if kernel_cache_dir is not None else default_cache_dir(),
                                  device=self.device.index)
-        self.eps = c.rms_norm_eps
-        self.scale = c.head_dim ** -0.5
-        self.q_size = c.num_attention_heads * c.head_dim
-        self.kv_size = c.num_key_value_heads * c.head_dim
         with torch.cuda.device(self.device), torch.inference_mode():
-            self._load(artifact)
-            # RoPE tables [max_positions, head_dim / 2] fp32, llama3 scaling included via inv_freq
-            self.cos, self.sin = L.rope_cos_sin(c.head_dim, c.max_position_embeddings, c.rope_theta, self.device,
-                                                inv_freq=rope_inv_freq(c))
-            shape = (num_pages, page_size, c.num_key_value_heads, c.head_dim)
-            self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_hidden_layers)]
-            self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_hidden_layers)]
+            self.ops = CudaOps(self.kc, c, dtype, self.device)
+            self.model = architecture(c).model.load(WeightReader(artifact, self.ops, self.device), c)
+            self.k_cache, self.v_cache = self._kv(num_pages)
+            self.conv, self.ssm = self._states(self.num_state_slots)
             self.max_context = min(c.max_position_embeddings, num_pages * page_size)
-            max_pages = -(-self.max_context // page_size)
-            self.state = DecodeState(hidden=c.hidden_size, qkv=self.q_size + 2 * self.kv_size, attn=self.q_size,
-                                     inter=c.intermediate_size, vocab=c.vocab_size, heads=c.num_attention_heads,
-                                     head_dim=c.head_dim, max_pages=max_pages,
-                                     max_parts=-(-self.max_context // PARTITION), device=self.device, dtype=dtype)
-        self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=cuda_graph)
+            self.state = DecodeState(vocab=c.vocab_size, heads=c.num_attention_heads, head_dim=c.head_dim,
+                                     max_pages=-(-self.max_context // page_size),
+                                     max_parts=-(-self.max_context // PARTITION), device=self.device)
+        self._grammar_rows = [False] * MAX_DECODE_ROWS  # state rows whose mask is a grammar's (else all set)
+        self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=cuda_graph,
+                                   preserve=self._preserve_states if self.spec.recurrent else None)
 
-    @staticmethod
-    def _check_shapes(c: ModelConfig) -> None:
+    def _check_shapes(self, c: ModelConfig) -> None:
         gqa = c.num_attention_heads // c.num_key_value_heads
         if c.head_dim not in (64, 128, 256) or gqa * c.head_dim > 2048:
             raise ConfigError(f"the cuda backend's attention takes head_dim 64/128/256 with at most 2048 query "
                               f"dims per kv head; this model has head_dim {c.head_dim}, {gqa} heads per kv head")
         if c.hidden_size % 8 or c.intermediate_size % 8:
             raise ConfigError("the cuda backend needs hidden and intermediate sizes that are multiples of 8")
+        r = self.spec.recurrent
+        if r is not None and (r.key_dim not in (64, 128) or r.value_dim not in (64, 128) or r.conv_kernel > 8):
+            raise ConfigError(f"the cuda backend's delta rule takes key/value head dims 64 or 128 and conv widths "
+                              f"up to 8; this model has {r.key_dim}/{r.value_dim} and {r.conv_kernel}")
 
-    def _load(self, artifact) -> None:
-        c = self.config
-        w = _Loader(artifact, self.device, self.dtype)
-        self.layers: list[Layer] = []
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            qkv = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-            gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-            self.layers.append(Layer(
-                input_norm=w.tensor(p + "input_layernorm.weight"),
-                qkv=w.linear(qkv),
-                qkv_bias=torch.cat([w.tensor(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
-                if c.attention_bias else None,
-                q_norm=w.tensor(p + "self_attn.q_norm.weight") if c.qk_norm else None,
-                k_norm=w.tensor(p + "self_attn.k_norm.weight") if c.qk_norm else None,
-                o_proj=w.linear([p + "self_attn.o_proj.weight"]),
-                post_norm=w.tensor(p + "post_attention_layernorm.weight"),
-                gate_up=w.linear(gate_up),
-                down=w.linear([p + "mlp.down_proj.weight"]),
-            ))
-            w.drop([n for n in w.formats if n.startswith(p)])  # copies made: keep peak memory near 1x
-        emb_name = "model.embed_tokens.weight"
-        fmt = w.formats[emb_name]
-        H = c.hidden_size
-        if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and _gemv_ok(fmt, H):
-            self.embed = Weight(fmt, dict(w.parts[emb_name]))
-        else:  # the embedding kernel copies rows of the activation dtype
-            self.embed = Weight(DTYPES[self.dtype], {"": w.tensor(emb_name)})
-        self.lm_head = self.embed if c.tie_word_embeddings else w.linear(["lm_head.weight"])
-        self.norm = w.tensor("model.norm.weight")
+    def _kv(self, pages: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        a = self.spec.attention
+        shape = (pages, self.page_size, a.kv_heads, a.head_dim)
+        n = self.spec.num_attention_layers
+        return ([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)],
+                [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)])
+
+    def _states(self, slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        r, n = self.spec.recurrent, self.spec.num_recurrent_layers
+        if r is None:
+            return [], []
+        return ([torch.zeros(slots, r.conv_dim, r.conv_kernel - 1, dtype=self.dtype, device=self.device)
+                 for _ in range(n)],
+                [torch.zeros(slots, r.value_heads, r.key_dim, r.value_dim, dtype=torch.float32, device=self.device)
+                 for _ in range(n)])
 
     # -- public ------------------------------------------------------------------------------
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
-        """Write the batch's K/V into its pages, run the model, sample where asked."""
+        """Run the batch's state copies, write its K/V and state, run the model, sample where asked."""
         out, _ = self._execute(batch, keep_logits=False)
         return out
 
@@ -217,61 +128,65 @@ class CudaModelRunner:
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy K/V of page src into page dst, every layer (copy-on-write of a shared page)."""
+        self._copy(copies, self.num_pages, "page", (*self.k_cache, *self.v_cache))
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the recurrent state of slot src into slot dst, every layer (resuming a checkpoint)."""
+        self._copy(copies, self.num_state_slots, "state slot", (*self.conv, *self.ssm))
+
+    def _copy(self, copies: list[tuple[int, int]], limit: int, what: str, tensors: tuple[torch.Tensor, ...]) -> None:
         if not copies:
             return
         for src, dst in copies:
-            if not (0 <= src < self.num_pages and 0 <= dst < self.num_pages):
-                raise ValueError(f"page copy {src} -> {dst} outside 0..{self.num_pages - 1}")
+            if not (0 <= src < limit and 0 <= dst < limit):
+                raise ValueError(f"{what} copy {src} -> {dst} outside 0..{limit - 1}")
         with torch.cuda.device(self.device), torch.inference_mode():
             src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
-            for cache in (*self.k_cache, *self.v_cache):
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+            for t in tensors:
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [T, vocab] float32 for a fresh single sequence, on private pages (the runner's
-        cache is untouched); each row is what a sampling step at that position would see."""
+        """Logits [T, vocab] float32 for a fresh single sequence, on private pages and state (the
+        runner's caches are untouched); each row is what a sampling step at that position would see."""
         n = len(token_ids)
         if not 0 < n <= self.config.max_position_embeddings or any(not 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"forward_logits takes 1..{self.config.max_position_embeddings} ids in 0..{self.vocab_size - 1}")
         with torch.cuda.device(self.device), torch.inference_mode():
             pages = -(-n // self.page_size)
-            c = self.config
-            shape = (pages, self.page_size, c.num_key_value_heads, c.head_dim)
-            k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-            v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+            k_cache, v_cache = self._kv(pages)
+            conv, ssm = self._states(1)
             seq = SequenceWork(seq_id=-1, token_ids=list(token_ids), start_pos=0, block_table=list(range(pages)),
-                               sample=False, sampling=None)  # type: ignore[arg-type]
-            hidden = self._prefill_forward([seq], k_cache, v_cache)  # [n, hidden]
-            logits = torch.empty(n, self.vocab_size, dtype=torch.float32, device=self.device)
-            for s in range(0, n, MAX_DECODE_ROWS):
-                L.gemv(self.kc, hidden[s:s + MAX_DECODE_ROWS], self.lm_head.fmt, self.lm_head.parts,
-                       logits[s:s + MAX_DECODE_ROWS])
-            return logits
+                               sample=False, sampling=None, state_slot=0 if self.spec.recurrent else -1)  # type: ignore[arg-type]
+            hidden = self._prompt_forward([seq], k_cache, v_cache, conv, ssm)  # [n, hidden]
+            return self.model.compute_logits(self.ops, hidden)
 
     # -- one step ----------------------------------------------------------------------------
 
     def _execute(self, batch: ScheduledBatch, keep_logits: bool) -> tuple[StepOutput, dict[int, torch.Tensor]]:
         for s in batch.seqs:
             self._validate(s)
+        self.copy_states(batch.state_copies)
         # Decode rows: one token of a sequence that has generated before. A prompt's last token
         # goes the prompt way even alone, so its bits match a run without a prefix hit.
-        decode = [s for s in batch.seqs if len(s.token_ids) == 1 and s.sample and s.output_token_ids]
-        prompt = [s for s in batch.seqs if not (len(s.token_ids) == 1 and s.sample and s.output_token_ids)]
+        is_decode = [len(s.token_ids) == 1 and s.sample and bool(s.output_token_ids) for s in batch.seqs]
+        decode = [s for s, d in zip(batch.seqs, is_decode) if d]
+        prompt = [s for s, d in zip(batch.seqs, is_decode) if not d]
         out = StepOutput(sampled={})
         logits: dict[int, torch.Tensor] = {}
+        st = self.state
         with torch.cuda.device(self.device), torch.inference_mode():
             if prompt:
-                hidden = self._prefill_forward(prompt, self.k_cache, self.v_cache)
+                hidden = self._prompt_forward(prompt, self.k_cache, self.v_cache, self.conv, self.ssm)
                 ends = np.cumsum([len(s.token_ids) for s in prompt]) - 1
                 rows = [(int(e), s) for e, s in zip(ends, prompt) if s.sample]
                 for g in range(0, len(rows), MAX_DECODE_ROWS):
                     group = rows[g:g + MAX_DECODE_ROWS]
                     m = len(group)
                     idx = torch.tensor([r for r, _ in group], dtype=torch.int64, device=self.device)
-                    self.state.act.x[:m].copy_(hidden.index_select(0, idx))
                     self._load_sampling([s for _, s in group])
-                    self._logits_and_sample(m)
+                    self.model.compute_logits(self.ops, hidden.index_select(0, idx), out=st.logits[:m])
+                    self._sample(m)
                     self._collect([s for _, s in group], out, logits if keep_logits else None)
             for g in range(0, len(decode), MAX_DECODE_ROWS):
                 group = decode[g:g + MAX_DECODE_ROWS]
@@ -292,22 +207,18 @@ class CudaModelRunner:
                              f"in 0..{self.num_pages - 1}")
         if any(not 0 <= t < self.vocab_size for t in s.token_ids):
             raise ValueError(f"sequence {s.seq_id}: token id outside 0..{self.vocab_size - 1}")
+        if self.spec.recurrent and not 0 <= s.state_slot < self.num_state_slots:
+            raise ValueError(f"sequence {s.seq_id}: state slot {s.state_slot} outside 0..{self.num_state_slots - 1}")
 
     def _collect(self, seqs: list[SequenceWork], out: StepOutput, logits: dict[int, torch.Tensor] | None) -> None:
-        """Read the sampled ids of state rows [:len(seqs)]; logprob rows (so the token and its record
-        agree) and structured-output rows (their grammar mask) are sampled again by the torch sampler."""
+        """Read the sampled ids of state rows [:len(seqs)], and the logprob records of the drawn
+        tokens for rows that ask for them."""
         st = self.state
         tokens = st.tokens[:len(seqs)].tolist()
-        want = [i for i, s in enumerate(seqs) if s.sampling.logprobs or s.token_mask is not None]
-        if want:
-            from ninfer.engine.sampler import sample
-
-            rows = torch.tensor(want, dtype=torch.int64, device=self.device)
-            lp_tokens, records = sample(st.logits.index_select(0, rows), [seqs[i] for i in want])
-            for i, t, rec in zip(want, lp_tokens, records):
-                tokens[i] = t
+        if any(s.sampling.logprobs for s in seqs):
+            for s, rec in zip(seqs, logprob_records(st.logits[:len(seqs)], seqs, tokens)):
                 if rec is not None:
-                    out.logprobs[seqs[i].seq_id] = rec
+                    out.logprobs[s.seq_id] = rec
         for s, t in zip(seqs, tokens):
             out.sampled[s.seq_id] = t
         if logits is not None:
@@ -317,7 +228,7 @@ class CudaModelRunner:
     # -- inputs ------------------------------------------------------------------------------
 
     def _load_sampling(self, seqs: list[SequenceWork]) -> None:
-        """Sampler parameters and penalty counts of `seqs` into state rows [:len(seqs)]."""
+        """Sampler parameters, penalty counts and grammar masks of `seqs` into state rows [:len(seqs)]."""
         st, n = self.state, len(seqs)
         f32 = np.zeros((5, MAX_DECODE_ROWS), dtype=np.float32)
         i64 = np.zeros((2, MAX_DECODE_ROWS), dtype=np.int64)
@@ -335,6 +246,9 @@ class CudaModelRunner:
                     st.counts[i].copy_(torch.bincount(ids, minlength=self.vocab_size))
                 else:
                     st.counts[i].zero_()
+            if s.token_mask is not None or self._grammar_rows[i]:
+                fill_mask_row(st.masks[i], s.token_mask)
+                self._grammar_rows[i] = s.token_mask is not None
         st.f32.copy_(torch.from_numpy(f32.reshape(-1)))
         st.i64.copy_(torch.from_numpy(i64.reshape(-1)))
         st.top_k[:n].copy_(torch.from_numpy(top_k[:n]))
@@ -354,85 +268,54 @@ class CudaModelRunner:
             i32[R + i] = pos
             i32[2 * R + i] = pages[pos // ps] * ps + pos % ps
             i32[3 * R + i] = ctx
+            i32[5 * R + i] = s.state_slot
             base = DecodeState.HEAD + i * mp
             i32[base:base + len(pages)] = pages
+        i32[6 * R:7 * R + 1] = np.arange(R + 1)  # cu_seqlens (fixed)
         self._load_sampling(seqs)  # top_k, the 5th block of i32, comes from here
         head = torch.from_numpy(i32)
         st.i32[:4 * R].copy_(head[:4 * R])
-        st.i32[DecodeState.HEAD:DecodeState.HEAD + n * mp].copy_(head[DecodeState.HEAD:])
+        st.i32[5 * R:DecodeState.HEAD + n * mp].copy_(head[5 * R:])
         needed = -(-longest // PARTITION)
         return min(1 << (needed - 1).bit_length(), st.max_parts)
 
     # -- forwards ----------------------------------------------------------------------------
 
-    def _embed(self, ids: torch.Tensor, out: torch.Tensor) -> None:
-        if self.embed.fmt.quantized:
-            L.embedding_quant(self.kc, ids, self.embed.fmt, self.embed.parts, out)
-        else:
-            L.embedding(self.kc, ids, self.embed.parts[""], out)
-
-    def _layers(self, n: int, a: Activations, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                project: Callable[[Weight, torch.Tensor, torch.Tensor], None],
-                attend: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
-        """All layers over rows [:n] of `a`: a.residual holds the embeddings on entry, a.x the final
-        normed hidden on exit. project(w, x, y) writes y = x @ w^T; attend(layer, q, out)."""
-        c, kc, eps = self.config, self.kc, self.eps
-        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        r, x = a.residual[:n], a.x[:n]
-        L.rmsnorm_residual(kc, r, self.layers[0].input_norm, x, eps)
-        for i, layer in enumerate(self.layers):
-            project(layer.qkv, a.x, a.qkv)
-            qkv = a.qkv[:n]
-            if layer.qkv_bias is not None:
-                qkv.add_(layer.qkv_bias)
-            # views of the fused row: q [n, Hq, D], k/v [n, Hkv, D]
-            q = qkv[:, :self.q_size].view(n, Hq, D)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, Hkv, D)
-            v = qkv[:, self.q_size + self.kv_size:].view(n, Hkv, D)
-            L.rope_kv_write(kc, q, k, v, self.cos, self.sin, a.positions[:n], a.slots[:n], k_cache[i], v_cache[i],
-                            layer.q_norm, layer.k_norm, eps)
-            attend(i, q, a.attn[:n].view(n, Hq, D))
-            project(layer.o_proj, a.attn, a.proj)
-            L.rmsnorm_residual(kc, a.proj[:n], layer.post_norm, x, eps, residual=r)
-            project(layer.gate_up, a.x, a.gate_up)
-            L.swiglu(kc, a.gate_up[:n], a.act[:n])
-            project(layer.down, a.act, a.proj)
-            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
-            L.rmsnorm_residual(kc, a.proj[:n], nxt, x, eps, residual=r)
-
     def _decode_step(self, n: int, parts: int) -> None:
         """The captured step over state rows [:n]: embedding .. sampled tokens; no host sync."""
-        st, kc = self.state, self.kc
-        a = st.act
-        workspace = st.workspace(n, parts)
-        tables, lens = st.block_tables[:n], st.context_lens[:n]
-
-        def project(w: Weight, x: torch.Tensor, y: torch.Tensor) -> None:
-            L.gemv(kc, x[:n], w.fmt, w.parts, y[:n])
-
-        def attend(i: int, q: torch.Tensor, out: torch.Tensor) -> None:
-            L.paged_attention_decode(kc, q, self.k_cache[i], self.v_cache[i], tables, lens, parts * PARTITION, out,
-                                     self.scale, PARTITION, workspace)
-
-        self._embed(st.ids[:n], a.residual[:n])
-        self._layers(n, a, self.k_cache, self.v_cache, project, attend)
-        self._logits_and_sample(n)
-
-    def _logits_and_sample(self, n: int) -> None:
-        """state.x[:n] (final normed hidden) -> state.logits[:n] fp32 -> state.tokens[:n]."""
         st = self.state
-        L.gemv(self.kc, st.act.x[:n], self.lm_head.fmt, self.lm_head.parts, st.logits[:n])
-        L.sample_tokens(self.kc, st.logits[:n], st.temperature[:n], st.top_k[:n], st.top_p[:n], st.min_p[:n],
-                        st.seeds[:n], st.steps[:n], st.tokens[:n], st.counts[:n], st.presence[:n],
+        self.ops.begin(CudaContext(
+            decode=True, positions=st.positions[:n], kv_slots=st.kv_slots[:n], k_cache=self.k_cache,
+            v_cache=self.v_cache, block_tables=st.block_tables[:n], seq_lens=st.context_lens[:n],
+            max_context=parts * PARTITION, cu_seqlens=st.cu_seqlens[:n + 1], conv=self.conv, ssm=self.ssm,
+            state_slots=st.state_slots[:n], workspace=st.workspace(n, parts)))
+        hidden = self.model.forward(self.ops, st.ids[:n])
+        self.model.compute_logits(self.ops, hidden, out=st.logits[:n])
+        self._sample(n)
+
+    def _preserve_states(self, n: int):
+        """Save the recurrent state of decode rows [:n] (a graph's warm-up run advances it)."""
+        slots = self.state.state_slots[:n].long()
+        saved = [t.index_select(0, slots) for t in (*self.conv, *self.ssm)]
+
+        def restore() -> None:
+            for t, s in zip((*self.conv, *self.ssm), saved):
+                t.index_copy_(0, slots, s)
+        return restore
+
+    def _sample(self, n: int) -> None:
+        """state.logits[:n] fp32 -> state.tokens[:n], grammar masks applied before the draw."""
+        st = self.state
+        L.sample_tokens(self.kc, st.logits[:n], st.masks[:n], st.temperature[:n], st.top_k[:n], st.top_p[:n],
+                        st.min_p[:n], st.seeds[:n], st.steps[:n], st.tokens[:n], st.counts[:n], st.presence[:n],
                         st.frequency[:n])
 
-    def _prefill_forward(self, seqs: list[SequenceWork], k_cache: list[torch.Tensor],
-                         v_cache: list[torch.Tensor]) -> torch.Tensor:
-        """Every token of `seqs` through the model (K/V written into the given caches).
-        -> final normed hidden [tokens, hidden] (a view of scratch)."""
-        c, kc, ps = self.config, self.kc, self.page_size
+    def _prompt_forward(self, seqs: list[SequenceWork], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
+                        conv: list[torch.Tensor], ssm: list[torch.Tensor]) -> torch.Tensor:
+        """Every token of `seqs` through the model (K/V and state written into the given caches).
+        -> final normed hidden [tokens, hidden]."""
+        ps = self.page_size
         n = sum(len(s.token_ids) for s in seqs)
-        rows = -(-n // PREFILL_ROWS) * PREFILL_ROWS
         ids, positions, slots = [], [], []
         max_pages = max(-(-(s.start_pos + len(s.token_ids)) // ps) for s in seqs)
         tables = np.zeros((len(seqs), max_pages), dtype=np.int32)
@@ -443,28 +326,22 @@ class CudaModelRunner:
             ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, end))
             slots.extend(pages[p // ps] * ps + p % ps for p in range(s.start_pos, end))
+        S = len(seqs)
         cu = np.concatenate([[0], np.cumsum([len(s.token_ids) for s in seqs])]).astype(np.int32)
         host = np.concatenate([np.asarray(ids, np.int32), np.asarray(positions, np.int32),
                                np.asarray(slots, np.int32), cu, np.asarray([s.start_pos for s in seqs], np.int32),
-                               tables.reshape(-1)])
+                               np.asarray([s.state_slot for s in seqs], np.int32), tables.reshape(-1)])
         dev = torch.from_numpy(host).to(self.device)
-        S = len(seqs)
-        ids_d, pos_d, slot_d = dev[:n], dev[n:2 * n], dev[2 * n:3 * n]
-        cu_d, start_d = dev[3 * n:3 * n + S + 1], dev[3 * n + S + 1:3 * n + 2 * S + 1]
-        tables_d = dev[3 * n + 2 * S + 1:].view(S, max_pages)
-        max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs)
-        a = Activations.allocate(rows, c.hidden_size, self.q_size + 2 * self.kv_size, self.q_size,
-                                 c.intermediate_size, self.device, pos_d, slot_d, self.dtype)
-
-        def project(w: Weight, x: torch.Tensor, y: torch.Tensor) -> None:
-            dense_t = w.dense(self.dtype).t()  # [K, N]
-            for r0 in range(0, rows, PREFILL_ROWS):
-                torch.mm(x[r0:r0 + PREFILL_ROWS], dense_t, out=y[r0:r0 + PREFILL_ROWS])
-
-        def attend(i: int, q: torch.Tensor, out: torch.Tensor) -> None:
-            L.paged_attention_prefill(kc, q, k_cache[i], v_cache[i], tables_d, cu_d, start_d, max_ctx, out,
-                                      self.scale)
-
-        self._embed(ids_d, a.residual[:n])
-        self._layers(n, a, k_cache, v_cache, project, attend)
-        return a.x[:n]
+        o = 3 * n
+        state_slots = dev[o + 2 * S + 1:o + 3 * S + 1]
+        if conv:  # a sequence at position 0 starts from the empty state
+            fresh = torch.tensor([s.state_slot for s in seqs if s.start_pos == 0], dtype=torch.int64,
+                                 device=self.device)
+            for t in (*conv, *ssm):
+                t.index_fill_(0, fresh, 0)
+        self.ops.begin(CudaContext(
+            decode=False, positions=dev[n:2 * n], kv_slots=dev[2 * n:3 * n], k_cache=k_cache, v_cache=v_cache,
+            block_tables=dev[o + 3 * S + 1:].view(S, max_pages), seq_lens=dev[o + S + 1:o + 2 * S + 1],
+            max_context=max(s.start_pos + len(s.token_ids) for s in seqs), cu_seqlens=dev[o:o + S + 1],
+            conv=conv, ssm=ssm, state_slots=state_slots))
+        return self.model.forward(self.ops, dev[:n])

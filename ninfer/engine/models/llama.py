@@ -152,9 +152,9 @@ class LlamaModel:
             x = ops.add_rms_norm(layer.mlp(ops, x), h, nxt, eps)
         return x
 
-    def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, hidden] -> logits [n, vocab] float32."""
-        return ops.logits(hidden, self.lm_head)
+    def compute_logits(self, ops: Any, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [n, hidden] -> logits [n, vocab] float32 (into `out` when given)."""
+        return ops.logits(hidden, self.lm_head, out)
 
 
 def attention_only(c: ModelConfig) -> tuple[str, ...]:

@@ -111,7 +111,7 @@ class GatedDeltaNet:
         a = p + "linear_attn."
         conv = w.float32(a + "conv1d.weight")
         return cls(w.linear([a + f"in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]),
-                   w.ops.vector(conv.reshape(conv.shape[0], -1)), w.vector(a + "A_log"), w.vector(a + "dt_bias"),
+                   w.ops.vector(conv.reshape(conv.shape[0], -1)), w.parameter(a + "A_log"), w.parameter(a + "dt_bias"),
                    w.vector(a + "norm.weight"), w.linear([a + "out_proj.weight"]))
 
     def __call__(self, ops: Any, layer: int, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
@@ -126,7 +126,7 @@ class GatedDeltaNet:
         k = mixed[:, key_dim:2 * key_dim].view(T, nk, dk)
         v = mixed[:, 2 * key_dim:].view(T, nv, dv)
         out = ops.gated_delta_rule(layer, q, k, v, a, b, self.A_log, self.dt_bias)  # [T, nv, dv]
-        out = ops.gated_rms_norm(out.reshape(T * nv, dv), z.reshape(T * nv, dv), self.norm, c.rms_norm_eps)
+        out = ops.gated_rms_norm(out, z.view(T, nv, dv), self.norm, c.rms_norm_eps)  # [T, nv, dv]
         return ops.linear(out.reshape(T, value_dim), self.out_proj)
 
 
@@ -174,11 +174,83 @@ class Qwen3_5Model:
             x = ops.add_rms_norm(layer.mlp(ops, x), h, nxt, eps)
         return x
 
-    def compute_logits(self, ops: Any, hidden: torch.Tensor) -> torch.Tensor:
-        return ops.logits(hidden, self.lm_head)
+    def compute_logits(self, ops: Any, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return ops.logits(hidden, self.lm_head, out)
+
+
+# ---- llama.cpp GGUF (`qwen35`) ------------------------------------------------------------------
+# As convert_hf_to_gguf.py writes it (Qwen3_5TextModel on Qwen3NextModel): per-layer names from
+# gguf-py's tensor map for MODEL_ARCH.QWEN35; the 1 + w norms stored with the 1 added; A_log
+# stored as A = -exp(A_log) (`ssm_a`, no .weight suffix); dt_bias renamed `ssm_dt.bias`; conv1d
+# taps squeezed to [conv_dim, kernel]; and, when there are more value heads than key heads
+# (_LinearAttentionVReorderBase), every value-head axis reordered from grouped by key head
+# (k0: v0..v{r-1}, k1: ...) to tiled (v0 of every k, then v1 of every k, ...).
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",  # per head [query | gate], as Hugging Face has it
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+}
+
+
+def untile_value_heads(t: torch.Tensor, dim: int, c: ModelConfig, head_dim: int) -> torch.Tensor:
+    """Undo llama.cpp's value-head reorder along `dim` (units of head_dim): tiled [r, key_heads]
+    back to grouped [key_heads, r], r = value heads per key head."""
+    nk, r = c.linear_num_key_heads, c.linear_num_value_heads // c.linear_num_key_heads
+    if r == 1:
+        return t
+    dim %= t.dim()
+    shape = t.shape
+    return t.reshape(*shape[:dim], r, nk, head_dim, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
+def _untile_v_rows(t: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    # q|k|v rows (or conv channels): only the v part is per value head
+    qk = 2 * c.linear_num_key_heads * c.linear_key_head_dim
+    return torch.cat([t[:qk], untile_value_heads(t[qk:], 0, c, c.linear_value_head_dim)])
+
+
+def _minus_one(t: torch.Tensor, c: ModelConfig) -> torch.Tensor:
+    return t - 1.0
+
+
+# HF name (after `model.layers.N.`, or whole for global tensors) -> f(tensor as the GGUF holds it
+# (float32, or an index tensor standing for a quantized weight's elements), config) -> HF tensor.
+GGUF_TRANSFORMS = {
+    "model.norm.weight": _minus_one,
+    "input_layernorm.weight": _minus_one,
+    "post_attention_layernorm.weight": _minus_one,
+    "self_attn.q_norm.weight": _minus_one,
+    "self_attn.k_norm.weight": _minus_one,
+    "linear_attn.in_proj_qkv.weight": _untile_v_rows,
+    "linear_attn.in_proj_z.weight": lambda t, c: untile_value_heads(t, 0, c, c.linear_value_head_dim),
+    "linear_attn.in_proj_b.weight": lambda t, c: untile_value_heads(t, 0, c, 1),
+    "linear_attn.in_proj_a.weight": lambda t, c: untile_value_heads(t, 0, c, 1),
+    "linear_attn.A_log": lambda t, c: torch.log(-untile_value_heads(t, 0, c, 1)),
+    "linear_attn.dt_bias": lambda t, c: untile_value_heads(t, 0, c, 1),
+    "linear_attn.conv1d.weight": lambda t, c: _untile_v_rows(t, c).unsqueeze(1),  # [conv_dim, 1, kernel]
+    "linear_attn.out_proj.weight": lambda t, c: untile_value_heads(t, 1, c, c.linear_value_head_dim),
+}
 
 
 QWEN3_5 = Architecture(
     name="qwen3_5", hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     hf_model_types=("qwen3_5", "qwen3_5_text"), gguf_architecture="qwen35",
-    weights=weights, layer_kinds=layer_kinds, model=Qwen3_5Model, quantizable=LINEAR_SUFFIXES, qk_norm=True)
+    weights=weights, layer_kinds=layer_kinds, model=Qwen3_5Model, quantizable=LINEAR_SUFFIXES, qk_norm=True,
+    gguf_layer_names=GGUF_LAYER_NAMES, gguf_transforms=GGUF_TRANSFORMS)

@@ -26,6 +26,10 @@ class WeightReader:
         t = self.float32(name)
         return self.ops.vector(t + offset if offset else t)
 
+    def parameter(self, name: str) -> Any:
+        """A small tensor kept in float32 whatever the compute dtype (per-head gate parameters)."""
+        return self.ops.parameter(self.float32(name))
+
     def linear(self, names: list[str], bias: list[str] | None = None) -> Any:
         """One weight whose rows are the named weights stacked in order (a fused projection)."""
         b = torch.cat([self.float32(n) for n in bias]) if bias else None

@@ -7,7 +7,8 @@ step context (positions, block tables, caches, state slots); the ops that need i
 Weights (at load, through models.weights.WeightReader, the one loader):
     linear_weight(items, bias)      fused rows of stored (format, parts) -> the backend's weight
     embedding_weight(fmt, parts, lm_head)
-    vector(t)                       a float32 vector (norm weights, conv taps, gates) on the device
+    vector(t)                       a norm weight or conv taps, in the backend's dtype, on the device
+    parameter(t)                    a small float32 tensor kept float32 (A_log, dt_bias)
 Compute (x: [tokens, width] in the backend's compute dtype; `residual` is the backend's residual
 stream, updated in place):
     embed(ids, w) -> residual       rms_norm(x, w, eps) -> x        add_rms_norm(x, residual, w, eps) -> x
@@ -20,6 +21,6 @@ stream, updated in place):
     gated_delta_rule(layer, q, k, v, a, b, A_log, dt_bias) -> [T, Hv, dv]
         the gated delta rule from each sequence's state (chunked scan for prompts, one step for
         decode rows), state updated; `layer` counts linear-attention layers only
-    gated_rms_norm(x, z, w, eps) -> w * rmsnorm(x) * silu(z)
-    logits(x, w) -> [T, vocab] float32
+    gated_rms_norm(x, z, w, eps) -> w * rmsnorm(x) * silu(z)     (x, z: [..., d], z may be a strided view)
+    logits(x, w, out=None) -> [T, vocab] float32
 """

@@ -372,6 +372,8 @@ class TorchOps:
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=torch.float32)
 
+    parameter = vector
+
     # -- compute ----------------------------------------------------------------------------
 
     def embed(self, ids: torch.Tensor, w: Linear) -> torch.Tensor:
@@ -436,8 +438,11 @@ class TorchOps:
         return out
 
     def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return gdn_torch.gated_rms_norm(x, z, w, eps)
+        """x, z [..., d] -> [..., d]."""
+        d = x.shape[-1]
+        return gdn_torch.gated_rms_norm(x.reshape(-1, d), z.reshape(-1, d), w, eps).view(x.shape)
 
-    def logits(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
-        """x [n, hidden] -> [n, vocab] float32."""
-        return w(x, torch.float32)
+    def logits(self, x: torch.Tensor, w: Linear, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, hidden] -> [n, vocab] float32 (into `out` when given)."""
+        y = w(x, torch.float32)
+        return y if out is None else out.copy_(y)

@@ -1,0 +1,226 @@
+"""The cuda implementation of the ops interface: ninfer's NVRTC kernels (kernels/launchers.py,
+kernels/gdn.py), cuBLAS through torch.mm for prompt-sized matmuls.
+
+Two routes, chosen by the step context, not by row count:
+- decode (one new token per sequence, at most 8 rows, replayed from a CUDA graph): gemv over the
+  stored weight format, split-K paged decode attention, one delta-rule step per sequence.
+- prompt (prefill, chunks, prefix-hit suffixes): torch.mm on dense weights (quantized weights
+  expanded per projection on the fly) in blocks of exactly PROMPT_ROWS rows (padded), paged
+  prefill attention, the delta rule over each sequence's tokens.
+Every kernel computes a row from that row alone and cuBLAS always sees PROMPT_ROWS-row blocks, so
+a row's bits do not depend on the other rows of its batch or on where a prefix hit starts.
+
+Activations, the KV cache, norm weights and conv windows are bf16, or fp32 with dtype=float32 (the
+faithful mode); delta-rule states and the gate parameters are fp32. Outputs are allocated with
+torch, so under graph capture they come from the graph's pool and stay put across replays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ninfer.engine.config import ModelConfig
+from ninfer.engine.ops.torch_ops import rotary_dim
+from ninfer.engine.quant import TensorFormat, dequantize
+from ninfer.kernels import gdn as G
+from ninfer.kernels import launchers as L
+from ninfer.kernels.compiler import KernelCompiler
+
+PROMPT_ROWS = 128  # cuBLAS row block: every prompt matmul is [PROMPT_ROWS, K] @ [K, N]
+PARTITION = 512  # decode attention split-K partition (keys); fixed, for batch invariance
+DTYPES = {torch.bfloat16: TensorFormat("bf16"), torch.float32: TensorFormat("f32")}  # activation dtypes
+
+
+@dataclass(slots=True)
+class Weight:
+    """A linear weight [N, K] as quant.py stores it (parts '', '.scales', '.mins'); fused
+    projections are their row blocks concatenated, which holds for the quantized parts too."""
+
+    fmt: TensorFormat
+    parts: dict[str, torch.Tensor]
+    bias: torch.Tensor | None = None  # [N], activation dtype
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in `dtype` (the stored tensor where it already is one, else a fresh expanded copy)."""
+        w = self.parts[""]
+        return w if w.dtype == dtype and not self.fmt.quantized else dequantize(self.fmt, self.parts, dtype)
+
+
+def gemv_ok(fmt: TensorFormat, k: int) -> bool:
+    """Whether the gemv kernel takes this format at input width k (launchers.gemv's checks)."""
+    if fmt.format in ("bf16", "f32"):
+        return k % L.GEMV_CHUNK[L.GEMV_FORMATS[fmt.format]] == 0
+    if fmt.format not in ("int8", "int4"):
+        return False
+    code = 1 if fmt.format == "int8" else (2 if fmt.symmetric else 3)
+    chunk, g = L.GEMV_CHUNK[code], fmt.group_size
+    return k % chunk == 0 and g % chunk == 0 and k % g == 0
+
+
+@dataclass(slots=True)
+class CudaContext:
+    """One forward's inputs on the device (int32 unless said)."""
+
+    decode: bool  # the decode route (see the module docstring)
+    positions: torch.Tensor  # [T]
+    kv_slots: torch.Tensor  # [T]: page * page_size + pos % page_size
+    k_cache: list[torch.Tensor]  # per attention layer [pages, page_size, kv_heads, head_dim]
+    v_cache: list[torch.Tensor]
+    block_tables: torch.Tensor  # [B, max_pages]
+    seq_lens: torch.Tensor  # decode: context_lens [B] (this token included); prompt: start_pos [B]
+    max_context: int  # host bound on a sequence's context (decode: parts * PARTITION)
+    cu_seqlens: torch.Tensor  # [B + 1]: sequence b's rows
+    conv: list[torch.Tensor]  # per linear-attention layer [slots, conv_dim, conv_kernel - 1]
+    ssm: list[torch.Tensor]  # per linear-attention layer [slots, value_heads, key_dim, value_dim] fp32
+    state_slots: torch.Tensor | None  # [B]
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # decode split-K scratch
+
+
+class CudaOps:
+    """The ops interface on one CUDA device (see ninfer/engine/ops/__init__.py)."""
+
+    def __init__(self, kc: KernelCompiler, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.kc = kc
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.scale = config.head_dim ** -0.5
+        self.rotary_dim = rotary_dim(config)
+        from ninfer.engine.ops.torch_ops import rope_inv_freq
+
+        # RoPE tables [max_positions, rotary_dim / 2] fp32, llama3 scaling included via inv_freq
+        self.cos, self.sin = L.rope_cos_sin(self.rotary_dim, config.max_position_embeddings, config.rope_theta,
+                                            device, inv_freq=rope_inv_freq(config))
+        self.ctx: CudaContext | None = None
+
+    def begin(self, ctx: CudaContext) -> None:
+        self.ctx = ctx
+
+    # -- weights ----------------------------------------------------------------------------
+
+    def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
+                      bias: torch.Tensor | None = None) -> Weight:
+        fmts = [fmt for fmt, _ in items]
+        first_fmt, first = items[0]
+        k = first[""].shape[1] * (2 if first_fmt.format == "int4" else 1)
+        b = bias.to(self.device, self.dtype).contiguous() if bias is not None else None
+        if all(f == first_fmt for f in fmts) and gemv_ok(first_fmt, k) and (
+                first_fmt.quantized or first_fmt.format == "bf16"):  # bf16 is exact in either dtype
+            return Weight(first_fmt, {sfx: torch.cat([parts[sfx] for _, parts in items]).contiguous()
+                                      for sfx in first}, b)
+        # f32/f16, mixed formats or shapes the gemv kernel does not take: the activation dtype
+        return Weight(DTYPES[self.dtype],
+                      {"": torch.cat([dequantize(f, p, self.dtype) for f, p in items]).contiguous()}, b)
+
+    def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
+        H = self.config.hidden_size
+        if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and gemv_ok(fmt, H):
+            return Weight(fmt, dict(parts))
+        # the embedding kernel copies rows of the activation dtype
+        return Weight(DTYPES[self.dtype], {"": dequantize(fmt, parts, self.dtype).contiguous()})
+
+    def vector(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def parameter(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=torch.float32).contiguous()
+
+    # -- compute ----------------------------------------------------------------------------
+
+    def _empty(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
+
+    def embed(self, ids: torch.Tensor, w: Weight) -> torch.Tensor:
+        out = self._empty(ids.shape[0], self.config.hidden_size)
+        if w.fmt.quantized:
+            L.embedding_quant(self.kc, ids, w.fmt, w.parts, out)
+        else:
+            L.embedding(self.kc, ids, w.parts[""], out)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        L.rmsnorm_residual(self.kc, x, w, out, eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        L.rmsnorm_residual(self.kc, x, w, out, eps, residual=residual)
+        return out
+
+    def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        n, N = x.shape[0], w.parts[""].shape[0]
+        if self.ctx.decode:
+            y = self._empty(n, N)
+            L.gemv(self.kc, x, w.fmt, w.parts, y)
+        else:
+            y = self._mm(x, w.dense(self.dtype).t())
+        if w.bias is not None:
+            y.add_(w.bias)
+        return y
+
+    def _mm(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        """x [n, K] @ w_t [K, N] in blocks of PROMPT_ROWS rows, the last one zero-padded."""
+        n = x.shape[0]
+        rows = -(-n // PROMPT_ROWS) * PROMPT_ROWS
+        if rows != n or not x.is_contiguous():
+            padded = torch.zeros(rows, x.shape[1], dtype=x.dtype, device=x.device)
+            padded[:n] = x
+            x = padded
+        y = self._empty(rows, w_t.shape[1])
+        for r0 in range(0, rows, PROMPT_ROWS):
+            torch.mm(x[r0:r0 + PROMPT_ROWS], w_t, out=y[r0:r0 + PROMPT_ROWS])
+        return y[:n]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = self._empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        L.swiglu(self.kc, gate_up, out)
+        return out
+
+    def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        G.sigmoid_gate(self.kc, x, gate, x)
+        return x
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, heads * d], k/v [T, kv_heads * d] (views of a fused projection; q is rotated in
+        place) -> [T, heads * d]."""
+        ctx, c = self.ctx, self.config
+        T, D = q.shape[0], c.head_dim
+        q3, k3, v3 = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)
+        L.rope_kv_write(self.kc, q3, k3, v3, self.cos, self.sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
+                        ctx.v_cache[layer], q_norm, k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
+        out = self._empty(T, q3.shape[1], D)
+        if ctx.decode:
+            L.paged_attention_decode(self.kc, q3, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
+                                     ctx.seq_lens, ctx.max_context, out, self.scale, PARTITION, ctx.workspace)
+        else:
+            L.paged_attention_prefill(self.kc, q3, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
+                                      ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale)
+        return out.view(T, -1)
+
+    def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = self._empty(*x.shape)
+        G.short_conv(self.kc, x, weight, self.ctx.conv[layer], self.ctx.cu_seqlens, self.ctx.state_slots, out)
+        return out
+
+    def gated_delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                         b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+        out = self._empty(*v.shape)
+        G.gated_delta_rule(self.kc, q, k, v, a, b, A_log, dt_bias, self.ctx.ssm[layer], self.ctx.cu_seqlens,
+                           self.ctx.state_slots, out)
+        return out
+
+    def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty_like(x)
+        G.gated_rms_norm(self.kc, x, z, w, out, eps)
+        return out
+
+    def logits(self, x: torch.Tensor, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [n, hidden] -> [n, vocab] float32, by the gemv kernel in groups of its row limit."""
+        n = x.shape[0]
+        out = out if out is not None else self._empty(n, w.parts[""].shape[0], dtype=torch.float32)
+        for s in range(0, n, L.MAX_GEMV_ROWS):
+            L.gemv(self.kc, x[s:s + L.MAX_GEMV_ROWS], w.fmt, w.parts, out[s:s + L.MAX_GEMV_ROWS])
+        return out
