@@ -53,7 +53,7 @@ def tiny():
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
 
     hf, artifact = tiny_hf()
-    runner = CudaModelRunner(artifact, num_pages=64, page_size=PAGE, device="cuda", dtype=torch.float32,
+    runner = CudaModelRunner(artifact, num_pages=128, page_size=PAGE, device="cuda", dtype=torch.float32,
                              num_state_slots=10)
     return hf, runner
 

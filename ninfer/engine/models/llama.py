@@ -36,22 +36,27 @@ GGUF_LAYER_NAMES = {
 
 
 def global_weights(c: ModelConfig) -> Shapes:
-    shapes: Shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-                      "model.norm.weight": (c.hidden_size,)}
+    """Embedding and final norm (the lm_head, when untied, goes last: see with_lm_head)."""
+    return {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+
+
+def with_lm_head(shapes: Shapes, c: ModelConfig) -> Shapes:
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     return shapes
 
 
-def attention_weights(c: ModelConfig, qk_norm: bool, q_rows: int | None = None) -> Shapes:
-    """Per-layer suffix -> shape of a (llama-style) attention block; q_rows overrides q_proj's rows."""
+def attention_weights(c: ModelConfig, qk_norm: bool) -> Shapes:
+    """Per-layer suffix -> shape of a llama layer (input norm, attention, post norm, MLP), in the
+    order synthetic weights are drawn."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes: Shapes = {
-        "self_attn.q_proj.weight": (q_rows or q, c.hidden_size),
+        "input_layernorm.weight": (c.hidden_size,),
+        "self_attn.q_proj.weight": (q, c.hidden_size),
         "self_attn.k_proj.weight": (kv, c.hidden_size),
         "self_attn.v_proj.weight": (kv, c.hidden_size),
         "self_attn.o_proj.weight": (c.hidden_size, q),
-    }
+    } | mlp_weights(c)
     if c.attention_bias:
         shapes |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
     if qk_norm:
@@ -60,7 +65,7 @@ def attention_weights(c: ModelConfig, qk_norm: bool, q_rows: int | None = None) 
 
 
 def mlp_weights(c: ModelConfig) -> Shapes:
-    return {"input_layernorm.weight": (c.hidden_size,), "post_attention_layernorm.weight": (c.hidden_size,),
+    return {"post_attention_layernorm.weight": (c.hidden_size,),
             "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
             "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
@@ -68,10 +73,10 @@ def mlp_weights(c: ModelConfig) -> Shapes:
 
 def llama_weights(c: ModelConfig, qk_norm: bool) -> Shapes:
     shapes = global_weights(c)
-    per_layer = mlp_weights(c) | attention_weights(c, qk_norm)
+    per_layer = attention_weights(c, qk_norm)
     for i in range(c.num_hidden_layers):
         shapes |= {f"model.layers.{i}.{sfx}": shape for sfx, shape in per_layer.items()}
-    return shapes
+    return with_lm_head(shapes, c)
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ninfer.engine.config import ModelConfig
-from ninfer.engine.models.llama import MLP, global_weights, mlp_weights
+from ninfer.engine.models.llama import MLP, global_weights, mlp_weights, with_lm_head
 from ninfer.engine.models.spec import ATTENTION, LINEAR_ATTENTION, Architecture, Shapes
 from ninfer.engine.models.weights import WeightReader
 
@@ -64,10 +64,11 @@ def weights(c: ModelConfig) -> Shapes:
         "self_attn.q_norm.weight": (c.head_dim,),
         "self_attn.k_norm.weight": (c.head_dim,),
     }
+    norm = {"input_layernorm.weight": (c.hidden_size,)}
     for i, kind in enumerate(layer_kinds(c)):
-        per_layer = mlp_weights(c) | (linear if kind == LINEAR_ATTENTION else full)
+        per_layer = norm | (linear if kind == LINEAR_ATTENTION else full) | mlp_weights(c)
         shapes |= {f"model.layers.{i}.{sfx}": shape for sfx, shape in per_layer.items()}
-    return shapes
+    return with_lm_head(shapes, c)
 
 
 @dataclass(slots=True)
