@@ -182,3 +182,77 @@ def tiny_hf_dirs(smollm2_hf_tokenizer_dir: Path, tmp_path_factory: pytest.TempPa
     gen["eos_token_id"] = [2, 0]  # <|im_end|>, <|endoftext|>
     (dirs["qwen3"] / "generation_config.json").write_text(json.dumps(gen, indent=2))
     return dirs
+
+
+# Tiny Qwen3.5 text shape: 8 layers (every 4th full attention, as released), 2 key / 4 value heads
+# in the DeltaNet layers so llama.cpp's value-head reorder applies, head dims 32 so that reorder
+# moves whole 32-element quantization blocks, partial rotary 0.25.
+TINY_QWEN3_5_TEXT = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                         linear_value_head_dim=32, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                          "partial_rotary_factor": 0.25},
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def _perturb_qwen3_5(model) -> None:
+    """Random init leaves the 1 + w norms at 0, the gated norm at 1, dt_bias at 1 and A_log in a fixed
+    range; move them so a missing or doubled transform shows in a comparison."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("norm.weight") and "visual" not in name:
+                p.uniform_(-0.3, 0.3)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.uniform_(-1.0, 1.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dirs(smollm2_hf_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight Qwen3.5 folders (float32, SmolLM2 tokenizer and template), name -> Path:
+
+    "causal":     Qwen3_5ForCausalLM, untied embeddings, one model.safetensors;
+    "multimodal": Qwen3_5ForConditionalGeneration as Qwen3.5 ships: config nests text_config, weights
+                  under model.language_model., a (one-block) vision tower under model.visual., tied
+                  embeddings, plus two mtp.* tensors as the released checkpoints carry.
+    Both: TINY_QWEN3_5_TEXT (hidden 64, 8 layers L L L F L L L F, vocab 49152).
+    """
+    transformers = pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("tiny_qwen3_5")
+    dirs = {"causal": root / "tiny-qwen3_5", "multimodal": root / "tiny-qwen3_5-vl"}
+
+    torch.manual_seed(2)
+    causal = transformers.Qwen3_5ForCausalLM(
+        transformers.Qwen3_5TextConfig(**TINY_QWEN3_5_TEXT, tie_word_embeddings=False)).to(torch.float32)
+    _perturb_qwen3_5(causal)
+    causal.save_pretrained(str(dirs["causal"]))
+
+    torch.manual_seed(3)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config={**TINY_QWEN3_5_TEXT, "tie_word_embeddings": True},
+                                        vision_config=vision, tie_word_embeddings=True)
+    multimodal = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float32)
+    _perturb_qwen3_5(multimodal)
+    multimodal.save_pretrained(str(dirs["multimodal"]))
+    weights = dirs["multimodal"] / "model.safetensors"
+    state = load_file(str(weights))
+    assert any(k.startswith("model.visual.") for k in state) and "lm_head.weight" not in state
+    state["mtp.fc.weight"] = torch.randn(64, 128)
+    state["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+    save_file(state, str(weights), metadata={"format": "pt"})
+
+    for folder in dirs.values():
+        shutil.copy(smollm2_hf_tokenizer_dir / "tokenizer.json", folder / "tokenizer.json")
+        tok_cfg = json.loads((smollm2_hf_tokenizer_dir / "tokenizer_config.json").read_text())
+        tok_cfg["chat_template"] = QWEN_STYLE_TEMPLATE
+        tok_cfg["eos_token"] = "<|im_end|>"
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return dirs

@@ -1,5 +1,6 @@
 """Tiny synthetic GGUF files written with gguf.GGUFWriter, the way llama.cpp's converter writes them
-(llama q/k rows permuted, [out, in] weights quantized per row in blocks of 32)."""
+(llama q/k rows permuted, [out, in] weights quantized per row in blocks of 32; qwen35 from a Hugging
+Face Qwen3.5 model with convert_hf_to_gguf.py's tensor changes and keys)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -156,3 +157,111 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, tokenizer: str = "spm", 
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# ---- qwen35 (Qwen3.5), as llama.cpp's convert_hf_to_gguf.py writes it ------------------------------
+
+def reorder_v_heads(w: np.ndarray, axis: int, num_k_heads: int, num_v_per_k: int, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's _LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by
+    key head -> tiled. With num_k_heads and num_v_per_k swapped it is its own inverse."""
+    shape = list(w.shape)
+    w = w.reshape(shape[:axis] + [num_k_heads, num_v_per_k, head_dim] + shape[axis + 1:])
+    return np.swapaxes(w, axis, axis + 1).reshape(shape)
+
+
+def qwen35_gguf_tensors(state: dict[str, np.ndarray], cfg: dict) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF name -> (Hugging Face text-model name, values), from Hugging Face tensors (multimodal names
+    included), doing what Qwen3_5TextModel.modify_tensors does: skip mtp.* and the vision tower, drop
+    `language_model.`, reorder value heads when there are more of them than key heads, A_log ->
+    -exp(A_log), dt_bias -> dt_proj.bias, squeeze the conv taps, add 1 to every norm but the gated
+    one, then gguf-py's QWEN35 tensor map."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], nv // nk
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, cfg["num_hidden_layers"])
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, t in state.items():
+        if name.startswith("mtp") or name.startswith("model.visual"):
+            continue
+        name = hf_name = name.replace("language_model.", "")
+        t = t.astype(np.float32)
+        if r > 1 and "linear_attn." in name:
+            if ".in_proj_qkv." in name:
+                t = np.concatenate([t[:2 * nk * dk], reorder_v_heads(t[2 * nk * dk:], 0, nk, r, dv)])
+            elif ".in_proj_z." in name:
+                t = reorder_v_heads(t, 0, nk, r, dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name or ".A_log" in name or ".dt_bias" in name:
+                t = reorder_v_heads(t, 0, nk, r, 1)
+            elif ".conv1d" in name:
+                t = t.squeeze()
+                t = np.concatenate([t[:2 * nk * dk], reorder_v_heads(t[2 * nk * dk:], 0, nk, r, dv)])
+            elif ".out_proj." in name:
+                t = reorder_v_heads(t, 1, nk, r, dv)
+        if name.endswith(".A_log"):
+            t = -np.exp(t)
+        elif name.endswith(".dt_bias"):
+            name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+        elif "conv1d" in name:
+            t = t.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            t = t + 1
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        out[gname] = (hf_name, t)
+    return out
+
+
+def write_qwen35_gguf(path: Path, state: dict[str, np.ndarray], cfg: dict, tokenizer_json: dict,
+                      linear_type: Q = Q.F32, embed_type: Q = Q.F32) -> dict[str, np.ndarray]:
+    """A qwen35 GGUF of a Hugging Face Qwen3.5 text config `cfg` and its tensors `state`, with the keys
+    Qwen3NextModel.set_gguf_parameters writes and the byte-level vocabulary of `tokenizer_json` (a
+    tokenizer.json dict). -> GGUF name -> (Hugging Face name, the values the file holds, dequantized)."""
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    w.add_name("tiny qwen3.5")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
+
+    vocab = {t: i for t, i in tokenizer_json["model"]["vocab"].items()}
+    for added in tokenizer_json.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [None] * cfg["vocab_size"]
+    for t, i in vocab.items():
+        tokens[i] = t
+    special = {a["id"] for a in tokenizer_json.get("added_tokens", []) if a.get("special")}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list([t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)])
+    w.add_token_merges(merges)
+    w.add_token_types([3 if i in special else 1 if t is not None else 5 for i, t in enumerate(tokens)])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+    held: dict[str, tuple[str, np.ndarray]] = {}
+    for gname, (hf_name, value) in qwen35_gguf_tensors(state, cfg).items():
+        if value.ndim == 1 or ".ssm_conv1d." in gname:
+            qtype = Q.F32  # llama.cpp keeps 1-D tensors and the conv taps in F32
+        else:
+            qtype = embed_type if gname in ("token_embd.weight", "output.weight") else linear_type
+        data, values = _quantized(value, qtype)
+        held[gname] = (hf_name, values)
+        w.add_tensor(gname, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held

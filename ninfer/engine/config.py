@@ -102,7 +102,15 @@ class ModelConfig:
             raise ConfigError(f"unknown architecture {archs or hf.get('model_type')!r} (supported: "
                               + ", ".join(n for r in known for n in r.hf_architectures) + ")")
         if isinstance(hf.get("text_config"), dict):  # a multimodal checkpoint: its language model
-            hf = {**hf["text_config"], "architectures": archs}
+            outer = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
+            hf = {**outer, **hf["text_config"], "architectures": archs}
+        layer_types = hf.get("layer_types")
+        if not layer_types and hf.get("linear_num_value_heads"):
+            # transformers' rule when a hybrid config lists no layer_types: every
+            # full_attention_interval-th layer (default 4) is full attention
+            interval = int(hf.get("full_attention_interval") or 4)
+            layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(hf["num_hidden_layers"])]
         heads = hf["num_attention_heads"]
         rope_scaling = hf.get("rope_scaling")
         rope_theta = hf.get("rope_theta")
@@ -132,7 +140,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             partial_rotary_factor=float(partial),
-            layer_types=list(hf["layer_types"]) if hf.get("layer_types") else None,
+            layer_types=list(layer_types) if layer_types else None,
             **{k: int(hf.get(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                                 "linear_value_head_dim", "linear_conv_kernel_dim")},
         )

@@ -20,6 +20,11 @@ from ninfer.errors import ConfigError
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
+
+def _every_fourth_full(layers: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+
+
 # name -> Hugging Face config fields of the real model with that shape.
 SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -39,6 +44,35 @@ SHAPES: dict[str, dict] = {
     "qwen3-8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6),
+    # Qwen3.5-0.8B's language model. From its model card: hidden 1024, 24 layers as 6 x (3 Gated
+    # DeltaNet + 1 gated attention), DeltaNet 16 QK / 16 V heads of 128, attention 8 Q / 2 KV heads of
+    # 256, rotary dim 64 (factor 0.25), vocabulary 248320 (padded), context 262144; llama.cpp names
+    # 24 layers x 1024 "0.8B". Not verified against its config.json (third-party listings only):
+    # intermediate 3584, rope theta 1e7, tied embeddings; conv kernel 4 and eps 1e-6 are the
+    # transformers defaults.
+    "qwen3.5-0.8b": dict(architecture="qwen3_5", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                         rope_theta=10000000.0, max_position_embeddings=262144, tie_word_embeddings=True,
+                         rms_norm_eps=1e-6, partial_rotary_factor=0.25, layer_types=_every_fourth_full(24),
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4),
+    # transformers' Qwen3_5TextConfig() defaults (documented as Qwen3.5-9B; rope theta and context are
+    # the defaults 10000 / 32768, not the released model's).
+    "qwen3.5-9b": dict(architecture="qwen3_5", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                       num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                       rope_theta=10000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                       partial_rotary_factor=0.25, layer_types=_every_fourth_full(32),
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4),
+}
+
+# Tensors (by name suffix) whose initial value is not "linear: normal std 0.02, norm: ones", as
+# transformers initializes them. qwen3_5 scales by 1 + w (w starts at 0) in every RMSNorm but the
+# gated one, and starts the delta rule's decay at A_log = log(U(0.01, 16)) with dt_bias = 1.
+_INIT: dict[str, dict[str, str]] = {
+    "qwen3_5": {"input_layernorm.weight": "zeros", "post_attention_layernorm.weight": "zeros",
+                "model.norm.weight": "zeros", "q_norm.weight": "zeros", "k_norm.weight": "zeros",
+                "linear_attn.A_log": "log_uniform", "linear_attn.dt_bias": "ones"},
 }
 
 
@@ -53,7 +87,8 @@ def _word_level_tokenizer(vocab_size: int) -> str:
 
 
 class SyntheticArtifact:
-    """Random weights (normal, std 0.02; norms 1) of a named shape, in `weights` format."""
+    """Random weights (normal, std 0.02; norms 1; as _INIT says otherwise) of a named shape, in
+    `weights` format."""
 
     def __init__(self, name: str, weights: str = "bf16", seed: int = 0) -> None:
         if name not in SHAPES:
@@ -64,9 +99,10 @@ class SyntheticArtifact:
         self.path = Path(f"synthetic:{name}")
         self.seed = seed
         shapes = expected_weights(config)
+        self._init = _INIT.get(config.architecture, {})
         formats = {}
         for wname, shape in shapes.items():
-            if len(shape) == 2 and is_quantizable(wname) and weights in ("int8", "int4"):
+            if len(shape) == 2 and is_quantizable(wname, config) and weights in ("int8", "int4"):
                 formats[wname] = TensorFormat(weights, DEFAULT_GROUP_SIZE, symmetric=False)
             elif len(shape) == 2:
                 formats[wname] = TensorFormat("f32" if weights == "f32" else "bf16")
@@ -82,8 +118,13 @@ class SyntheticArtifact:
 
     def _tensor(self, name: str, gen: torch.Generator, device: str) -> torch.Tensor:
         shape = self._shapes[name]
-        if len(shape) == 1:
+        rule = next((r for sfx, r in self._init.items() if name.endswith(sfx)), "ones" if len(shape) == 1 else None)
+        if rule == "zeros":
+            return torch.zeros(shape, dtype=torch.float32, device=device)
+        if rule == "ones":
             return torch.ones(shape, dtype=torch.float32, device=device)
+        if rule == "log_uniform":
+            return (torch.rand(shape, generator=gen, dtype=torch.float32, device=device) * 15.99 + 0.01).log()
         return torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * 0.02
 
     @property

@@ -4,13 +4,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from ninfer.engine.models import is_quantizable
 from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat, dequantize, quantize
 from ninfer.errors import ArtifactError
+
+if TYPE_CHECKING:
+    from ninfer.engine.config import ModelConfig
 
 WEIGHT_MODES = ("keep", "bf16", "int8", "int4")
 _FLOAT_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -34,21 +37,24 @@ def float_format(dtype: torch.dtype) -> TensorFormat:
 
 
 def encode_weight(name: str, fmt: TensorFormat, parts: dict[str, torch.Tensor], shape: tuple[int, ...],
-                  weights: str) -> tuple[TensorFormat, dict[str, torch.Tensor]]:
+                  weights: str, config: ModelConfig) -> tuple[TensorFormat, dict[str, torch.Tensor]]:
     """Convert one weight's stored parts (in `fmt`) to what `weights` asks for.
 
     keep: as stored (a quantized non-linear weight is expanded to f32/bf16);
-    bf16: 2-D weights bf16, 1-D (norms) f32;
-    int8 / int4: linear and embedding weights quantized with group 32 (int4 asymmetric), kept
-    bit-exact when already in that format (int4 symmetric included); others as bf16.
+    bf16: 2-D weights bf16; others (norms, biases, conv taps, gate parameters) f32;
+    int8 / int4: the architecture's linear and embedding weights quantized with group 32 (int4
+    asymmetric), kept bit-exact when already in that format (int4 symmetric included); other 2-D
+    weights bf16, the rest f32.
     """
     ndim = len(shape)
-    plain = TensorFormat("f32") if ndim == 1 else TensorFormat("bf16")
+    plain_dtype = torch.bfloat16 if ndim == 2 else torch.float32  # 1-D and 3-D tensors are small: keep f32
+    plain = TensorFormat("bf16" if ndim == 2 else "f32")
+    linear = is_quantizable(name, config) and ndim == 2
     if weights == "keep":
-        if fmt.quantized and not is_quantizable(name):
-            return plain, {"": dequantize(fmt, parts, torch.float32).to(torch.float32 if ndim == 1 else torch.bfloat16)}
+        if fmt.quantized and not linear:
+            return plain, {"": dequantize(fmt, parts, torch.float32).to(plain_dtype)}
         return fmt, parts
-    if weights in ("int8", "int4") and is_quantizable(name) and ndim == 2:
+    if weights in ("int8", "int4") and linear:
         if fmt.format == weights and fmt.group_size == DEFAULT_GROUP_SIZE:
             return fmt, parts
         target = TensorFormat(weights, DEFAULT_GROUP_SIZE, symmetric=weights == "int8")
@@ -58,7 +64,7 @@ def encode_weight(name: str, fmt: TensorFormat, parts: dict[str, torch.Tensor], 
         return target, quantize(dequantize(fmt, parts, torch.float32), target)
     if fmt == plain:
         return fmt, parts
-    return plain, {"": dequantize(fmt, parts, torch.float32).to(torch.float32 if ndim == 1 else torch.bfloat16)}
+    return plain, {"": dequantize(fmt, parts, torch.float32).to(plain_dtype)}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:

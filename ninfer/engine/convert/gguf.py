@@ -25,7 +25,7 @@ from ninfer.engine.convert.common import (check_weights_mode, encode_weight, flo
 from ninfer.engine.convert.gguf_reader import GGUFFile, GGUFTensor
 from ninfer.engine.convert.gguf_tokenizer import GGUFVocab, build_tokenizer_json
 from ninfer.engine.models import ARCHITECTURES, Architecture, expected_weights
-from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat
+from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat, dequantize
 from ninfer.errors import ArtifactError, NInferError
 
 _GLOBAL_NAMES = {
@@ -35,6 +35,7 @@ _GLOBAL_NAMES = {
 }
 _IGNORED = {"rope_freqs.weight"}  # folded into the config (llama3 rope scaling)
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_HF_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")
 # File-name suffixes that name a quantization, e.g. ".Q4_1", "-Q4_K_M", "-f16".
 _QUANT_SUFFIX = re.compile(r"[.\-_](?:I?Q\d[A-Za-z0-9_]*|[Bb]?[Ff]16|[Ff]32)$")
 
@@ -76,25 +77,49 @@ def read_config(src: Path, fields: dict[str, Any], tensor_names: set[str], rope_
         raise ArtifactError(f"{src}: cannot tell the vocabulary size (no {arch}.vocab_size, no tokens)")
     context = int(key("context_length", 4096))
     rope_scaling = _rope_scaling(src, fields, arch, context, rope_freqs)
+    layers = int(key("block_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rotary = int(key("rope.dimension_count", head_dim))  # qwen35: head_dim * partial_rotary_factor
+    hybrid = _linear_attention_fields(key, layers) if f"{arch}.ssm.inner_size" in fields else {}
     try:
         return ModelConfig(
             architecture=record.name,
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(key("attention.head_count_kv", heads)),
-            head_dim=int(key("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_scaling=rope_scaling,
             max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in tensor_names,
-            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            attention_bias=any(n.endswith(".attn_q.bias") for n in tensor_names),
+            partial_rotary_factor=rotary / head_dim,
+            **hybrid,
         )
     except NInferError as e:
         raise ArtifactError(f"{src}: {e}") from None
+
+
+def _linear_attention_fields(key: Any, layers: int) -> dict[str, Any]:
+    """The Gated DeltaNet shape from the keys llama.cpp's qwen35 converter writes: ssm.conv_kernel,
+    ssm.state_size (key head dim; llama.cpp takes the value head dim to equal it, we read it from
+    inner_size), ssm.group_count (key heads), ssm.time_step_rank (value heads), ssm.inner_size (value
+    heads x value head dim) and full_attention_interval (every interval-th layer is full attention,
+    as llama.cpp marks its recurrent layers)."""
+    value_heads = int(key("ssm.time_step_rank"))
+    interval = int(key("full_attention_interval", 4))
+    return dict(
+        layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
+        linear_num_key_heads=int(key("ssm.group_count")),
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=int(key("ssm.state_size")),
+        linear_value_head_dim=int(key("ssm.inner_size")) // value_heads,
+        linear_conv_kernel_dim=int(key("ssm.conv_kernel")),
+    )
 
 
 def _rope_scaling(src: Path, fields: dict[str, Any], arch: str, context: int,
@@ -192,6 +217,48 @@ def read_tensor(src: Path, tensor: GGUFTensor, weights: str) -> tuple[TensorForm
     return TensorFormat("f32"), {"": torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(shape))}, shape
 
 
+def undo_transform(transform: Any, fmt: TensorFormat, parts: dict[str, torch.Tensor], shape: tuple[int, ...],
+                   config: ModelConfig) -> tuple[TensorFormat, dict[str, torch.Tensor], tuple[int, ...]]:
+    """Apply the record's inverse of a change llama.cpp's converter made to one tensor.
+
+    A float tensor is transformed in float32 and kept in its dtype. A quantized weight goes through
+    the transform as a tensor of its element indices; when that moves whole quantization groups (the
+    value-head reorder does), the stored groups move and the weight stays bit-exact; otherwise it is
+    expanded to float32 and transformed."""
+    if not fmt.quantized:
+        t = parts[""]
+        out = transform(t.float(), config)
+        return fmt, {"": out.to(t.dtype).contiguous()}, tuple(out.shape)
+    index = transform(torch.arange(math.prod(shape)).reshape(shape), config)
+    moved = _move_groups(parts, shape, index, fmt.group_size)
+    if moved is not None:
+        return fmt, moved, tuple(index.shape)
+    out = transform(dequantize(fmt, parts, torch.float32), config)
+    return TensorFormat("f32"), {"": out.contiguous()}, tuple(out.shape)
+
+
+def _move_groups(parts: dict[str, torch.Tensor], shape: tuple[int, ...], index: torch.Tensor,
+                 group: int) -> dict[str, torch.Tensor] | None:
+    # index [rows', cols']: the source element of each output element. Every part stores a row's
+    # groups side by side (q: group values, packed int4: group / 2 bytes, scales/mins: one each).
+    rows, cols = shape
+    n = rows * cols
+    if index.dtype != torch.int64 or index.dim() != 2 or index.numel() != n or index.shape[1] % group:
+        return None
+    src = index.reshape(index.shape[0], index.shape[1] // group, group)
+    start = src[..., :1]
+    if (start % group).any() or not torch.equal(src, start + torch.arange(group)):
+        return None  # some output group is not one whole source group
+    block = (start // group).flatten()  # flat source group: row * (cols / group) + group in row
+    if block.min() < 0 or block.max() >= n // group or block.unique().numel() != block.numel():
+        return None  # not a permutation of the groups
+    moved = {}
+    for sfx, p in parts.items():
+        per = p.shape[1] * group // cols
+        moved[sfx] = p.reshape(n // group, per)[block].reshape(index.shape[0], -1).contiguous()
+    return moved
+
+
 def _model_name(src: Path, general_name: str | None) -> str:
     stem = _QUANT_SUFFIX.sub("", src.stem)
     if stem.lower() in ("", "model", "ggml-model", "ggml_model") and general_name:
@@ -234,7 +301,7 @@ def _special_tokens(fields: dict[str, Any], vocab: GGUFVocab) -> SpecialTokens:
 
 
 def convert_gguf(src: str | Path, out: str | Path, weights: str = "keep", progress: bool = True) -> Path:
-    """Convert a llama/qwen3 GGUF file to a .ninfer artifact at `out`; raises ArtifactError."""
+    """Convert a llama/qwen3/qwen35 GGUF file to a .ninfer artifact at `out`; raises ArtifactError."""
     src, out = Path(src), Path(out)
     check_weights_mode(weights)
     gguf = GGUFFile(src)
@@ -259,12 +326,15 @@ def convert_gguf(src: str | Path, out: str | Path, weights: str = "keep", progre
         if name is None or name not in expected:
             raise ArtifactError(f"{src}: unexpected tensor {tensor.name} for architecture {config.architecture}")
         fmt, parts, shape = read_tensor(src, tensor, weights)
+        transform = arch.gguf_transforms.get(_HF_LAYER_PREFIX.sub("", name))
+        if transform is not None:
+            fmt, parts, shape = undo_transform(transform, fmt, parts, shape, config)
         if shape != expected[name]:
             raise ArtifactError(f"{src}: tensor {tensor.name} has shape {list(shape)}, expected {list(expected[name])}")
         n_head = next((n for suffix, n in permute.items() if name.endswith(suffix)), None)
         if n_head is not None:
             parts = {s: _unpermute_rows(p, n_head) for s, p in parts.items()}
-        fmt, parts = encode_weight(name, fmt, parts, shape, weights)
+        fmt, parts = encode_weight(name, fmt, parts, shape, weights, config)
         formats[name] = fmt
         tensors.update({name + s: p for s, p in parts.items()})
     missing = [n for n in expected if n not in formats]

@@ -24,6 +24,9 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5: Qwen2's with combining marks (\p{M}) kept inside words
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> the regexes llama.cpp splits with, in order (llama-vocab.cpp).
 # None: GPT-2's own regex (ByteLevel's built-in one).
@@ -35,7 +38,7 @@ _PRE_SPLITS: dict[str, list[str] | None] = {
     "dbrx": [_LLAMA3_SPLIT], "smaug-bpe": [_LLAMA3_SPLIT], "falcon3": [_LLAMA3_SPLIT],
     "pixtral": [_LLAMA3_SPLIT],
     "qwen2": [_QWEN2_SPLIT], "deepseek-r1-qwen": [_QWEN2_SPLIT], "stablelm2": [_QWEN2_SPLIT],
-    "megrez": [_QWEN2_SPLIT],
+    "megrez": [_QWEN2_SPLIT], "qwen35": [_QWEN35_SPLIT],
 }
 # llama.cpp matches a whole-word vocabulary entry before merging for these (Llama 3's tokenizer.json
 # says ignore_merges: true).

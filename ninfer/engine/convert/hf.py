@@ -20,6 +20,12 @@ from ninfer.errors import ArtifactError, NInferError
 
 # Keys some checkpoints carry that the model recomputes.
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Multimodal checkpoints (Qwen3_5ForConditionalGeneration, what Qwen3.5 ships) nest the language
+# model under `model.language_model.`; its tensors take our `model.` names. The vision tower
+# (`model.visual.*`) and the multi-token-prediction head (`mtp.*`, for speculative decoding) are not
+# part of text generation here and are skipped.
+_PREFIX_RENAMES = (("model.language_model.", "model."),)
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
 _SAMPLER_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -53,6 +59,16 @@ def weight_files(src: Path) -> list[Path]:
     if not files:
         raise ArtifactError(f"{src}: no *.safetensors weights (convert .bin checkpoints to safetensors first)")
     return files
+
+
+def text_model_name(key: str) -> str | None:
+    """Our name for a checkpoint tensor, None for one text generation does not use."""
+    if key.startswith(_SKIPPED_PREFIXES) or key.endswith(_SKIPPED_SUFFIXES):
+        return None
+    for prefix, ours in _PREFIX_RENAMES:
+        if key.startswith(prefix):
+            return ours + key[len(prefix):]
+    return key
 
 
 def _token_text(value: Any) -> str | None:
@@ -124,7 +140,8 @@ def _sampler_presets(gen_cfg: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def convert_hf(src: str | Path, out: str | Path, weights: str = "keep", progress: bool = True) -> Path:
-    """Convert a Hugging Face llama/qwen3 folder to a .ninfer artifact at `out`; raises ArtifactError."""
+    """Convert a Hugging Face folder (llama, qwen3, qwen3_5 text or multimodal) to a .ninfer artifact
+    at `out`; raises ArtifactError."""
     from safetensors import SafetensorError, safe_open
 
     src, out = Path(src), Path(out)
@@ -159,18 +176,21 @@ def convert_hf(src: str | Path, out: str | Path, weights: str = "keep", progress
     handles: dict[Path, Any] = {}
     try:
         for path, key in progress_bar(keys, len(keys), f"converting {src.name}", progress):
-            if key.endswith(_SKIPPED_SUFFIXES) or (key == "lm_head.weight" and config.tie_word_embeddings):
+            name = text_model_name(key)
+            if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue
-            if key not in expected:
+            if name not in expected:
                 raise ArtifactError(f"{path}: unexpected tensor {key} for architecture {config.architecture}")
+            if name in formats:
+                raise ArtifactError(f"{path}: tensor {key} duplicates {name}")
             if path not in handles:
                 handles[path] = safe_open(str(path), framework="pt")
             t = handles[path].get_tensor(key)
-            if tuple(t.shape) != expected[key]:
-                raise ArtifactError(f"{path}: tensor {key} has shape {list(t.shape)}, expected {list(expected[key])}")
-            fmt, parts = encode_weight(key, float_format(t.dtype), {"": t}, tuple(t.shape), weights)
-            formats[key] = fmt
-            tensors.update({key + s: p for s, p in parts.items()})
+            if tuple(t.shape) != expected[name]:
+                raise ArtifactError(f"{path}: tensor {key} has shape {list(t.shape)}, expected {list(expected[name])}")
+            fmt, parts = encode_weight(name, float_format(t.dtype), {"": t}, tuple(t.shape), weights, config)
+            formats[name] = fmt
+            tensors.update({name + s: p for s, p in parts.items()})
     finally:
         handles.clear()
     missing = [n for n in expected if n not in formats]
