@@ -107,10 +107,7 @@ class Attention:
         return cls(w.linear([a + f"{x}_proj.weight" for x in "qkv"], bias), w.linear([a + "o_proj.weight"]), *norms)
 
     def __call__(self, ops: Any, layer: int, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
-        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        qkv = ops.linear(x, self.qkv)
-        q, k, v = qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
-        return ops.linear(ops.attention(layer, q, k, v, self.q_norm, self.k_norm), self.o_proj)
+        return ops.linear(ops.attention(layer, ops.linear(x, self.qkv), self.q_norm, self.k_norm), self.o_proj)
 
 
 @dataclass(slots=True)

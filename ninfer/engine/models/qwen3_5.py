@@ -73,7 +73,7 @@ def weights(c: ModelConfig) -> Shapes:
 
 @dataclass(slots=True)
 class GatedAttention:
-    qgkv: Any  # [(2 * heads + 2 * kv_heads) * head_dim, hidden]: q | gate | k | v
+    qkvg: Any  # [(2 * heads + 2 * kv_heads) * head_dim, hidden]: q | k | v | gate
     o_proj: Any
     q_norm: Any  # [head_dim], 1 + w
     k_norm: Any
@@ -81,21 +81,19 @@ class GatedAttention:
     @classmethod
     def load(cls, w: WeightReader, p: str, c: ModelConfig) -> GatedAttention:
         a = p + "self_attn."
-        # q_proj rows are [head][query d | gate d]; regroup to all queries, then all gates
-        q_rows = 2 * c.num_attention_heads * c.head_dim
-        w.permute_rows(a + "q_proj.weight", torch.arange(q_rows).view(c.num_attention_heads, 2, c.head_dim)
-                       .transpose(0, 1).reshape(-1))
-        return cls(w.linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+        # q_proj rows are [head][query d | gate d]: split into all queries and all gates
+        rows = torch.arange(2 * c.num_attention_heads * c.head_dim).view(c.num_attention_heads, 2, c.head_dim)
+        query = w.select_rows(a + "q_proj.weight", rows[:, 0].reshape(-1), a + "q_proj.weight:query")
+        gate = w.select_rows(a + "q_proj.weight", rows[:, 1].reshape(-1), a + "q_proj.weight:gate")
+        return cls(w.linear([query, a + "k_proj.weight", a + "v_proj.weight", gate]),
                    w.linear([a + "o_proj.weight"]), w.vector(a + "q_norm.weight", 1.0),
                    w.vector(a + "k_norm.weight", 1.0))
 
     def __call__(self, ops: Any, layer: int, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
-        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        y = ops.linear(x, self.qgkv)
-        q, gate = y[:, :q_size], y[:, q_size:2 * q_size]
-        k, v = y[:, 2 * q_size:2 * q_size + kv_size], y[:, 2 * q_size + kv_size:]
-        out = ops.sigmoid_gate(ops.attention(layer, q, k, v, self.q_norm, self.k_norm), gate)
-        return ops.linear(out, self.o_proj)
+        qkv_size = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+        y = ops.linear(x, self.qkvg)
+        out = ops.attention(layer, y[:, :qkv_size], self.q_norm, self.k_norm)
+        return ops.linear(ops.sigmoid_gate(out, y[:, qkv_size:]), self.o_proj)
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ class WeightReader:
 
     def __init__(self, artifact: Any, ops: Any, device: torch.device) -> None:
         self.parts: dict[str, dict[str, torch.Tensor]] = artifact.load_parts(device)
-        self.formats: dict[str, TensorFormat] = artifact.meta.tensor_formats
+        self.formats: dict[str, TensorFormat] = dict(artifact.meta.tensor_formats)
         self.ops = ops
 
     def float32(self, name: str) -> torch.Tensor:
@@ -38,11 +38,14 @@ class WeightReader:
     def embedding(self, name: str, lm_head: bool) -> Any:
         return self.ops.embedding_weight(self.formats[name], self.parts[name], lm_head)
 
-    def permute_rows(self, name: str, order: torch.Tensor) -> None:
-        """Reorder a weight's rows (output features) before it is read; rows move whole, so this
-        holds for quantized parts (scales, mins) too."""
-        order = order.to(next(iter(self.parts[name].values())).device)
-        self.parts[name] = {sfx: t.index_select(0, order) for sfx, t in self.parts[name].items()}
+    def select_rows(self, name: str, rows: torch.Tensor, as_name: str) -> str:
+        """Store rows `rows` (output features, in that order) of weight `name` as a weight named
+        `as_name`, to fuse or reorder part of a projection; rows move whole, so this holds for
+        quantized parts (scales, mins) too. Returns as_name."""
+        rows = rows.to(next(iter(self.parts[name].values())).device)
+        self.parts[as_name] = {sfx: t.index_select(0, rows) for sfx, t in self.parts[name].items()}
+        self.formats[as_name] = self.formats[name]
+        return as_name
 
     def release(self, prefix: str) -> None:
         """Drop the stored parts under `prefix` once the backend holds its copies (peak memory)."""

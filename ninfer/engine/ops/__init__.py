@@ -13,9 +13,10 @@ Compute (x: [tokens, width] in the backend's compute dtype; `residual` is the ba
 stream, updated in place):
     embed(ids, w) -> residual       rms_norm(x, w, eps) -> x        add_rms_norm(x, residual, w, eps) -> x
     linear(x, w) -> [T, N]          silu_mul(gate_up) -> [T, I]     sigmoid_gate(x, gate) -> x * sigmoid(gate)
-    attention(layer, q, k, v, q_norm, k_norm) -> [T, heads * head_dim]
-        per-head RMSNorm (optional), RoPE over the first rotary dims, K/V stored in the layer's
-        pages, causal paged attention; `layer` counts attention layers only
+    attention(layer, qkv, q_norm, k_norm) -> [T, heads * head_dim]
+        qkv: q | k | v heads side by side (a view of a fused projection); per-head RMSNorm
+        (optional), RoPE over the first rotary dims, K/V stored in the layer's pages, causal paged
+        attention; `layer` counts attention layers only
     short_conv(layer, x, weight) -> [T, C]
         causal depthwise conv + SiLU over each sequence's conv window, window updated
     gated_delta_rule(layer, q, k, v, a, b, A_log, dt_bias) -> [T, Hv, dv]

@@ -182,21 +182,23 @@ class CudaOps:
         G.sigmoid_gate(self.kc, x, gate, x)
         return x
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, heads * d], k/v [T, kv_heads * d] (views of a fused projection; q is rotated in
-        place) -> [T, heads * d]."""
+    def attention(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv [T, (heads + 2 * kv_heads) * d] (q | k | v, maybe a view of a wider projection; q is
+        rotated in place) -> [T, heads * d]."""
         ctx, c = self.ctx, self.config
-        T, D = q.shape[0], c.head_dim
-        q3, k3, v3 = q.view(T, -1, D), k.view(T, -1, D), v.view(T, -1, D)
-        L.rope_kv_write(self.kc, q3, k3, v3, self.cos, self.sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
+        T, D, Hq, Hkv = qkv.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        q = qkv[:, :Hq * D].view(T, Hq, D)
+        k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+        L.rope_kv_write(self.kc, q, k, v, self.cos, self.sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
                         ctx.v_cache[layer], q_norm, k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
-        out = self._empty(T, q3.shape[1], D)
+        out = self._empty(T, Hq, D)
         if ctx.decode:
-            L.paged_attention_decode(self.kc, q3, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
+            L.paged_attention_decode(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
                                      ctx.seq_lens, ctx.max_context, out, self.scale, PARTITION, ctx.workspace)
         else:
-            L.paged_attention_prefill(self.kc, q3, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
+            L.paged_attention_prefill(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
                                       ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale)
         return out.view(T, -1)
 

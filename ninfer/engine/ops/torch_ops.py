@@ -396,17 +396,22 @@ class TorchOps:
     def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(gate)
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, heads * d], k/v [T, kv_heads * d] (views of a fused projection) -> [T, heads * d]."""
+    def attention(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv [T, (heads + 2 * kv_heads) * d] (q | k | v, maybe a view of a wider projection) ->
+        [T, heads * d]. q and k side by side as [T, heads + kv_heads, d]: one norm and one RoPE for both."""
         ctx, c, adt = self.ctx, self.config, self.attn_dtype
-        T, d = q.shape[0], c.head_dim
-        q, k, v = (t.reshape(T, -1, d).to(adt) for t in (q, k, v))
+        T, d, heads, kv_heads = qkv.shape[0], c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        qkv = qkv.to(adt)
+        qk = qkv[:, :(heads + kv_heads) * d].view(T, heads + kv_heads, d)
+        v = qkv[:, (heads + kv_heads) * d:].view(T, kv_heads, d)
         if q_norm is not None:
-            q = (rms_norm(q, None, c.rms_norm_eps) * q_norm).to(adt)
-            k = (rms_norm(k, None, c.rms_norm_eps) * k_norm).to(adt)
-        q, k = apply_rotary(q, ctx.cos, ctx.sin), apply_rotary(k, ctx.cos, ctx.sin)
-        return paged_attention(q, k, v, ctx.kv.k[layer], ctx.kv.v[layer], ctx.meta).to(self.dtype)
+            qk = rms_norm(qk, None, c.rms_norm_eps)
+            qk[:, :heads] *= q_norm
+            qk[:, heads:] *= k_norm
+            qk = qk.to(adt)
+        qk = apply_rotary(qk, ctx.cos, ctx.sin)
+        return paged_attention(qk[:, :heads], qk[:, heads:], v, ctx.kv.k[layer], ctx.kv.v[layer], ctx.meta).to(self.dtype)
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [T, C] -> causal depthwise conv + SiLU per sequence, from and into its conv window."""
