@@ -319,3 +319,53 @@ def test_synthetic_qwen3_5_weights_as_transformers_inits_them(monkeypatch: pytes
     assert (a_log >= math.log(0.01)).all() and (a_log <= math.log(16)).all() and a_log.unique().numel() == 4
     logits = runner_for(art).forward_logits(list(range(40)))
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+# ---- the engine: checkpoints --------------------------------------------------------------------------
+
+def test_engine_resumes_a_hybrid_conversation_only_at_its_checkpoint(q35) -> None:
+    """Through the real Engine and scheduler: the next turn of a retained conversation resumes exactly
+    at its executed frontier (state copied from the checkpoint, K/V pages shared) and samples what a
+    run without reuse samples; a prompt that leaves the conversation inside it reuses nothing."""
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.request import PreparedRequest
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = q35[0]("causal")
+    runner = TorchModelRunner(artifact, num_pages=64, page_size=16, dtype=torch.float32, num_state_slots=3)
+    engine = Engine(runner, Tokenizer.from_metadata(artifact.meta), SchedulerConfig(max_concurrency=1),
+                    model_max_context=1024)
+    engine.start()
+
+    def run(rid: str, prompt: list[int], **kw: object) -> tuple[list[int], object]:
+        ids, final = [], None
+        sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
+        for ev in engine.submit(PreparedRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                max_tokens=6, ignore_eos=True, **kw)):
+            ids += ev.token_ids
+            logprobs.setdefault(rid, []).extend(lp.logprob for lp in ev.logprobs)
+            final = ev
+        return ids, final
+
+    logprobs: dict[str, list[float]] = {}
+
+    try:
+        first = long_prompt(75, seed=3)
+        ids, final = run("t1", first)
+        assert final.usage.cached_tokens == 0
+        frontier = len(first) + len(ids) - 1  # the last sampled token is not in the state yet
+        turn2 = first + ids + long_prompt(20, seed=4)
+        ids2, final2 = run("t2", turn2)
+        assert final2.usage.cached_tokens == final2.timings.cache_n == frontier
+        fresh, final3 = run("t3", turn2, cache_prompt=False)
+        assert final3.usage.cached_tokens == 0 and fresh == ids2
+        # the same distributions too, not just the same argmax (fp32: only summation order differs)
+        assert len(logprobs["t2"]) == 6 and np.allclose(logprobs["t2"], logprobs["t3"], atol=1e-5), logprobs
+        branch = first[:50] + long_prompt(30, seed=5)  # leaves the retained conversation at token 50
+        _, final4 = run("t4", branch)
+        assert final4.usage.cached_tokens == 0
+        snap = engine.snapshot()
+        assert snap.state_slots_total == 3
+    finally:
+        engine.shutdown()

@@ -175,3 +175,18 @@ def _pack(allowed: torch.Tensor) -> torch.Tensor:
 def _unpack(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     words = mask.reshape(-1).to(torch.int64) & 0xFFFFFFFF
     return ((words.unsqueeze(-1) >> torch.arange(32)) & 1).reshape(-1)[:vocab].bool()
+
+
+def test_resume_from_a_copied_checkpoint(tiny) -> None:
+    """A prompt's state copied into another slot (ScheduledBatch.state_copies) continues exactly as the
+    whole sequence computed in one go; the source slot is left as it was."""
+    _, runner = tiny
+    g = torch.Generator().manual_seed(6)
+    head, tail = torch.randint(0, 512, (80,), generator=g).tolist(), torch.randint(0, 512, (30,), generator=g).tolist()
+    pages = list(range(100, 108))
+    runner.batch_logits(ScheduledBatch([work(head, 0, pages, 7, sample=False)]))
+    before = [t[7].clone() for t in (*runner.conv, *runner.ssm)]
+    logits = runner.batch_logits(ScheduledBatch([work(tail, len(head), pages, 8)], state_copies=[(7, 8)]))
+    ref = runner.forward_logits(head + tail)[-1]
+    assert torch.allclose(logits[0], ref, atol=2e-4, rtol=0), (logits[0] - ref).abs().max()
+    assert all(torch.equal(t[7], b) for t, b in zip((*runner.conv, *runner.ssm), before))
