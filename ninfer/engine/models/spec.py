@@ -50,8 +50,9 @@ class Architecture:
     weights(config) -> every tensor it needs (Hugging Face names -> logical shape; [out, in] for a
     linear weight). layer_kinds(config) -> ATTENTION or LINEAR_ATTENTION per layer. gguf_layer_names
     maps llama.cpp's per-layer tensor suffixes (after `blk.N.`) to Hugging Face suffixes (after
-    `model.layers.N.`); gguf_transforms fixes values llama.cpp's converter changed (name ->
-    function of the float32 tensor). model is the class holding `load` and the one `forward`.
+    `model.layers.N.`); gguf_transforms undoes what llama.cpp's converter changed (Hugging Face
+    suffix -> function(tensor, config) -> tensor). model is the class holding `load` and the one
+    `forward`.
     """
 
     name: str
