@@ -70,7 +70,7 @@ def wait_for(cond, deadline_s: float = 30.0) -> None:
 
 
 def test_resumed_state_samples_what_root_samples_and_slots_are_counted() -> None:
-    runner = HistoryStateRunner(num_state_slots=2 + 4)  # 2 lanes + 2 x 2 retained checkpoints
+    runner = HistoryStateRunner(num_state_slots=2 * 2 + 2)  # 2 lanes x (working + capture) + 2
     engine = Engine(runner, LetterTokens(), SchedulerConfig(max_concurrency=2), model_max_context=256)
     engine.start()
     try:
@@ -81,13 +81,21 @@ def test_resumed_state_samples_what_root_samples_and_slots_are_counted() -> None
         turn = [3, 4, 5, 6, 7] + first + [9, 9]
         resumed, final = generate(engine, "b", turn, 4)
         assert final.usage.cached_tokens == 7
-        assert runner.state_copies == [(0, 1)] and runner.page_copies == [(1, 2)]
+        # a captured its page checkpoint at 4 (slot 0 -> 1); b resumed a's frontier (0 -> 2) and
+        # captured its own at 8 (2 -> 3); the runner checked each copy's source stood at 4, 7, 8
+        assert runner.state_copies == [(0, 1), (0, 2), (2, 3)] and runner.page_copies == [(1, 2)]
         fresh, final = generate(engine, "c", turn, 4, cache_prompt=False)
         assert final.usage.cached_tokens == 0 and fresh == resumed
         wait_for(lambda: engine.snapshot().running == 0)
         snap = engine.snapshot()
         (entry,) = snap.continuations  # b's conversation replaced a's; c was not retained
-        assert entry.n_tokens == len(turn) + 3 and entry.state_slot == 1
-        assert snap.state_slots_used == 1
+        assert entry.n_tokens == len(turn) + 3 and entry.state_slot == 2 and entry.page_checkpoints == ((8, 3),)
+        assert snap.state_slots_used == 2
+        # a prompt leaving b's conversation at token 9 resumes at its page checkpoint (8)
+        branch = turn[:9] + [11, 12, 13]
+        resumed, final = generate(engine, "d", branch, 4)
+        assert final.usage.cached_tokens == 8 and runner.state_copies[-1] == (3, 5)
+        fresh, final = generate(engine, "e", branch, 4, cache_prompt=False)
+        assert final.usage.cached_tokens == 0 and fresh == resumed
     finally:
         engine.shutdown()

@@ -100,10 +100,11 @@ def test_entries_keep_a_stable_cell_and_reuse_freed_ones() -> None:
     assert cache.newest().session == (5, 5, 6) and cache.newest().token_ids == [5, 5]
 
 
-def _retain_hybrid(cache: PrefixCache, tokens: list[int]) -> tuple[list[int], int]:
+def _retain_hybrid(cache: PrefixCache, tokens: list[int], page_checkpoint: int = 0) -> tuple[list[int], int]:
     pages = cache.pool.allocate(-(-len(tokens) // P))
     (slot,) = cache.state_pool.allocate(1)  # the finished sequence's working slot, handed over
-    cache.insert(tokens, pages, state_slot=slot)
+    inner = [(page_checkpoint, cache.state_pool.allocate(1)[0])] if page_checkpoint else []  # its capture
+    cache.insert(tokens, pages, state_slot=slot, page_checkpoints=inner)
     return pages, slot
 
 
@@ -114,7 +115,7 @@ def test_checkpoint_match_needs_the_whole_entry() -> None:
     prompt = [1, 2, 3, 4, 5, 9, 9]
     assert cache.match(prompt, max_tokens=6).num_tokens == 5  # any-prefix reuse would pick entry 0
     m = cache.match_checkpoint(prompt, max_tokens=6)  # only entry 1's frontier lies on the prompt
-    assert (m.entry_id, m.num_tokens, m.entry_tokens) == (1, 3, 3) and cache.entry_checkpoint(1) == 1
+    assert (m.entry_id, m.num_tokens, m.entry_tokens, m.state_slot) == (1, 3, 3, 1)
     m = cache.match_checkpoint([1, 2, 3, 4, 5, 6, 7], max_tokens=6)
     assert (m.entry_id, m.num_tokens) == (0, 6)
     assert cache.match_checkpoint([1, 2, 3, 4, 5, 6], max_tokens=5).entry_id == 1  # capped below entry 0
@@ -139,3 +140,31 @@ def test_checkpoint_slots_free_with_their_entry_unless_pinned() -> None:
     state.decref([0])
     cache.clear()
     assert state.num_free == 3 and pool.num_free == 16
+
+
+def test_checkpoint_match_considers_page_checkpoints() -> None:
+    pool, state = PagePool(16, P), StatePool(5)
+    cache = PrefixCache(pool, max_entries=4, state_pool=state)
+    _retain_hybrid(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], page_checkpoint=8)  # entry 0: slots 0 (10), 1 (8)
+    _retain_hybrid(cache, [1, 2, 3, 4, 5, 6, 7, 8, 50, 51], page_checkpoint=4)  # entry 1: slots 2 (10), 3 (4)
+    assert [e.checkpoints() for e in cache.entries()] == [[(8, 1), (10, 0)], [(4, 3), (10, 2)]]
+    # diverges at token 9: entry 0's page checkpoint at 8 is the longest on the prompt
+    m = cache.match_checkpoint([1, 2, 3, 4, 5, 6, 7, 8, 9, 99, 99], max_tokens=10)
+    assert (m.entry_id, m.num_tokens, m.entry_tokens, m.state_slot) == (0, 8, 10, 1)
+    # entry 1's frontier wins when the prompt extends it; capped below it, its page checkpoint (4)
+    # loses to entry 0's (8), which lies on the prompt too
+    assert cache.match_checkpoint([1, 2, 3, 4, 5, 6, 7, 8, 50, 51, 0], 10).state_slot == 2
+    assert cache.match_checkpoint([1, 2, 3, 4, 5, 6, 7, 8, 50, 51], 9).state_slot == 1
+    # a prompt leaving both entries at token 5: only entry 1's page checkpoint at 4 lies on it
+    m = cache.match_checkpoint([1, 2, 3, 4, 7, 7], 5)
+    assert (m.entry_id, m.num_tokens, m.state_slot) == (1, 4, 3)
+    assert cache.match_checkpoint([1, 2, 3, 9], 3) is None
+    # eviction and drop release every checkpoint slot of the entry, unless pinned
+    assert cache.freeable_slots() == 4
+    state.incref([1])  # a pending copy out of entry 0's page checkpoint
+    assert cache.freeable_slots() == 3
+    assert cache.evict(0, need_free_slots=2) == [0]  # frees slot 0 (slot 1 stays pinned)
+    assert state.free_slot_ids() == [4, 0] and state.refcount(1) == 1
+    state.decref([1])
+    cache.clear()
+    assert state.num_free == 5 and pool.num_free == 16

@@ -369,3 +369,61 @@ def test_engine_resumes_a_hybrid_conversation_only_at_its_checkpoint(q35) -> Non
         assert snap.state_slots_total == 3
     finally:
         engine.shutdown()
+
+
+def _complete(engine, rid: str, prompt: list[int], **kw: object) -> tuple[list[int], list[float], object]:
+    """Greedy, 6 tokens, with logprobs: (token ids, their logprobs, the final event)."""
+    from ninfer.engine.request import PreparedRequest
+
+    ids, lps, final = [], [], None
+    sampling = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2)
+    for ev in engine.submit(PreparedRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                            max_tokens=6, ignore_eos=True, **kw)):
+        ids += ev.token_ids
+        lps += [lp.logprob for lp in ev.logprobs]
+        final = ev
+    return ids, lps, final
+
+
+def test_engine_resumes_a_hybrid_prompt_at_a_page_checkpoint(q35, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real Engine: turn 1's 75-token prompt captures a page checkpoint at 64 (pages of 16); a prompt
+    with its first 70 tokens and another tail resumes exactly there (64 cached: pages shared, the checkpoint's
+    state copied) and samples what a run without reuse samples. With the capture copy skipped it does not."""
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.loader import resolve_state_slots
+    from ninfer.engine.scheduler import Scheduler
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = q35[0]("causal")
+    config = SchedulerConfig(max_concurrency=1)
+    slots = resolve_state_slots(artifact.meta.config, config)
+    assert slots == 2 * 1 + 2 * 2  # a working and a capture slot per lane, two checkpoints per entry
+    first = long_prompt(75, seed=3)
+    branch = first[:70] + long_prompt(12, seed=6)
+
+    def serve(skip_captures: bool) -> tuple[list[int], list[float], list[int], list[float]]:
+        if skip_captures:
+            monkeypatch.setattr(Scheduler, "_with_captures",
+                                lambda self, batch: (self._captures.clear(), batch)[1])
+        runner = TorchModelRunner(artifact, num_pages=64, page_size=16, dtype=torch.float32, num_state_slots=slots)
+        engine = Engine(runner, Tokenizer.from_metadata(artifact.meta), config, model_max_context=1024)
+        engine.start()
+        try:
+            _, _, final = _complete(engine, "t1", first)
+            assert final.usage.cached_tokens == 0
+            (entry,) = engine.snapshot().continuations
+            assert entry.n_tokens == 80 and [n for n, _ in entry.page_checkpoints] == [64]
+            ids, lps, final = _complete(engine, "t2", branch)
+            assert final.usage.cached_tokens == final.timings.cache_n == 64
+            fresh, fresh_lps, final = _complete(engine, "t3", branch, cache_prompt=False)
+            assert final.usage.cached_tokens == 0 and len(lps) == len(fresh_lps) == 6
+            return ids, lps, fresh, fresh_lps
+        finally:
+            engine.shutdown()
+            monkeypatch.undo()
+
+    ids, lps, fresh, fresh_lps = serve(skip_captures=False)
+    assert ids == fresh and np.allclose(lps, fresh_lps, atol=1e-5), (lps, fresh_lps)
+    _, stale_lps, _, fresh_lps = serve(skip_captures=True)  # the checkpoint slot never got the state
+    assert not np.allclose(stale_lps, fresh_lps, atol=1e-5)

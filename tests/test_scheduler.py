@@ -267,70 +267,79 @@ def slots(batch: ScheduledBatch) -> list[tuple[int, int]]:
     return [(w.seq_id, w.state_slot) for w in batch.seqs]
 
 
-def test_hybrid_resumes_exactly_at_the_checkpoint() -> None:
-    s = make_hybrid(max_concurrency=1, num_state_slots=2)  # one lane + one checkpoint
-    a = seq(0, list(range(10, 19)), 2)  # 9 prompt tokens
+def finish(s: Scheduler, q: Sequence) -> None:
+    while not q.finished:
+        run(s)
+
+
+def test_hybrid_resumes_exactly_at_the_frontier_checkpoint() -> None:
+    s = make_hybrid(max_concurrency=1, num_state_slots=3)  # one lane + one entry's two checkpoints
+    a = seq(0, list(range(10, 19)), 2)  # 9 prompt tokens: its page checkpoint is at 8
     s.add(a)
     first = run(s)
     assert slots(first) == [(0, 0)] and first.state_copies == [] and first.page_copies == []
-    assert slots(run(s)) == [(0, 0)]
-    assert a.finished and a.state_slot == -1
+    assert rows(first)[0][1:] == (list(range(10, 18)), 0, [0, 1], False)
+    second = run(s)
+    assert rows(second)[0][1:] == ([18], 8, [0, 1, 2], True) and second.state_copies == [(0, 1)]
+    run(s)
+    assert a.finished and a.state_slot == -1 and a.checkpoint_slot == -1
     (entry,) = s.prefix_cache.entries()
     # the working slot became the checkpoint of the executed frontier (10 tokens), without a copy
     assert (len(entry.token_ids), entry.pages, entry.state_slot) == (10, [0, 1, 2], 0)
-    assert s.state_pool.free_slot_ids() == [1]
+    assert entry.checkpoints() == [(8, 1), (10, 0)]
+    assert s.state_pool.free_slot_ids() == [2]
     b = seq(1, entry.token_ids + [7, 7], 1)
     s.add(b)
     batch = s.schedule()
     # all 10 tokens: full pages 0, 1 shared, the partial page 2 copied into b's page 3, and the
-    # checkpoint copied into b's working slot 1
-    assert rows(batch) == [(1, [7, 7], 10, [0, 1, 3], True)] and slots(batch) == [(1, 1)]
-    assert batch.page_copies == [(2, 3)] and batch.state_copies == [(0, 1)]
+    # frontier checkpoint copied into b's working slot 2
+    assert rows(batch) == [(1, [7, 7], 10, [0, 1, 3], True)] and slots(batch) == [(1, 2)]
+    assert batch.page_copies == [(2, 3)] and batch.state_copies == [(0, 2)]
     assert b.num_cached_tokens == 10 and b.reuse_path == "private_endpoint"
+    assert b.checkpoint_at == 0  # its last page boundary (8) lies below what it reused
     assert s.state_pool.refcount(0) == 2  # the entry and the pending copy
     s.update(batch, StepOutput({1: 50}))
     assert b.finished
-    # b's entry dominated a's: a's checkpoint (no longer pinned) and private page are freed
+    # b's entry dominated a's: a's checkpoints (no longer pinned) and private page are freed
     (entry,) = s.prefix_cache.entries()
-    assert (len(entry.token_ids), entry.pages, entry.state_slot) == (12, [0, 1, 3], 1)
-    assert s.state_pool.free_slot_ids() == [0] and s.pool.refcount(2) == 0
+    assert (len(entry.token_ids), entry.pages, entry.checkpoints()) == (12, [0, 1, 3], [(12, 2)])
+    assert s.state_pool.free_slot_ids() == [1, 0] and s.pool.refcount(2) == 0
 
 
 def test_hybrid_prompt_diverging_inside_an_entry_reuses_nothing() -> None:
     pure = Scheduler(SchedulerConfig(max_concurrency=1, prefill_chunk=64), PagePool(32, P), copy_on_write=True)
-    hybrid = make_hybrid(max_concurrency=1, num_state_slots=2)
+    hybrid = make_hybrid(max_concurrency=1, num_state_slots=4)
     for s in (pure, hybrid):
         a = seq(0, list(range(10, 19)), 2)
         s.add(a)
-        run(s)
-        run(s)
+        finish(s, a)
         b = seq(1, list(range(10, 16)) + [99, 99, 99], 1)  # diverges after 6 of the entry's 10 tokens
         s.add(b)
         batch = run(s)
-        assert b.finished
         if s is pure:  # any prefix of a KV entry is reusable
             assert b.num_cached_tokens == 6 and batch.page_copies == [(1, 3)]
             assert slots(batch) == [(1, -1)] and batch.state_copies == []
-        else:  # no state exists at token 6: root
-            assert rows(batch) == [(1, b.prompt_token_ids, 0, [3, 4, 5], True)]
-            assert slots(batch) == [(1, 1)] and batch.state_copies == [] and batch.page_copies == []
+        else:  # no state exists at token 6 (the checkpoints are at 8 and 10): root, split at its own 8
+            assert rows(batch) == [(1, b.prompt_token_ids[:8], 0, [3, 4], False)]
+            assert slots(batch) == [(1, 2)] and batch.state_copies == [] and batch.page_copies == []
             assert (b.num_cached_tokens, b.reuse_path) == (0, "root")
-    # both conversations are retained, each with its own checkpoint
-    assert [e.state_slot for e in hybrid.prefix_cache.entries()] == [0, 1]
+            run(s)
+        assert b.finished
+    # both conversations are retained, each with its own two checkpoints
+    assert [e.checkpoints() for e in hybrid.prefix_cache.entries()] == [[(8, 1), (10, 0)], [(8, 3), (9, 2)]]
     assert hybrid.state_pool.num_free == 0
 
 
 def test_hybrid_without_page_copies_resumes_only_at_a_page_boundary() -> None:
-    s = make_hybrid(max_concurrency=1, num_state_slots=2, copy_on_write=False)
+    s = make_hybrid(max_concurrency=1, num_state_slots=3, copy_on_write=False)
     a = seq(0, list(range(10, 17)), 2)  # 7 prompt tokens: the frontier is 8, two whole pages
     s.add(a)
-    run(s)
-    run(s)
+    finish(s, a)
     (entry,) = s.prefix_cache.entries()
     b = seq(1, entry.token_ids + [7], 1)
     s.add(b)
     batch = run(s)
-    assert rows(batch) == [(1, [7], 8, [0, 1, 2], True)] and batch.state_copies == [(0, 1)]
+    assert rows(batch) == [(1, [7], 8, [0, 1, 2], True)] and batch.state_copies == [(0, 2)]
     assert b.num_cached_tokens == 8
     (entry,) = s.prefix_cache.entries()  # b's frontier, 9 tokens, ends inside page 2
     c = seq(2, entry.token_ids + [5], 1)
@@ -384,12 +393,11 @@ def test_hybrid_pinned_checkpoint_holds_admission_until_its_copy_runs() -> None:
 
 
 def test_hybrid_cancel_and_finish_leak_no_slots() -> None:
-    s = make_hybrid(num_pages=32, max_concurrency=2, num_state_slots=3, concurrent_prefill=True)
+    s = make_hybrid(num_pages=32, max_concurrency=2, num_state_slots=4, concurrent_prefill=True)
     a = seq(0, [5] * 6, 2)
     s.add(a)
-    run(s)
-    run(s)
-    (entry,) = s.prefix_cache.entries()
+    finish(s, a)
+    (entry,) = s.prefix_cache.entries()  # checkpoints at 4 (slot 1) and its frontier 7 (slot 0)
     b = seq(1, entry.token_ids + [6] * 9, 4)  # resumes the entry with a longer remaining prompt
     y = seq(2, [8, 8], 4)  # the shorter prompt runs first
     z = seq(3, [9], 4)
@@ -397,17 +405,108 @@ def test_hybrid_cancel_and_finish_leak_no_slots() -> None:
         s.add(q)
     batch = run(s)
     assert rows(batch)[0][0] == 2 and b.state_copy_src == 0  # b admitted, its copy still pending
-    assert s.state_pool.num_used == 3  # the checkpoint, b's and y's working slots
+    assert s.state_pool.num_used == 4  # the two checkpoints, b's and y's working slots
     s.abort(b)  # before its copy ran: the pin and the working slot both go, nothing is retained
     s.abort(z)  # still waiting: it never held a slot
-    assert s.state_pool.num_used == 2 and s.state_pool.refcount(0) == 1 and len(s.prefix_cache) == 1
+    assert s.state_pool.num_used == 3 and s.state_pool.refcount(0) == 1 and len(s.prefix_cache) == 1
     run(s)
     s.abort(y)  # decoding: not retained
-    assert s.running == [] and s.state_pool.num_used == 1 and s.pool.num_used == len(entry.pages)
+    assert s.running == [] and s.state_pool.num_used == 2 and s.pool.num_used == len(entry.pages)
     s.prefix_cache.clear()
-    assert s.state_pool.num_free == 3 and s.pool.num_free == 32
+    assert s.state_pool.num_free == 4 and s.pool.num_free == 32
 
 
 def test_hybrid_needs_a_slot_per_lane() -> None:
     with pytest.raises(ConfigError):
         make_hybrid(max_concurrency=4, num_state_slots=3)
+
+
+# ---- page checkpoints (hybrid models) -----------------------------------------------------
+
+
+def test_hybrid_prefill_splits_at_the_page_checkpoint_and_the_next_batch_captures_it() -> None:
+    s = make_hybrid(max_concurrency=2, num_state_slots=6)
+    a = seq(0, [1, 1, 1], 50)  # no page boundary inside its prompt: no checkpoint
+    s.add(a)
+    assert rows(run(s)) == [(0, [1, 1, 1], 0, [0], True)] and a.checkpoint_at == 0
+    b = seq(1, list(range(20, 30)), 2)  # 10 prompt tokens: its last page boundary is 8
+    s.add(b)
+    assert rows(run(s)) == [(0, [100], 3, [0], True)]  # a decode round before b's prefill
+    assert b.checkpoint_at == 8 and b.state_slot == 1
+    chunk = run(s)  # the 64-token chunk ends at 8
+    assert rows(chunk) == [(1, list(range(20, 28)), 0, [1, 2], False)] and chunk.state_copies == []
+    assert b.checkpoint_slot == 2 and s.state_pool.refcount(2) == 1
+    # the very next batch built carries the capture, though it only decodes a: its copies run
+    # before any row, and b's next chunk comes after it
+    decode = run(s)
+    assert rows(decode) == [(0, [100], 4, [0, 3], True)] and decode.state_copies == [(1, 2)]
+    rest = run(s)
+    assert rows(rest) == [(1, [28, 29], 8, [1, 2, 4], True)] and rest.state_copies == []
+    while not b.finished:
+        assert run(s).state_copies == []
+    entry = s.prefix_cache.newest()
+    assert (len(entry.token_ids), entry.pages, entry.checkpoints()) == (11, [1, 2, 4], [(8, 2), (11, 1)])
+
+
+def test_hybrid_prompt_diverging_after_a_page_checkpoint_resumes_there() -> None:
+    s = make_hybrid(max_concurrency=1, num_state_slots=4)
+    a = seq(0, list(range(20, 30)), 2)
+    s.add(a)
+    finish(s, a)
+    (entry,) = s.prefix_cache.entries()
+    assert (entry.pages, entry.checkpoints()) == ([0, 1, 2], [(8, 1), (11, 0)])
+    c = seq(1, list(range(20, 29)) + [99, 98], 1)  # a's first 9 tokens, then its own
+    s.add(c)
+    batch = s.schedule()
+    # exactly 8 tokens: pages 0, 1 shared (no partial page), the page checkpoint copied into c's slot
+    assert rows(batch) == [(1, [28, 99, 98], 8, [0, 1, 3], True)] and slots(batch) == [(1, 2)]
+    assert batch.state_copies == [(1, 2)] and batch.page_copies == []
+    assert (c.num_cached_tokens, c.reuse_path, c.checkpoint_at) == (8, "shared_stable_prefix", 0)
+    assert [s.pool.refcount(p) for p in (0, 1, 2)] == [2, 2, 1] and s.state_pool.refcount(1) == 2
+    s.update(batch, StepOutput({1: 50}))
+    assert c.finished and s.state_pool.refcount(1) == 1  # the copy ran: the pin is gone
+    # both retained (c does not extend a); c's prompt had no boundary above what it reused
+    assert [e.checkpoints() for e in s.prefix_cache.entries()] == [[(8, 1), (11, 0)], [(11, 2)]]
+    s.prefix_cache.clear()
+    assert s.state_pool.num_free == 4 and s.pool.num_free == 32
+
+
+def test_hybrid_page_checkpoint_slots_return_on_cancel_and_without_retention() -> None:
+    s = make_hybrid(max_concurrency=1, num_state_slots=4)
+    a = seq(0, list(range(20, 30)), 5)
+    s.add(a)
+    run(s)
+    assert a.checkpoint_slot == 1 and s.state_pool.num_used == 2
+    s.abort(a)  # before the capture copy ran: it is dropped with the slot
+    assert s.state_pool.num_free == 4 and s.pool.num_free == 32 and s.schedule() is None
+    b = seq(1, list(range(20, 30)), 5)
+    s.add(b)
+    run(s)
+    run(s)  # the capture ran with b's next chunk
+    s.abort(b)  # decoding: not retained
+    assert s.state_pool.num_free == 4 and s.pool.num_free == 32 and len(s.prefix_cache) == 0
+    c = seq(2, list(range(20, 30)), 2, cache_prompt=False)  # never retained: no checkpoint, no split
+    s.add(c)
+    assert rows(run(s)) == [(2, list(range(20, 30)), 0, [5, 6, 7], True)] and c.checkpoint_at == 0
+    finish(s, c)
+    assert s.state_pool.num_free == 4 and s.pool.num_free == 32
+    d = seq(3, list(range(20, 30)), 2)
+    s.add(d)
+    finish(s, d)
+    assert s.prefix_cache.entries()[0].checkpoints() == [(8, 3), (11, 0)]
+    assert s.prefix_cache.evict(0, need_free_slots=4) == [0]  # eviction frees both checkpoints
+    assert s.state_pool.num_free == 4 and s.pool.num_free == 32
+
+
+def test_hybrid_no_page_checkpoint_without_a_spare_slot() -> None:
+    # two lanes, two slots: the second lane's working slot is not spare, so no split, no capture
+    s = make_hybrid(max_concurrency=2, num_state_slots=2)
+    pure = Scheduler(SchedulerConfig(max_concurrency=2, prefill_chunk=64, decode_rounds_per_prefill=1),
+                     PagePool(32, P), copy_on_write=True)
+    for sched in (s, pure):
+        a = seq(0, list(range(20, 30)), 2)
+        sched.add(a)
+        assert rows(run(sched)) == [(0, list(range(20, 30)), 0, [0, 1, 2], True)]
+        finish(sched, a)
+    assert s.prefix_cache.entries()[0].checkpoints() == [(11, 0)]
+    assert pure.prefix_cache.entries()[0].checkpoints() == []  # pure attention: KV only

@@ -30,6 +30,8 @@ class ContinuationInfo:
     slot: int  # its stable cell, 0..max_private_continuations-1
     session: tuple[int, ...] = ()  # the retained session's token ids (the entry's own tuple, not a copy)
     state_slot: int = -1  # hybrid models: the state slot of its checkpoint at n_tokens; -1 without recurrent state
+    # hybrid models: (position, state slot) of its page checkpoints below n_tokens, ascending
+    page_checkpoints: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True, frozen=True)

@@ -95,8 +95,9 @@ class Engine:
         # a sequence can never hold more tokens than the pool
         self.context_limit = min(self.max_context, self.kv_capacity_tokens)
         self._copy_pages = getattr(runner, "copy_pages", None)
-        # a hybrid model's recurrent-state slots: max_concurrency working slots + the retained
-        # entries' checkpoints (the runner sizes them; 0 or absent: pure attention)
+        # a hybrid model's recurrent-state slots: working slots and page-checkpoint captures of the
+        # lanes + the retained entries' checkpoints (the runner sizes them, see
+        # loader.resolve_state_slots; 0 or absent: pure attention)
         num_state_slots = getattr(runner, "num_state_slots", 0)
         self.state_pool = StatePool(num_state_slots) if num_state_slots > 0 else None
         self.scheduler = Scheduler(config, self.pool, copy_on_write=callable(self._copy_pages),
@@ -466,7 +467,7 @@ class Engine:
         s, c, pool = self.scheduler, self._counters, self.pool
         cache = s.prefix_cache
         continuations = tuple(ContinuationInfo(e.entry_id, len(e.token_ids), len(e.pages), e.slot, e.session,
-                                               e.state_slot)
+                                               e.state_slot, tuple(e.page_checkpoints))
                               for e in cache.entries()) if cache else ()
         state = self.state_pool
         lanes = tuple(LaneInfo(q.lane, q.request_id, q.status is SeqStatus.PREFILLING, q.prompt_len,

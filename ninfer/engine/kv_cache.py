@@ -91,11 +91,13 @@ class StatePool(_RefcountedIds):
     """Fixed pool of `num_slots` recurrent-state slots (hybrid models only; a pure-attention
     model has no StatePool).
 
-    Sizing: a running sequence holds one working slot and a retained prefix-cache entry one
-    checkpoint slot, so the engine sizes the pool as max_concurrency (working state, one per
-    lane) + the number of retained entries that should keep their checkpoint (normally
-    --max-private-continuations). Admission evicts least recently used entries when no slot
-    is free, so a smaller checkpoint share only retains fewer conversations; fewer than
+    Sizing: a running sequence holds one working slot and, once its prefill passed its page
+    checkpoint, a captured checkpoint slot; a retained prefix-cache entry holds up to two
+    checkpoint slots (page and frontier). So the engine sizes the pool as 2 x max_concurrency
+    (working + capture, per lane) + 2 x the retained entries (normally
+    --max-private-continuations; loader.resolve_state_slots). Admission evicts least recently
+    used entries when no slot is free, and a capture takes only a slot the idle lanes could not
+    need, so a smaller pool only retains fewer conversations and checkpoints; fewer than
     max_concurrency slots in all would leave lanes idle and is refused by the scheduler."""
 
     __slots__ = ("num_slots",)

@@ -138,15 +138,20 @@ def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_p
 
 
 def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
-    """Recurrent-state slots of a hybrid model (0 for pure attention): one working slot per lane and
-    one checkpoint per retained continuation the prefix cache may hold."""
+    """Recurrent-state slots of a hybrid model (0 for pure attention): per lane a working slot and a
+    slot for the page checkpoint its prefill captures, and per retained continuation the prefix
+    cache may hold its two checkpoints (page and frontier): 2 x max_concurrency + 2 x entries.
+    With that many a capture always finds a spare slot, and admission always finds a working
+    slot for the queue's head by evicting unpinned entries."""
     from ninfer.engine.models import state_spec
 
     if state_spec(config).recurrent is None:
         return 0
     entries = scheduler.max_private_continuations
     entries = 2 * scheduler.max_concurrency if entries is None else entries
-    return scheduler.max_concurrency + (entries if scheduler.prefix_reuse else 0)
+    if not scheduler.prefix_reuse:
+        return scheduler.max_concurrency  # nothing is retained, so nothing is captured
+    return 2 * scheduler.max_concurrency + 2 * entries
 
 
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,

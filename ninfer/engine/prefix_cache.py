@@ -8,17 +8,19 @@ prompt (a regenerated completion), reuses the longest common prefix. The catalog
 page of tokens at a time. Eviction is least recently used first, and only releases the entry's
 references: a page an active request also holds stays allocated until that request ends.
 
-With recurrent state (a hybrid model: a StatePool is given) an entry also keeps one checkpoint:
-the state slot holding the recurrent state after exactly its tokens (its executed frontier),
-handed over from the finished sequence's working slot. That state cannot be rewound, so the
-frontier is the entry's only resume point: `match_checkpoint` finds the longest entry the prompt
-extends as a whole, and a prompt that diverges inside an entry reuses nothing of it. Dropping
-an entry releases its checkpoint slot with its pages.
+With recurrent state (a hybrid model: a StatePool is given) an entry also keeps checkpoints:
+state slots holding the recurrent state after exactly a number of its tokens. Its frontier
+checkpoint (the state after all its tokens) is the finished sequence's working slot, handed
+over; a page checkpoint (at most one, the request's last prompt page boundary below its
+frontier) is a copy the scheduler captured while prefilling. That state cannot be rewound, so a
+hybrid prompt resumes only at a checkpoint: `match_checkpoint` finds the longest checkpoint
+position of any entry that lies on the prompt. Dropping an entry releases every checkpoint slot
+with its pages.
 """
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ninfer.engine.kv_cache import PagePool, StatePool, pages_for_tokens
 
@@ -33,7 +35,15 @@ class CacheEntry:
     last_used: int  # LRU clock value of the last insert or hit
     slot: int  # its cell in 0..max_entries-1 (the /slots id, a response's id_slot); stable while retained
     session: tuple[int, ...]  # the session: token_ids plus any sampled tokens not yet executed
-    state_slot: int = -1  # checkpoint: the state after exactly token_ids (one ref); -1 without recurrent state
+    state_slot: int = -1  # frontier checkpoint: the state after exactly token_ids (one ref); -1 without recurrent state
+    # page checkpoints below the frontier: (position, state slot holding the state after exactly
+    # token_ids[:position]; one ref), position a multiple of page_size, ascending
+    page_checkpoints: list[tuple[int, int]] = field(default_factory=list)
+
+    def checkpoints(self) -> list[tuple[int, int]]:
+        """Every (position, state slot) checkpoint, ascending; empty without recurrent state."""
+        frontier = [(len(self.token_ids), self.state_slot)] if self.state_slot >= 0 else []
+        return self.page_checkpoints + frontier
 
 
 @dataclass(slots=True, frozen=True)
@@ -41,10 +51,14 @@ class PrefixMatch:
     entry_id: int
     num_tokens: int  # tokens of the prompt matched by the entry (already capped by max_tokens)
     entry_tokens: int  # the entry's length (its KV frontier)
+    state_slot: int = -1  # match_checkpoint: the checkpoint slot holding the state after num_tokens
 
 
 def reuse_path(match_tokens: int, entry_tokens: int, prompt_len: int, raw_prompt: bool) -> str:
-    """The spec's reuse path name for an admission that reused `match_tokens` tokens."""
+    """The spec's reuse path name for an admission that reused `match_tokens` tokens. A hybrid
+    prompt resuming at an entry's page checkpoint (below its frontier) is named like any reuse
+    that stops inside an entry: shared_stable_prefix (private_long_anchor in the rare case the
+    checkpoint sits one token short of a long raw prompt)."""
     if match_tokens <= 0:
         return "root"
     if match_tokens >= entry_tokens:
@@ -107,21 +121,21 @@ class PrefixCache:
         return best
 
     def match_checkpoint(self, token_ids: list[int], max_tokens: int) -> PrefixMatch | None:
-        """The longest entry whose whole token list is a prefix of `token_ids` and at most
-        `max_tokens` long: the only match recurrent state can resume from (its checkpoint).
-        None when no entry qualifies."""
+        """The longest checkpoint of any entry that lies on `token_ids` (the entry's tokens up to
+        it are a prefix of them) and is at most `max_tokens` long: the only matches recurrent
+        state can resume from. Ties go to the most recently used entry. None when none qualifies."""
         best: PrefixMatch | None = None
         for e in sorted(self._entries.values(), key=lambda e: -e.last_used):
-            n = len(e.token_ids)
-            if 0 < n <= max_tokens and (best is None or n > best.num_tokens) \
-                    and common_prefix_len(token_ids, e.token_ids, self.pool.page_size) == n:
-                best = PrefixMatch(e.entry_id, n, n)
+            common = None
+            for n, slot in reversed(e.checkpoints()):
+                if not (0 < n <= max_tokens) or (best is not None and n <= best.num_tokens):
+                    continue
+                if common is None:
+                    common = common_prefix_len(token_ids, e.token_ids, self.pool.page_size)
+                if n <= common:
+                    best = PrefixMatch(e.entry_id, n, len(e.token_ids), slot)
+                    break
         return best
-
-    def entry_checkpoint(self, entry_id: int) -> int:
-        """The entry's checkpoint state slot (-1 without recurrent state); a sequence resuming
-        from it increfs it until its copy has run."""
-        return self._entries[entry_id].state_slot
 
     def entry_pages(self, entry_id: int) -> list[int]:
         """The entry's pages (a copy); a sequence that shares some of them increfs them."""
@@ -134,11 +148,13 @@ class PrefixCache:
             e.last_used = self._tick()
 
     def insert(self, token_ids: list[int], pages: list[int], session: list[int] | None = None,
-               state_slot: int = -1) -> list[int]:
+               state_slot: int = -1, page_checkpoints: list[tuple[int, int]] | None = None) -> list[int]:
         """Retain a finished sequence: the caller hands over one reference on each page and, for
         a hybrid model, its working `state_slot` (the state after exactly `token_ids`), which
-        becomes the entry's checkpoint. `session` (default `token_ids`) is the whole
-        conversation, which may run past the KV frontier by the last sampled token.
+        becomes the entry's frontier checkpoint, and its captured `page_checkpoints` ((position,
+        slot), one reference each, positions page aligned and below the frontier). `session`
+        (default `token_ids`) is the whole conversation, which may run past the KV frontier by
+        the last sampled token.
 
         Entries whose tokens are a prefix of the new one are dropped (the new entry serves
         every prompt they could); then the least recently used go while the catalog is full.
@@ -146,6 +162,8 @@ class PrefixCache:
         assert len(pages) == pages_for_tokens(len(token_ids), self.pool.page_size)
         assert self.max_entries >= 1
         assert (state_slot >= 0) == (self.state_pool is not None), "a hybrid entry needs its checkpoint"
+        page_checkpoints = sorted(page_checkpoints or [])
+        assert all(0 < n < len(token_ids) and n % self.pool.page_size == 0 for n, _ in page_checkpoints)
         removed = [e.entry_id for e in self.entries()
                    if len(e.token_ids) <= len(token_ids) and token_ids[:len(e.token_ids)] == e.token_ids]
         for entry_id in removed:
@@ -159,7 +177,7 @@ class PrefixCache:
         used = {e.slot for e in self._entries.values()}
         slot = next(i for i in range(self.max_entries) if i not in used)
         entry = CacheEntry(self._next_id, list(token_ids), list(pages), self._tick(), slot,
-                           tuple(session if session is not None else token_ids), state_slot)
+                           tuple(session if session is not None else token_ids), state_slot, page_checkpoints)
         self._next_id += 1
         self._entries[entry.entry_id] = entry
         return removed
@@ -169,26 +187,26 @@ class PrefixCache:
         return max(self._entries.values(), key=lambda e: e.last_used)
 
     def drop(self, entry_id: int) -> list[int]:
-        """Remove one entry and release its page references and its checkpoint slot; returns
+        """Remove one entry and release its page references and its checkpoint slots; returns
         the pages freed."""
         e = self._entries.pop(entry_id)
         if e.state_slot >= 0:
             assert self.state_pool is not None
-            self.state_pool.decref([e.state_slot])
+            self.state_pool.decref([slot for _, slot in e.checkpoints()])
         return self.pool.decref(e.pages)
 
     def _freeable(self, entry: CacheEntry) -> int:
         # pages this entry is the last holder of
         return sum(1 for p in entry.pages if self.pool.refcount(p) == 1)
 
-    def _frees_slot(self, entry: CacheEntry) -> bool:
-        # the entry holds the last reference on its checkpoint (no pending copy pins it)
-        return entry.state_slot >= 0 and self.state_pool.refcount(entry.state_slot) == 1
+    def _slots_freed(self, entry: CacheEntry) -> int:
+        # checkpoints the entry holds the last reference on (no pending copy pins them)
+        return sum(1 for _, slot in entry.checkpoints() if self.state_pool.refcount(slot) == 1)
 
     def freeable_slots(self) -> int:
         """State slots that evicting every entry would return to the pool (a checkpoint pinned
         by a pending copy is not counted)."""
-        return sum(1 for e in self._entries.values() if self._frees_slot(e))
+        return sum(self._slots_freed(e) for e in self._entries.values())
 
     def freeable_pages(self) -> int:
         """Pages that evicting every entry would return to the pool (pages an active request
@@ -207,7 +225,7 @@ class PrefixCache:
             if not (short_pages or short_slots):
                 break
             victim = next((e for e in self.entries() if (short_pages and self._freeable(e) > 0)
-                           or (short_slots and self._frees_slot(e))), None)
+                           or (short_slots and self._slots_freed(e) > 0)), None)
             if victim is None:
                 break
             self.drop(victim.entry_id)

@@ -10,8 +10,12 @@ counts against later admissions, so a running request never runs out of pages.
 
 With recurrent state (a hybrid model, a StatePool) every admitted request also takes one working
 state slot, which admission counts like pages (evicting retained entries when none is free);
-a finished request's slot becomes its retained entry's checkpoint, and a prompt resumes from
-a retained entry only at that checkpoint, through a state copy (ScheduledBatch.state_copies).
+a finished request's slot becomes its retained entry's frontier checkpoint. A request that may
+be retained also captures a page checkpoint at its prompt's last page boundary
+(`Sequence.checkpoint_at`): its prefill chunk ends there, and the next batch built, whatever it
+holds, first copies the working slot into a spare slot (best effort: neither happens when no
+slot is free beyond those the idle lanes could need). A prompt resumes from a retained entry
+only at one of its checkpoints, through a state copy (ScheduledBatch.state_copies).
 """
 from __future__ import annotations
 
@@ -62,6 +66,8 @@ class Sequence:
     copy_src: int | None = None  # a page we hold a ref on until its copy has run
     state_slot: int = -1  # the working recurrent-state slot while admitted (-1: none)
     state_copy_src: int | None = None  # a checkpoint slot we hold a ref on until its copy has run
+    checkpoint_at: int = 0  # hybrid: the page boundary whose state is captured while prefilling (0: none)
+    checkpoint_slot: int = -1  # the slot holding (or, its copy pending, about to hold) that state
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     slot: int | None = None  # the context-cache cell it was retained in, once finished
@@ -105,8 +111,8 @@ class Scheduler:
     copy_on_write: the runner can copy a page (ScheduledBatch.page_copies), so a prefix hit
     that ends inside a page reuses it exactly; without it the partial page is recomputed.
     state_pool: the recurrent-state slots of a hybrid model (None: pure attention). It needs at
-    least max_concurrency slots (one working slot a lane); the rest hold checkpoints of
-    retained entries (see StatePool for the sizing)."""
+    least max_concurrency slots (one working slot a lane); the rest hold page-checkpoint captures
+    and checkpoints of retained entries (see StatePool for the sizing)."""
 
     def __init__(self, config: SchedulerConfig, pool: PagePool, *, copy_on_write: bool = False,
                  state_pool: StatePool | None = None) -> None:
@@ -128,6 +134,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # lanes in admission order
         self.newly_admitted: list[Sequence] = []  # admitted by the last schedule() call
+        # page-checkpoint captures (working slot, checkpoint slot) for the next batch built
+        self._captures: list[tuple[int, int]] = []
         self._rounds_since_prefill = 0
 
     # ---- requests in and out -------------------------------------------------------------
@@ -168,18 +176,33 @@ class Scheduler:
             retain = False
         table, seq.block_table = seq.block_table, []
         n = seq.num_computed_tokens
-        if retain and n > 0:
+        retain = retain and n > 0
+        page_checkpoints = self._hand_over_capture(seq, state_slot, keep=retain)
+        if retain:
             keep = pages_for_tokens(n, self.page_size)
             self.pool.decref(table[keep:])
             session = seq.prompt_token_ids + seq.output_token_ids
             assert self.prefix_cache is not None
-            # the working slot holds the state after exactly n tokens: it becomes the checkpoint
-            self.prefix_cache.insert(session[:n], table[:keep], session, state_slot)
+            # the working slot holds the state after exactly n tokens: it becomes the frontier checkpoint
+            self.prefix_cache.insert(session[:n], table[:keep], session, state_slot, page_checkpoints)
             seq.slot = self.prefix_cache.newest().slot
         else:
             self.pool.decref(table)
             if state_slot >= 0:
                 self.state_pool.decref([state_slot])
+
+    def _hand_over_capture(self, seq: Sequence, working_slot: int, *, keep: bool) -> list[tuple[int, int]]:
+        # the sequence's page checkpoint as [(position, slot)] for its retained entry, or released
+        slot, seq.checkpoint_slot = seq.checkpoint_slot, -1
+        if slot < 0:
+            return []
+        if (working_slot, slot) in self._captures:  # its copy never ran: the slot holds nothing
+            self._captures.remove((working_slot, slot))
+            keep = False
+        if keep:
+            return [(seq.checkpoint_at, slot)]
+        self.state_pool.decref([slot])
+        return []
 
     # ---- admission ------------------------------------------------------------------------
 
@@ -192,7 +215,7 @@ class Scheduler:
         cache, state = self.prefix_cache, self.state_pool
         match = None
         if cache and seq.cache_prompt:
-            # recurrent state resumes only at an entry's checkpoint (its whole frontier)
+            # recurrent state resumes only at one of an entry's checkpoints
             find = cache.match_checkpoint if state else cache.match
             match = find(seq.prompt_token_ids, seq.prompt_len - 1)
         matched = match.num_tokens if match else 0
@@ -218,7 +241,7 @@ class Scheduler:
                     copy_src = pages[full_pages]
                     self.pool.incref([copy_src])
                 if state:
-                    checkpoint = cache.entry_checkpoint(match.entry_id)
+                    checkpoint = match.state_slot
                     state.incref([checkpoint])
             need = entitlement - len(shared) + self._outstanding_pages()
             freeable = cache.freeable_pages() if cache else 0
@@ -249,6 +272,9 @@ class Scheduler:
         seq.num_cached_tokens = reused
         seq.reuse_path = reuse_path(matched, match.entry_tokens, seq.prompt_len, seq.raw_prompt) \
             if match and reused else "root"
+        if state and cache is not None and seq.cache_prompt:  # it may be retained: plan its page checkpoint
+            boundary = (seq.prompt_len - 1) // P * P  # <= prompt_len - 1, below any frontier it retains
+            seq.checkpoint_at = boundary if boundary >= P and boundary > reused else 0
         return True
 
     def _admit(self) -> None:
@@ -300,6 +326,8 @@ class Scheduler:
         if staged:
             unit = self._pick_prefill(staged)
             n = min(self.config.prefill_chunk, unit.remaining_prompt)
+            if unit.num_computed_tokens < unit.checkpoint_at < unit.num_computed_tokens + n and self._spare_slot():
+                n = unit.checkpoint_at - unit.num_computed_tokens  # end the chunk at the checkpoint
             if not decoding or self._rounds_since_prefill >= self._rounds_before(n):
                 self._rounds_since_prefill = 0
                 for s in staged:
@@ -310,12 +338,18 @@ class Scheduler:
                     batch.page_copies.append((unit.copy_src, unit.block_table[start // self.page_size]))
                 if unit.state_copy_src is not None:  # resume from the entry's checkpoint
                     batch.state_copies.append((unit.state_copy_src, unit.state_slot))
-                return batch
+                return self._with_captures(batch)
         if decoding:
             self._rounds_since_prefill += 1
-            return ScheduledBatch([self._work(s, s.num_computed_tokens, s.num_computed_tokens + 1, True)
-                                   for s in decoding])
+            return self._with_captures(ScheduledBatch(
+                [self._work(s, s.num_computed_tokens, s.num_computed_tokens + 1, True) for s in decoding]))
         return None
+
+    def _with_captures(self, batch: ScheduledBatch) -> ScheduledBatch:
+        # pending page-checkpoint captures run first: they read working slots no row has advanced yet
+        batch.state_copies[:0] = self._captures
+        self._captures = []
+        return batch
 
     def update(self, batch: ScheduledBatch, output: StepOutput) -> list[tuple[Sequence, int]]:
         """Advance every sequence of `batch` by the tokens it computed and append the sampled
@@ -334,6 +368,8 @@ class Scheduler:
             if seq.state_copy_src is not None:
                 self.state_pool.decref([seq.state_copy_src])  # likewise the state copy
                 seq.state_copy_src = None
+            if seq.num_computed_tokens == seq.checkpoint_at:
+                self._capture(seq)
             if not work.sample:
                 continue
             token = output.sampled[work.seq_id]
@@ -345,6 +381,21 @@ class Scheduler:
             elif len(seq.output_token_ids) >= seq.max_output_tokens:
                 self.finish(seq, "length")
         return sampled
+
+    def _spare_slot(self) -> bool:
+        # a free state slot that the idle lanes could not need (counting what evicting unpinned
+        # entries would give them): a page checkpoint takes only such a slot and evicts nothing
+        state = self.state_pool
+        idle_lanes = self.config.max_concurrency - len(self.running)
+        freeable = self.prefix_cache.freeable_slots() if self.prefix_cache is not None else 0
+        return state.num_free > 0 and state.num_free - 1 + freeable >= idle_lanes
+
+    def _capture(self, seq: Sequence) -> None:
+        # the working slot holds the state after exactly checkpoint_at tokens: copy it into a
+        # spare slot with the next batch built (its copies run before any row advances a slot)
+        if self._spare_slot():
+            seq.checkpoint_slot = self.state_pool.allocate(1)[0]
+            self._captures.append((seq.state_slot, seq.checkpoint_slot))
 
     # ---- gauges ---------------------------------------------------------------------------
 
