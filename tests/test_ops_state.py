@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ninfer.engine.counters import ContinuationInfo, EngineSnapshot
+from ninfer.server.generate import session_digest
 from ninfer.server.ops import handle_slots, load_report, metrics_text
 
 
@@ -34,7 +35,8 @@ def snapshot(state_total: int, state_used: int, continuations: tuple[Continuatio
 
 
 def test_state_pool_in_load_metrics_and_slots() -> None:
-    entry = ContinuationInfo(entry_id=7, n_tokens=5, n_pages=1, slot=0, session=(1, 2, 3, 4, 5, 6), state_slot=2)
+    entry = ContinuationInfo(entry_id=7, n_tokens=5, n_pages=1, slot=0, session=(1, 2, 3, 4, 5, 6), state_slot=2,
+                             page_checkpoints=((4, 3),))
     call = fake_call(snapshot(6, 1, (entry,)))
     report = load_report(call, "ninfer.load")
     assert report["capacity"]["device_state_slots"] == 6 and report["occupancy"]["device_state_slots"] == 1
@@ -43,7 +45,9 @@ def test_state_pool_in_load_metrics_and_slots() -> None:
     assert "ninfer:state_slots_total 6" in lines and "ninfer:state_slots_used 1" in lines
     asyncio.run(handle_slots(call))
     status, (cell,) = call.sent
-    assert status == 200 and [(c["frontier"], c["state_slot"]) for c in cell["checkpoints"]] == [(5, 2)]
+    assert status == 200 and [(c["frontier"], c["state_slot"]) for c in cell["checkpoints"]] == [(4, 3), (5, 2)]
+    assert [c["session_digest"] for c in cell["checkpoints"]] == [session_digest([1, 2, 3, 4]),
+                                                                  session_digest([1, 2, 3, 4, 5])]
 
 
 def test_pure_attention_reports_no_state() -> None:

@@ -181,18 +181,23 @@ async def handle_slots(call: Call) -> None:
     a response reported), then the lanes that will publish into a cell when they finish."""
     state = call.state
     snap = state.loaded.engine.snapshot()
-    digests: dict[int, tuple[str, str]] = {}
+    digests: dict[int, tuple[str, ...]] = {}
     slots: list[dict[str, Any]] = []
     for c in sorted(snap.continuations, key=lambda c: c.slot):
+        # a hybrid model's page checkpoints, then the endpoint checkpoint at the executed frontier
+        frontiers = c.page_checkpoints + ((c.n_tokens, c.state_slot),)
         known = state.slot_digests.get(c.entry_id)
-        digests[c.entry_id] = known or (session_digest(list(c.session)), session_digest(list(c.session[:c.n_tokens])))
-        session, endpoint = digests[c.entry_id]
-        checkpoint: dict[str, Any] = {"frontier": c.n_tokens, "session_digest": endpoint}
-        if c.state_slot >= 0:  # a hybrid model: the recurrent-state slot the checkpoint occupies
-            checkpoint["state_slot"] = c.state_slot
-        # the session depth as both counts; the endpoint checkpoint sits at the executed frontier
+        digests[c.entry_id] = known or (session_digest(list(c.session)),
+                                        *(session_digest(list(c.session[:n])) for n, _ in frontiers))
+        session, *endpoints = digests[c.entry_id]
+        checkpoints: list[dict[str, Any]] = []
+        for (n, state_slot), digest in zip(frontiers, endpoints):
+            checkpoints.append({"frontier": n, "session_digest": digest})
+            if state_slot >= 0:  # a hybrid model: the recurrent-state slot the checkpoint occupies
+                checkpoints[-1]["state_slot"] = state_slot
+        # the session depth as both counts
         slots.append({"id": c.slot, "is_processing": False, "retained": True, "session_digest": session,
-                      "checkpoints": [checkpoint],
+                      "checkpoints": checkpoints,
                       "n_ctx": snap.max_context, "n_prompt_tokens": len(c.session),
                       "n_prompt_tokens_cache": len(c.session), "n_pages": c.n_pages, "speculative": False})
     state.slot_digests = digests  # only live entries stay memoized

@@ -38,8 +38,9 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored OpenAI Responses
     grammars: Any = None  # grammar.JsonGrammars with --structured-output
     reqlog: RequestLog = field(default_factory=RequestLog)  # req#N records (and the JSONL log when asked)
-    # /slots digests by cache entry id (an entry's tokens never change): (session, endpoint checkpoint)
-    slot_digests: dict[int, tuple[str, str]] = field(default_factory=dict)
+    # /slots digests by cache entry id (an entry's tokens never change): (session, then one per
+    # checkpoint: its page checkpoints, ascending, then the endpoint)
+    slot_digests: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
