@@ -14,18 +14,28 @@ from ninfer.kernels.compiler import KernelCompiler
 DEV = "cuda"
 
 
-def bench(fn, reps: int = 50) -> float:
-    """Median milliseconds of fn() over reps, timed with CUDA events after a warm-up."""
-    for _ in range(3):
-        fn()
+def bench(fn, reps: int = 20, calls: int = 20) -> float:
+    """Median milliseconds of one fn() call: `calls` calls captured in a CUDA graph (so host launch
+    time does not count, as in decode), the graph replayed `reps` times, timed with CUDA events."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b))
+        times.append(a.elapsed_time(b) / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -38,19 +48,25 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  (GB/s counts weight/KV bytes read once)")
     for N, K in ((6144, 4096), (28672, 4096), (4096, 14336)):
         for name, fmt in (("bf16", TensorFormat("bf16")), ("int8", TensorFormat("int8", 32)),
-                          ("int4asym", TensorFormat("int4", 32, False))):
+                          ("int4sym", TensorFormat("int4", 32, True)), ("int4asym", TensorFormat("int4", 32, False))):
             parts = quantize(torch.randn(N, K, device=DEV) * 0.02, fmt)
             nbytes = sum(p.numel() * p.element_size() for p in parts.values())
-            for M in (1, 8):
+            for M in (1, 2, 4, 8):
                 x = torch.randn(M, K, device=DEV).bfloat16()
-                out = torch.empty(M, N, device=DEV, dtype=torch.float32)
-                ms = bench(lambda: L.gemv(kc, x, fmt, parts, out))
-                err = rel(out, x.double() @ dequantize(fmt, parts, torch.float64).T)
-                line = f"gemv {name:9s} M={M} N={N:6d} K={K:6d}: {ms * 1e3:7.1f} us {nbytes / ms / 1e6:6.0f} GB/s rel {err:.1e}"
-                if name == "bf16":
-                    w = parts[""]
-                    line += f" | torch.matmul {bench(lambda: x @ w.T) * 1e3:7.1f} us"
-                print(line)
+                out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+                ref = x.double() @ dequantize(fmt, parts, torch.float64).T
+                for route in L.GEMV_ROUTES:
+                    if not L.gemv_route_ok(route, fmt, K, x.dtype):
+                        continue
+                    packed = L.gemv_pack(route, fmt, parts)
+                    ms = bench(lambda: L.gemv(kc, x, fmt, packed, out, route))
+                    err = rel(out, ref)
+                    line = (f"gemv {route:4s} {name:9s} M={M} N={N:6d} K={K:6d}: {ms * 1e3:7.1f} us "
+                            f"{nbytes / ms / 1e6:6.0f} GB/s rel {err:.1e}")
+                    if name == "bf16" and route == "warp":
+                        w = parts[""]
+                        line += f" | torch.matmul {bench(lambda: x @ w.T) * 1e3:7.1f} us"
+                    print(line)
     B, Hq, Hkv, D, ps = 8, 32, 8, 128, 16
     for ctx_len in (512, 4096, 32768):
         pages = B * ctx_len // ps

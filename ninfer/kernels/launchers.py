@@ -26,6 +26,10 @@ GEMV_WARPS = 8  # gemv.cu
 ATTN_THREADS = 128  # attention.cu: NWARPS * 32
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
 GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
+# gemv routes: "warp" (gemv.cu: a warp per output, CUDA cores, every format and activation dtype) and
+# "mma" (gemv_mma.cu: tensor cores, bf16 activations, bf16 and int4 weights, K and groups in 32s)
+GEMV_ROUTES = ("warp", "mma")
+MMA_WARPS = 8  # gemv_mma.cu
 ACT_DTYPES = (BF16, F32_DT)  # activations: bf16, or fp32 (modules compiled with ACT_F32=1)
 
 
@@ -286,12 +290,56 @@ def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.
                max(1, max_context_len), None)
 
 
+def gemv_route_ok(route: str, fmt: TensorFormat, K: int, act_dtype: torch.dtype) -> bool:
+    """Whether `route` takes weights of `fmt` at input width K with activations of `act_dtype`."""
+    if fmt.format in ("bf16", "f32"):
+        code, g = GEMV_FORMATS[fmt.format], 0
+    elif fmt.format == "int8":
+        code, g = 1, fmt.group_size
+    elif fmt.format == "int4":
+        code, g = (2 if fmt.symmetric else 3), fmt.group_size
+    else:
+        return False
+    if route == "mma":
+        return act_dtype == BF16 and code in (0, 2, 3) and K % 32 == 0 and (g == 0 or (g % 32 == 0 and K % g == 0))
+    chunk = GEMV_CHUNK[code]
+    return route == "warp" and K % chunk == 0 and (g == 0 or (g % chunk == 0 and K % g == 0))
+
+
+def _mma_wide(fmt: TensorFormat, K: int) -> bool:
+    """Whether the mma route keeps int4 weights of width K interleaved for 16-byte loads."""
+    return fmt.format == "int4" and K % 128 == 0
+
+
+def _interleave(q: torch.Tensor) -> torch.Tensor:
+    """int4 rows [N, K/2] bytes: in each 64-byte block swap (chunk i, word t) with (word t, chunk i),
+    a 4 x 4 transpose of 4-byte words (its own inverse)."""
+    N, B = q.shape
+    return q.view(N, B // 64, 4, 4, 4).transpose(2, 3).contiguous().view(N, B)
+
+
+def gemv_pack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weight parts as `route` reads them, from quant.py's layout: the mma route interleaves int4
+    rows whose width is a multiple of 128 (see gemv_mma.cu); everything else is kept as is."""
+    if route == "mma" and _mma_wide(fmt, parts[""].shape[1] * 2):
+        return {**parts, "": _interleave(parts[""])}
+    return dict(parts)
+
+
+def gemv_unpack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gemv_pack's inverse: quant.py's layout (what dequantize and the embedding kernels read)."""
+    return gemv_pack(route, fmt, parts)  # the interleave is its own inverse
+
+
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
-         out: torch.Tensor) -> None:
+         out: torch.Tensor, route: str = "warp") -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
-    (16-byte multiples)."""
+    (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it."""
+    if route not in GEMV_ROUTES:
+        raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
+    act_defines = _act(x.dtype, "x")
     M, K = x.shape
     w = parts[""]
     N = w.shape[0]
@@ -306,9 +354,9 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         _check(w, "weight", torch.uint8, [N, K // 2], kc.device, align16=True)
     else:
         raise KernelError(f"gemv has no kernel for {fmt.format} weights")
-    chunk = GEMV_CHUNK[code]
-    if K % chunk or (fmt.quantized and (g % chunk or K % g)):
-        raise KernelError(f"K={K} and group size {g} must be multiples of {chunk} (and K of the group size)")
+    if not gemv_route_ok(route, fmt, K, x.dtype):
+        raise KernelError(f"the {route} gemv does not take {fmt.format} weights with K={K}, group size {g} and "
+                          f"{x.dtype} activations")
     if fmt.quantized:
         _check(parts[".scales"], "scales", F16, [N, K // g], kc.device)
     mins = parts.get(".mins") if code == 3 else None
@@ -316,7 +364,6 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         _check(mins, "mins", F16, [N, K // g], kc.device)
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use torch.matmul for more")
-    defines = {"GEMV_FMT": code, **_act(x.dtype, "x")}
     _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
     if out.dtype not in (x.dtype, F32_DT):
         raise KernelError(f"out must be {' or '.join(sorted({str(x.dtype), str(F32_DT)}))}, got {out.dtype}")
@@ -324,10 +371,14 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     out_stride = out.stride(0) if M > 1 else N
     if M > 1 and out_stride < N:
         raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
-    kc.kernel("gemv.cu", "gemv", defines).launch(
-        (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1),
-        [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
-         I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)])
+    args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
+            I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)]
+    if route == "mma":
+        kc.kernel("gemv_mma.cu", "gemv_mma", {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K))}).launch(
+            (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
+    else:
+        kc.kernel("gemv.cu", "gemv", {"GEMV_FMT": code, **act_defines}).launch(
+            (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1), args)
 
 
 def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor, temperature: torch.Tensor,

@@ -256,16 +256,60 @@ def test_gemv(kc: KernelCompiler, fmt: TensorFormat, M: int, act: torch.dtype, o
     assert rel(out, ref) < TOL[out_dtype]
 
 
+MMA_FORMATS = [TensorFormat("bf16"), TensorFormat("int4", 32, True), TensorFormat("int4", 32, False),
+               TensorFormat("int4", 64, True), TensorFormat("int4", 128, False)]
+MMA_IDS = ["bf16", "int4sym", "int4asym", "int4sym-g64", "int4asym-g128"]
+
+
+@pytest.mark.parametrize("fmt", MMA_FORMATS, ids=MMA_IDS)
+@pytest.mark.parametrize("M", list(range(1, 9)))
+@pytest.mark.parametrize("N,K", [(1000, 2048), (960, 576), (16, 14336)])
+def test_gemv_mma(kc: KernelCompiler, fmt: TensorFormat, M: int, N: int, K: int) -> None:
+    """The tensor-core route against fp64 on fresh random data, every row count, SmolLM2/8B widths;
+    fp32 out is held to the fp32 bound: the products are exact and only the summation order differs."""
+    if fmt.quantized and K % fmt.group_size:
+        pytest.skip("group size does not divide K")
+    g = gen(11 + M)
+    parts = quantize(randn((N, K), g, torch.float32, 0.05), fmt)
+    x = randn((M, K), g)
+    ref = x.double() @ dequantize(fmt, parts, torch.float64).T
+    packed = L.gemv_pack("mma", fmt, parts)
+    out = poisoned((M, N), F32)
+    L.gemv(kc, x, fmt, packed, out, route="mma")
+    assert rel(out, ref) < 1e-5
+    out_bf = poisoned((M, N), BF)
+    L.gemv(kc, x, fmt, packed, out_bf, route="mma")
+    assert rel(out_bf, ref) < TOL[BF]
+
+
 @pytest.mark.parametrize("fmt", GEMV_FORMATS, ids=GEMV_IDS)
-def test_gemv_batch_invariant(kc: KernelCompiler, fmt: TensorFormat) -> None:
+@pytest.mark.parametrize("route", L.GEMV_ROUTES)
+def test_gemv_batch_invariant(kc: KernelCompiler, fmt: TensorFormat, route: str) -> None:
     g = gen(10)
     N, K = 576, 1536
-    parts = quantize(randn((N, K), g, torch.float32, 0.05), fmt)
+    if not L.gemv_route_ok(route, fmt, K, BF):
+        pytest.skip(f"the {route} route does not take {fmt.format}")
+    parts = L.gemv_pack(route, fmt, quantize(randn((N, K), g, torch.float32, 0.05), fmt))
     x = randn((8, K), g)
-    out8, out1 = poisoned((8, N), torch.float32), poisoned((1, N), torch.float32)
-    L.gemv(kc, x, fmt, parts, out8)
-    L.gemv(kc, x[:1], fmt, parts, out1)
-    assert torch.equal(out1[0], out8[0])
+    out1 = poisoned((1, N), torch.float32)
+    L.gemv(kc, x[:1], fmt, parts, out1, route=route)
+    for M in range(2, 9):
+        outM = poisoned((M, N), torch.float32)
+        L.gemv(kc, x[:M], fmt, parts, outM, route=route)
+        assert torch.equal(out1[0], outM[0]), M
+
+
+def test_gemv_mma_refuses_what_it_does_not_take(kc: KernelCompiler) -> None:
+    g = gen(12)
+    for fmt in (TensorFormat("int8", 32), TensorFormat("f32")):
+        parts = quantize(randn((64, 256), g, torch.float32, 0.05), fmt)
+        with pytest.raises(KernelError, match="mma gemv does not take"):
+            L.gemv(kc, randn((1, 256), g), fmt, parts, poisoned((1, 64), F32), route="mma")
+    w = randn((64, 256), g)
+    with pytest.raises(KernelError, match="mma gemv does not take"):  # fp32 activations: the warp route
+        L.gemv(kc, randn((1, 256), g, F32), TensorFormat("bf16"), {"": w}, poisoned((1, 64), F32), route="mma")
+    with pytest.raises(KernelError, match="route must be one of"):
+        L.gemv(kc, randn((1, 256), g), TensorFormat("bf16"), {"": w}, poisoned((1, 64), F32), route="fast")
 
 
 # ---------------------------------------------------------------- sampling

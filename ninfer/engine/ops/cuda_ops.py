@@ -40,22 +40,19 @@ class Weight:
     fmt: TensorFormat
     parts: dict[str, torch.Tensor]
     bias: torch.Tensor | None = None  # [N], activation dtype
+    route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in `dtype` (the stored tensor where it already is one, else a fresh expanded copy)."""
         w = self.parts[""]
-        return w if w.dtype == dtype and not self.fmt.quantized else dequantize(self.fmt, self.parts, dtype)
+        if w.dtype == dtype and not self.fmt.quantized:
+            return w
+        return dequantize(self.fmt, L.gemv_unpack(self.route, self.fmt, self.parts), dtype)
 
 
 def gemv_ok(fmt: TensorFormat, k: int) -> bool:
     """Whether the gemv kernel takes this format at input width k (launchers.gemv's checks)."""
-    if fmt.format in ("bf16", "f32"):
-        return k % L.GEMV_CHUNK[L.GEMV_FORMATS[fmt.format]] == 0
-    if fmt.format not in ("int8", "int4"):
-        return False
-    code = 1 if fmt.format == "int8" else (2 if fmt.symmetric else 3)
-    chunk, g = L.GEMV_CHUNK[code], fmt.group_size
-    return k % chunk == 0 and g % chunk == 0 and k % g == 0
+    return L.gemv_route_ok("warp", fmt, k, torch.float32)
 
 
 @dataclass(slots=True)
@@ -107,18 +104,24 @@ class CudaOps:
         b = bias.to(self.device, self.dtype).contiguous() if bias is not None else None
         if all(f == first_fmt for f in fmts) and gemv_ok(first_fmt, k) and (
                 first_fmt.quantized or first_fmt.format == "bf16"):  # bf16 is exact in either dtype
-            return Weight(first_fmt, {sfx: torch.cat([parts[sfx] for _, parts in items]).contiguous()
-                                      for sfx in first}, b)
+            route = self.gemv_route(first_fmt, k)
+            parts = {sfx: torch.cat([parts[sfx] for _, parts in items]).contiguous() for sfx in first}
+            return Weight(first_fmt, L.gemv_pack(route, first_fmt, parts), b, route)
         # f32/f16, mixed formats or shapes the gemv kernel does not take: the activation dtype
         return Weight(DTYPES[self.dtype],
                       {"": torch.cat([dequantize(f, p, self.dtype) for f, p in items]).contiguous()}, b)
 
+    def gemv_route(self, fmt: TensorFormat, k: int) -> str:
+        """The decode gemv kernel for weights of `fmt` and input width k: tensor cores where they take it."""
+        return "mma" if L.gemv_route_ok("mma", fmt, k, self.dtype) else "warp"
+
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
         if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and gemv_ok(fmt, H):
-            return Weight(fmt, dict(parts))
+            return Weight(fmt, dict(parts))  # the embedding kernel reads quant.py's layout: the warp route
         # the embedding kernel copies rows of the activation dtype
-        return Weight(DTYPES[self.dtype], {"": dequantize(fmt, parts, self.dtype).contiguous()})
+        w = dequantize(fmt, parts, self.dtype).contiguous()
+        return Weight(DTYPES[self.dtype], {"": w}, route=self.gemv_route(DTYPES[self.dtype], H))
 
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()
@@ -153,7 +156,7 @@ class CudaOps:
         n, N = x.shape[0], w.parts[""].shape[0]
         if self.ctx.decode:
             y = self._empty(n, N)
-            L.gemv(self.kc, x, w.fmt, w.parts, y)
+            L.gemv(self.kc, x, w.fmt, w.parts, y, w.route)
         else:
             y = self._mm(x, w.dense(self.dtype).t())
         if w.bias is not None:
@@ -224,5 +227,5 @@ class CudaOps:
         n = x.shape[0]
         out = out if out is not None else self._empty(n, w.parts[""].shape[0], dtype=torch.float32)
         for s in range(0, n, L.MAX_GEMV_ROWS):
-            L.gemv(self.kc, x[s:s + L.MAX_GEMV_ROWS], w.fmt, w.parts, out[s:s + L.MAX_GEMV_ROWS])
+            L.gemv(self.kc, x[s:s + L.MAX_GEMV_ROWS], w.fmt, w.parts, out[s:s + L.MAX_GEMV_ROWS], w.route)
         return out

@@ -1,0 +1,166 @@
+// GEMV / skinny GEMM for decode on tensor cores: y[M, N] = x[M, K] @ W^T, M = 1..8 rows, bf16
+// activations, W [N, K] in the same layouts as gemv.cu (quant.py's, untouched):
+//   MMA_FMT 0 bf16:      W [N, K] bf16
+//   MMA_FMT 2 int4 sym:  W [N, K/2] uint8, scales [N, K/g] f16;          w = (q - 8) * s
+//   MMA_FMT 3 int4 asym: W [N, K/2] uint8, scales, mins [N, K/g] f16;    w = q * s + m
+// (int4 element 2j in the low nibble of byte j.) One block of MMA_WARPS warps owns a tile of 16
+// output columns n; its warps split K by iterations (warp w takes iterations w, w + MMA_WARPS, ...)
+// and each issues mma.m16n8k16 with A = 16 weight rows x 16 k and B = 16 k x 8 activation rows (the
+// M rows, zero beyond M). A lane (g = lane / 4, t = lane % 4) feeds weight rows g and g + 8 and
+// activation row g. The k order inside an mma is free as long as A and B agree, so each lane reads
+// its own chunks:
+//   bf16: 8 consecutive k per lane and row -> two mmas, pairs (k, k+1) as stored;
+//   int4: word t (8 nibbles) of a 32-wide chunk of k -> two mmas that take all their k from that
+//         chunk, inside one scale group (group sizes are multiples of 32), so the group's scale
+//         applies to the mma result:
+//         acc += s * sum(q x) (+ m * sum(x), sum(x) by an mma with A = ones). Nibbles i and i + 4 of
+//         a word sit 16 bits apart, so one and/or gives two of them as bf16 (128 + q), exact, and one
+//         bf16x2 fma takes the offset off; the activations' pairs are permuted to match (prmt).
+// fp32 accumulation; a column m's result depends only on row m of x (zero rows add zeros), and the
+// warps' partial sums are added in warp order: batch invariant, like gemv.cu.
+#include "common.cuh"
+
+#define MMA_WARPS 8
+
+#ifndef MMA_FMT
+#error "compile with -DMMA_FMT=0|2|3"
+#endif
+#ifndef MMA_WIDE
+#define MMA_WIDE 0  // int4 rows interleaved for 16-byte loads (K % 128 == 0, see gemv_pack)
+#endif
+#if ACT_F32
+#error "gemv_mma takes bf16 activations only"
+#endif
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Nibbles i and i + 4 of w as two bf16 (q_i, q_{i+4}) minus the format's offset (8: sym, 0: asym).
+__device__ __forceinline__ u32 nibble_pair(u32 w, int i) {
+  const u32 v = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q, exact
+  constexpr u32 ONE2 = 0x3F803F80u;                              // (1, 1)
+  constexpr u32 OFF2 = MMA_FMT == 2 ? 0xC308C308u : 0xC300C300u; // (-136, -136) or (-128, -128)
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(ONE2), "r"(OFF2));
+  return r;
+}
+
+// One 32-wide chunk of k at kb for weight rows g (word wa) and g + 8 (word wb): lane t holds
+// elements 8 t .. 8 t + 7 of the chunk; mma pairs (e0, e4), (e1, e5) | (e2, e6), (e3, e7).
+__device__ __forceinline__ void int4_chunk(float* acc, u32 wa, u32 wb, const act* xr, int kb, int t, bool has_x,
+                                           const u16* s0p, const u16* s1p, const u16* m0p, const u16* m1p,
+                                           int group_size) {
+  const uint4 ZERO4 = {0u, 0u, 0u, 0u};
+  const uint4 xv = has_x ? __ldg((const uint4*)(xr + kb + 8 * t)) : ZERO4;
+  const u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
+  const u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma16816(c, nibble_pair(wa, 0), nibble_pair(wb, 0), nibble_pair(wa, 1), nibble_pair(wb, 1), b0, b1);
+  mma16816(c, nibble_pair(wa, 2), nibble_pair(wb, 2), nibble_pair(wa, 3), nibble_pair(wb, 3), b2, b3);
+  const int grp = kb / group_size;
+  const float s0 = f16_to_f32(__ldg(s0p + grp)), s1 = f16_to_f32(__ldg(s1p + grp));
+  acc[0] = fmaf(c[0], s0, acc[0]);
+  acc[1] = fmaf(c[1], s0, acc[1]);
+  acc[2] = fmaf(c[2], s1, acc[2]);
+  acc[3] = fmaf(c[3], s1, acc[3]);
+#if MMA_FMT == 3
+  constexpr u32 ONES = 0x3F803F80u;
+  float cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum of the chunk's x per column (the same for every row)
+  mma16816(cx, ONES, ONES, ONES, ONES, b0, b1);
+  mma16816(cx, ONES, ONES, ONES, ONES, b2, b3);
+  const float m0 = f16_to_f32(__ldg(m0p + grp)), m1 = f16_to_f32(__ldg(m1p + grp));
+  acc[0] = fmaf(cx[0], m0, acc[0]);
+  acc[1] = fmaf(cx[1], m0, acc[1]);
+  acc[2] = fmaf(cx[2], m1, acc[2]);
+  acc[3] = fmaf(cx[3], m1, acc[3]);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
+gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
+         const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
+         int y_f32) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const i64 r0 = min(n0 + g, N - 1), r1 = min(n0 + g + 8, N - 1);  // rows past N: read, never stored
+  const bool has_x = g < M;
+  const act* xr = x + (has_x ? g : 0) * x_stride;
+  const uint4 ZERO4 = {0u, 0u, 0u, 0u};
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+#if MMA_FMT == 0
+  const u16* w0 = (const u16*)w + r0 * K + 8 * t;
+  const u16* w1 = (const u16*)w + r1 * K + 8 * t;
+  const int iters = K / 32;
+#pragma unroll 4
+  for (int it = warp; it < iters; it += MMA_WARPS) {
+    const int kb = it * 32;
+    const uint4 a = __ldg((const uint4*)(w0 + kb));
+    const uint4 b = __ldg((const uint4*)(w1 + kb));
+    const uint4 xv = has_x ? __ldg((const uint4*)(xr + kb + 8 * t)) : ZERO4;
+    mma16816(acc, a.x, b.x, a.y, b.y, xv.x, xv.y);
+    mma16816(acc, a.z, b.z, a.w, b.w, xv.z, xv.w);
+  }
+#else
+  const i64 row_bytes = K / 2;
+  const int ngroups = K / group_size;
+  const u16* s0p = scales + r0 * ngroups;
+  const u16* s1p = scales + r1 * ngroups;
+#if MMA_FMT == 3
+  const u16* m0p = mins + r0 * ngroups;
+  const u16* m1p = mins + r1 * ngroups;
+#define MINS_ARGS m0p, m1p
+#else
+#define MINS_ARGS nullptr, nullptr
+#endif
+#if MMA_WIDE
+  // interleaved rows (gemv_pack): in each 64-byte block (128 k), lane t's 16 bytes hold word t of
+  // its four 32-wide chunks, so the four lanes of a row read 64 contiguous bytes
+  const u8* w0 = w + r0 * row_bytes + 16 * t;
+  const u8* w1 = w + r1 * row_bytes + 16 * t;
+  const int iters = K / 128;
+#pragma unroll 2
+  for (int it = warp; it < iters; it += MMA_WARPS) {
+    const int kb = it * 128;
+    const uint4 wa4 = __ldg((const uint4*)(w0 + kb / 2)), wb4 = __ldg((const uint4*)(w1 + kb / 2));
+    const u32 wa[4] = {wa4.x, wa4.y, wa4.z, wa4.w}, wb[4] = {wb4.x, wb4.y, wb4.z, wb4.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) int4_chunk(acc, wa[i], wb[i], xr, kb + 32 * i, t, has_x, s0p, s1p, MINS_ARGS, group_size);
+  }
+#else
+  // rows as stored: lane t reads word t of each 32-wide chunk (16 bytes of a row per warp load)
+  const u8* w0 = w + r0 * row_bytes + 4 * t;
+  const u8* w1 = w + r1 * row_bytes + 4 * t;
+  const int iters = K / 32;
+#pragma unroll 4
+  for (int it = warp; it < iters; it += MMA_WARPS) {
+    const int kb = it * 32;
+    int4_chunk(acc, __ldg((const u32*)(w0 + kb / 2)), __ldg((const u32*)(w1 + kb / 2)), xr, kb, t, has_x, s0p, s1p,
+               MINS_ARGS, group_size);
+  }
+#endif
+#endif
+
+  // the warps' partial sums, added in warp order
+  __shared__ float part[MMA_WARPS][32][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
+  __syncthreads();
+  if (warp) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float r = part[0][lane][j];
+#pragma unroll
+    for (int v = 1; v < MMA_WARPS; ++v) r += part[v][lane][j];
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (n < N && m < M) {
+      if (y_f32) ((float*)y)[m * y_stride + n] = r;
+      else ((act*)y)[m * y_stride + n] = to_act(r);
+    }
+  }
+}
