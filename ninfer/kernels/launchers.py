@@ -24,6 +24,7 @@ MAX_GEMV_ROWS = 8
 TOPK_MAX = 20
 GEMV_WARPS = 8  # gemv.cu
 ATTN_THREADS = 128  # attention.cu: NWARPS * 32
+SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
 GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
 # gemv routes: "warp" (gemv.cu: a warp per output, CUDA cores, every format and activation dtype) and
@@ -411,7 +412,7 @@ def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor,
         _check(frequency, "frequency", F32_DT, [B], kc.device)
     if B:
         kc.kernel("sampling.cu", "sample_tokens").launch(
-            (B, 1, 1), (256, 1, 1),
+            (B, 1, 1), (SAMPLE_THREADS, 1, 1),
             [ptr(logits), I64(logits.stride(0)), I32(V), ptr(masks), I64(masks.stride(0)), ptr(counts),
              I64(counts.stride(0) if counts is not None else 0),
              ptr(presence if counts is not None else None), ptr(frequency if counts is not None else None),

@@ -18,7 +18,8 @@
 // Writes tokens [B] int32.
 #include "common.cuh"
 
-#define SAMPLE_THREADS 256
+#define SAMPLE_THREADS 512
+#define SAMPLE_UNROLL 8
 #define TOPK_MAX 20
 #define NO_ID 0x7fffffff
 
@@ -60,25 +61,42 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
   float lv[TOPK_MAX];
   int li[TOPK_MAX];
   int cnt = 0;
-  for (int i = threadIdx.x; i < V; i += SAMPLE_THREADS) {
-    float v = row[i];
-    if (v != v) v = NEG_INF;
-    if (crow) {
-      const int c = crow[i];
-      v = __fsub_rn(v, __fadd_rn(c > 0 ? pres : 0.0f, __fmul_rn(freq, (float)c)));
+  // SAMPLE_UNROLL values per thread are loaded before any is compared, so the loads overlap (the
+  // scan is otherwise one dependent global load per element); which thread sees an element does not
+  // matter: candidates are merged exactly below (value, then lowest id)
+  for (int base = threadIdx.x; base < V; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
+    float vals[SAMPLE_UNROLL];
+    u32 bits[SAMPLE_UNROLL];
+    int cs[SAMPLE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+      const int i = base + u * SAMPLE_THREADS;
+      vals[u] = i < V ? row[i] : NEG_INF;
+      bits[u] = i < V ? mrow[i >> 5] : 0u;
+      cs[u] = crow && i < V ? crow[i] : 0;
     }
-    if (!((mrow[i >> 5] >> (i & 31)) & 1u)) v = NEG_INF;
-    if (cnt == k && !better(v, i, lv[k - 1], li[k - 1])) continue;
-    int j = cnt < k ? cnt++ : k - 1;
-    while (j > 0 && better(v, i, lv[j - 1], li[j - 1])) {
-      lv[j] = lv[j - 1];
-      li[j] = li[j - 1];
-      --j;
+#pragma unroll
+    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+      const int i = base + u * SAMPLE_THREADS;
+      if (i >= V) break;
+      float v = vals[u];
+      if (v != v) v = NEG_INF;
+      if (crow) {
+        const int c = cs[u];
+        v = __fsub_rn(v, __fadd_rn(c > 0 ? pres : 0.0f, __fmul_rn(freq, (float)c)));
+      }
+      if (!((bits[u] >> (i & 31)) & 1u)) v = NEG_INF;
+      if (cnt == k && !better(v, i, lv[k - 1], li[k - 1])) continue;
+      int j = cnt < k ? cnt++ : k - 1;
+      while (j > 0 && better(v, i, lv[j - 1], li[j - 1])) {
+        lv[j] = lv[j - 1];
+        li[j] = li[j - 1];
+        --j;
+      }
+      lv[j] = v;
+      li[j] = i;
     }
-    lv[j] = v;
-    li[j] = i;
   }
-  // k rounds of a block argmax over the threads' list heads; the winner pops its head.
   int head = 0;
   for (int r = 0; r < k; ++r) {
     float v = head < cnt ? lv[head] : NEG_INF;
