@@ -332,6 +332,33 @@ def gemv_unpack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -
     return gemv_pack(route, fmt, parts)  # the interleave is its own inverse
 
 
+def dequantize_weight(kc: KernelCompiler, fmt: TensorFormat, parts: dict[str, torch.Tensor], out: torch.Tensor,
+                      route: str = "warp") -> None:
+    """out [N, K] (bf16 or fp32) = the int8/int4 weight whose parts gemv_pack(route, ...) laid out, with
+    exactly quant.dequantize's values; group sizes must be multiples of 32."""
+    if not fmt.quantized or fmt.group_size % 32:
+        raise KernelError(f"dequantize_weight takes int8/int4 with groups in 32s, got {fmt.format} "
+                          f"(group {fmt.group_size})")
+    N, K = out.shape
+    code = 1 if fmt.format == "int8" else (2 if fmt.symmetric else 3)
+    w = parts[""]
+    _check(w, "weight", torch.int8 if code == 1 else torch.uint8, [N, K if code == 1 else K // 2], kc.device,
+           align16=True)
+    _check(parts[".scales"], "scales", F16, [N, K // fmt.group_size], kc.device)
+    if code == 3:
+        _check(parts[".mins"], "mins", F16, [N, K // fmt.group_size], kc.device)
+    _check(out, "out", out.dtype, [N, K], kc.device, align16=True)
+    if K % fmt.group_size:
+        raise KernelError(f"K={K} must be a multiple of the group size {fmt.group_size}")
+    chunks = N * K // 32
+    if chunks:
+        defines = {"DQ_FMT": code, "DQ_WIDE": int(route == "mma" and _mma_wide(fmt, K)), **_act(out.dtype, "out")}
+        kc.kernel("dequant.cu", "dequantize_rows", defines).launch(
+            (math.ceil(chunks / 256), 1, 1), (256, 1, 1),
+            [ptr(w), ptr(parts[".scales"]), ptr(parts.get(".mins") if code == 3 else None), ptr(out), I32(N), I32(K),
+             I32(fmt.group_size)])
+
+
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
          out: torch.Tensor, route: str = "warp") -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,

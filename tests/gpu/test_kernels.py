@@ -312,6 +312,24 @@ def test_gemv_mma_refuses_what_it_does_not_take(kc: KernelCompiler) -> None:
         L.gemv(kc, randn((1, 256), g), TensorFormat("bf16"), {"": w}, poisoned((1, 64), F32), route="fast")
 
 
+@pytest.mark.parametrize("fmt", [TensorFormat("int8", 32), TensorFormat("int4", 32, True), TensorFormat("int4", 32, False),
+                                 TensorFormat("int4", 64, False), TensorFormat("int8", 128)],
+                         ids=["int8", "int4sym", "int4asym", "int4asym-g64", "int8-g128"])
+@pytest.mark.parametrize("route", L.GEMV_ROUTES)
+@pytest.mark.parametrize("K", [576, 2048])
+@pytest.mark.parametrize("dtype", [BF, F32], ids=["bf16", "f32"])
+def test_dequantize_weight_equals_quant_dequantize(kc: KernelCompiler, fmt: TensorFormat, route: str, K: int,
+                                                   dtype: torch.dtype) -> None:
+    """The prompt route's expansion is bit-equal to quant.dequantize, from either route's layout."""
+    if K % fmt.group_size:
+        pytest.skip("group size does not divide K")
+    g = gen(13)
+    parts = quantize(randn((100, K), g, torch.float32, 0.05), fmt)
+    out = poisoned((100, K), dtype)
+    L.dequantize_weight(kc, fmt, L.gemv_pack(route, fmt, parts), out, route)
+    assert torch.equal(out, dequantize(fmt, parts, dtype))
+
+
 # ---------------------------------------------------------------- sampling
 
 MASK = 0xFFFFFFFF

@@ -42,12 +42,6 @@ class Weight:
     bias: torch.Tensor | None = None  # [N], activation dtype
     route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES)
 
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """[N, K] in `dtype` (the stored tensor where it already is one, else a fresh expanded copy)."""
-        w = self.parts[""]
-        if w.dtype == dtype and not self.fmt.quantized:
-            return w
-        return dequantize(self.fmt, L.gemv_unpack(self.route, self.fmt, self.parts), dtype)
 
 
 def gemv_ok(fmt: TensorFormat, k: int) -> bool:
@@ -158,10 +152,22 @@ class CudaOps:
             y = self._empty(n, N)
             L.gemv(self.kc, x, w.fmt, w.parts, y, w.route)
         else:
-            y = self._mm(x, w.dense(self.dtype).t())
+            y = self._mm(x, self.dense(w).t())
         if w.bias is not None:
             y.add_(w.bias)
         return y
+
+    def dense(self, w: Weight) -> torch.Tensor:
+        """w as [N, K] in the activation dtype: the stored tensor where it is one, else a fresh copy
+        expanded by the dequantize kernel (torch where the kernel does not take the format)."""
+        t = w.parts[""]
+        if t.dtype == self.dtype and not w.fmt.quantized:
+            return t
+        if w.fmt.quantized and w.fmt.group_size % 32 == 0:
+            out = self._empty(t.shape[0], t.shape[1] * (2 if w.fmt.format == "int4" else 1))
+            L.dequantize_weight(self.kc, w.fmt, w.parts, out, w.route)
+            return out
+        return dequantize(w.fmt, L.gemv_unpack(w.route, w.fmt, w.parts), self.dtype)
 
     def _mm(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
         """x [n, K] @ w_t [K, N] in blocks of PROMPT_ROWS rows, the last one zero-padded."""

@@ -1,0 +1,66 @@
+// Expand groupwise int8 / int4 weights into the activation dtype for the prompt route's matmuls:
+// out [N, K] = w exactly as quant.dequantize computes it (fp32 q * s, then + m, each rounded, then
+// rounded to the activation dtype). One thread per 32-wide chunk of a row (group sizes are multiples
+// of 32, so a chunk has one scale).
+//   DQ_FMT 1 int8: w [N, K] int8; 2 int4 sym: w [N, K/2] uint8, (q - 8) * s; 3 int4 asym: q * s + m
+//   DQ_WIDE 1: int4 rows interleaved as the mma gemv reads them (launchers.gemv_pack: in each
+//   64-byte block, word t of chunk i sits at 16 t + 4 i)
+#include "common.cuh"
+
+#ifndef DQ_FMT
+#error "compile with -DDQ_FMT=1|2|3"
+#endif
+#ifndef DQ_WIDE
+#define DQ_WIDE 0
+#endif
+
+extern "C" __global__ void __launch_bounds__(256)
+dequantize_rows(const u8* __restrict__ w, const u16* __restrict__ scales, const u16* __restrict__ mins,
+                act* __restrict__ out, int N, int K, int group_size) {
+  const int per_row = K / 32;
+  const i64 chunk = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (chunk >= (i64)N * per_row) return;
+  const i64 n = chunk / per_row;
+  const int c = (int)(chunk % per_row), k0 = c * 32;
+  const i64 g = n * (K / group_size) + k0 / group_size;
+  const float s = f16_to_f32(scales[g]);
+  float v[32];
+#if DQ_FMT == 1
+  const uint4* p = (const uint4*)(w + n * K + k0);
+  const uint4 a = p[0], b = p[1];
+  const u32 words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = __fmul_rn((float)(i8)((words[j >> 2] >> ((j & 3) * 8)) & 0xffu), s);
+#else
+  const u8* row = w + n * (K / 2);
+  u32 words[4];
+#if DQ_WIDE
+  const u8* blk = row + (c / 4) * 64 + 4 * (c % 4);
+#pragma unroll
+  for (int t = 0; t < 4; ++t) words[t] = *(const u32*)(blk + 16 * t);
+#else
+  const uint4 q4 = *(const uint4*)(row + c * 16);
+  words[0] = q4.x; words[1] = q4.y; words[2] = q4.z; words[3] = q4.w;
+#endif
+  const float m = DQ_FMT == 3 ? f16_to_f32(mins[g]) : 0.0f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    float q = (float)((words[j >> 3] >> ((j & 7) * 4)) & 0xfu);
+    if (DQ_FMT == 2) q -= 8.0f;
+    v[j] = __fmul_rn(q, s);
+    if (DQ_FMT == 3) v[j] = __fadd_rn(v[j], m);
+  }
+#endif
+  act* o = out + n * K + k0;
+#if ACT_F32
+#pragma unroll
+  for (int j = 0; j < 32; j += 4) {
+    float4 f;
+    f.x = v[j]; f.y = v[j + 1]; f.z = v[j + 2]; f.w = v[j + 3];
+    *(float4*)(o + j) = f;
+  }
+#else
+#pragma unroll
+  for (int j = 0; j < 32; j += 8) *(uint4*)(o + j) = pack8(v + j);
+#endif
+}
