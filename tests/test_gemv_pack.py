@@ -29,6 +29,9 @@ def test_pack_roundtrip_and_what_is_kept() -> None:
     narrow = quantize(torch.randn(5, 576, generator=g), TensorFormat("int4", 32, True))
     assert L.gemv_pack("mma", TensorFormat("int4", 32, True), narrow)[""] is narrow[""]
     assert L.gemv_pack("warp", fmt, parts)[""] is parts[""]
+    i8 = quantize(torch.randn(5, 576, generator=g), TensorFormat("int8", 32))
+    p8 = L.gemv_pack("mma", TensorFormat("int8", 32), i8)[""]
+    assert torch.equal(p8.view(5, 9, 4, 4, 4).transpose(2, 3).reshape(5, 576), i8[""])
     bf = {"": torch.randn(4, 256, generator=g).bfloat16()}
     assert L.gemv_pack("mma", TensorFormat("bf16"), bf)[""] is bf[""]
 
@@ -37,7 +40,8 @@ def test_route_takes() -> None:
     bf16, f32 = torch.bfloat16, torch.float32
     assert L.gemv_route_ok("mma", TensorFormat("int4", 32, False), 576, bf16)
     assert not L.gemv_route_ok("mma", TensorFormat("int4", 32, False), 576, f32)  # fp32 activations
-    assert not L.gemv_route_ok("mma", TensorFormat("int8", 32), 4096, bf16)
+    assert L.gemv_route_ok("mma", TensorFormat("int8", 32), 4096, bf16)
+    assert not L.gemv_route_ok("mma", TensorFormat("int8", 32), 576 + 32, bf16)  # int8 K in 64s
     assert not L.gemv_route_ok("mma", TensorFormat("int4", 16, True), 4096, bf16)  # groups in 32s
     assert L.gemv_route_ok("warp", TensorFormat("int8", 32), 4096, f32)
     assert not L.gemv_route_ok("fast", TensorFormat("bf16"), 4096, bf16)

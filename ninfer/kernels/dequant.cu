@@ -3,8 +3,8 @@
 // rounded to the activation dtype). One thread per 32-wide chunk of a row (group sizes are multiples
 // of 32, so a chunk has one scale).
 //   DQ_FMT 1 int8: w [N, K] int8; 2 int4 sym: w [N, K/2] uint8, (q - 8) * s; 3 int4 asym: q * s + m
-//   DQ_WIDE 1: int4 rows interleaved as the mma gemv reads them (launchers.gemv_pack: in each
-//   64-byte block, word t of chunk i sits at 16 t + 4 i)
+//   DQ_WIDE 1: rows interleaved as the mma gemv reads them (launchers.gemv_pack: in each 64-byte
+//   block, word t of chunk i sits at 16 t + 4 i; chunks of 32 int4 or 16 int8)
 #include "common.cuh"
 
 #ifndef DQ_FMT
@@ -26,9 +26,21 @@ dequantize_rows(const u8* __restrict__ w, const u16* __restrict__ scales, const 
   const float s = f16_to_f32(scales[g]);
   float v[32];
 #if DQ_FMT == 1
+#if DQ_WIDE
+  // 16-wide chunks j = 2c, 2c + 1: word t of chunk j at 64 (j / 4) + 16 t + 4 (j % 4)
+  u32 words[8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int j = 2 * c + h;
+    const u8* blk = w + n * K + (j / 4) * 64 + 4 * (j % 4);
+#pragma unroll
+    for (int t = 0; t < 4; ++t) words[4 * h + t] = *(const u32*)(blk + 16 * t);
+  }
+#else
   const uint4* p = (const uint4*)(w + n * K + k0);
   const uint4 a = p[0], b = p[1];
   const u32 words[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#endif
 #pragma unroll
   for (int j = 0; j < 32; ++j) v[j] = __fmul_rn((float)(i8)((words[j >> 2] >> ((j & 3) * 8)) & 0xffu), s);
 #else

@@ -1,9 +1,11 @@
 // GEMV / skinny GEMM for decode on tensor cores: y[M, N] = x[M, K] @ W^T, M = 1..8 rows, bf16
 // activations, W [N, K] in the same layouts as gemv.cu (quant.py's, untouched):
 //   MMA_FMT 0 bf16:      W [N, K] bf16
+//   MMA_FMT 1 int8:      W [N, K] int8, scales [N, K/g] f16;              w = q * s
 //   MMA_FMT 2 int4 sym:  W [N, K/2] uint8, scales [N, K/g] f16;          w = (q - 8) * s
 //   MMA_FMT 3 int4 asym: W [N, K/2] uint8, scales, mins [N, K/g] f16;    w = q * s + m
-// (int4 element 2j in the low nibble of byte j.) One block of MMA_WARPS warps owns a tile of 16
+// (int4 element 2j in the low nibble of byte j; int8 and, where K % 128 == 0, int4 rows interleaved
+// by launchers.gemv_pack.) One block of MMA_WARPS warps owns a tile of 16
 // output columns n; its warps split K by iterations (warp w takes iterations w, w + MMA_WARPS, ...)
 // and each issues mma.m16n8k16 with A = 16 weight rows x 16 k and B = 16 k x 8 activation rows (the
 // M rows, zero beyond M). A lane (g = lane / 4, t = lane % 4) feeds weight rows g and g + 8 and
@@ -23,7 +25,7 @@
 #define MMA_WARPS 8
 
 #ifndef MMA_FMT
-#error "compile with -DMMA_FMT=0|2|3"
+#error "compile with -DMMA_FMT=0|1|2|3"
 #endif
 #ifndef MMA_WIDE
 #define MMA_WIDE 0  // int4 rows interleaved for 16-byte loads (K % 128 == 0, see gemv_pack)
@@ -40,14 +42,20 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Nibbles i and i + 4 of w as two bf16 (q_i, q_{i+4}) minus the format's offset (8: sym, 0: asym).
-__device__ __forceinline__ u32 nibble_pair(u32 w, int i) {
-  const u32 v = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // bf16 128 + q, exact
-  constexpr u32 ONE2 = 0x3F803F80u;                              // (1, 1)
-  constexpr u32 OFF2 = MMA_FMT == 2 ? 0xC308C308u : 0xC300C300u; // (-136, -136) or (-128, -128)
+// The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
+__device__ __forceinline__ u32 bf16_pair(u32 w, int shift, u32 neg_off2) {
+  const u32 v = ((w >> shift) & 0x000F000Fu) | 0x43004300u;
   u32 r;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(ONE2), "r"(OFF2));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(neg_off2));  // v * 1 + off
   return r;
+}
+
+#define NEG128 0xC300C300u  // (-128, -128)
+#define NEG136 0xC308C308u  // (-136, -136)
+
+// Nibbles i and i + 4 of an int4 word as two bf16 (q_i, q_{i+4}) minus the format's offset.
+__device__ __forceinline__ u32 nibble_pair(u32 w, int i) {
+  return bf16_pair(w, 4 * i, MMA_FMT == 2 ? NEG136 : NEG128);
 }
 
 // One 32-wide chunk of k at kb for weight rows g (word wa) and g + 8 (word wb): lane t holds
@@ -105,6 +113,42 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
     const uint4 xv = has_x ? __ldg((const uint4*)(xr + kb + 8 * t)) : ZERO4;
     mma16816(acc, a.x, b.x, a.y, b.y, xv.x, xv.y);
     mma16816(acc, a.z, b.z, a.w, b.w, xv.z, xv.w);
+  }
+#elif MMA_FMT == 1
+  // int8 rows interleaved (gemv_pack): in each 64-byte block (64 k), lane t's 16 bytes hold word t
+  // of its four 16-wide chunks. With u = q ^ 0x80 = 16 uh + ul, q = 16 (uh - 8) + ul: per chunk one
+  // mma over the low nibbles and one over the high ones (bytes 0 and 2, then 1 and 3, pair up as the
+  // activations (x0, x2), (x1, x3) do), and the group scale on 16 c_hi + c_lo.
+  const int ngroups = K / group_size;
+  const u16* s0p = scales + r0 * ngroups;
+  const u16* s1p = scales + r1 * ngroups;
+  const u8* w0 = w + r0 * K + 16 * t;
+  const u8* w1 = w + r1 * K + 16 * t;
+  const uint2 ZERO2 = {0u, 0u};
+  const int iters = K / 64;
+#pragma unroll 2
+  for (int it = warp; it < iters; it += MMA_WARPS) {
+    const int kb = it * 64;
+    const uint4 wa4 = __ldg((const uint4*)(w0 + kb)), wb4 = __ldg((const uint4*)(w1 + kb));
+    const u32 wa[4] = {wa4.x ^ 0x80808080u, wa4.y ^ 0x80808080u, wa4.z ^ 0x80808080u, wa4.w ^ 0x80808080u};
+    const u32 wb[4] = {wb4.x ^ 0x80808080u, wb4.y ^ 0x80808080u, wb4.z ^ 0x80808080u, wb4.w ^ 0x80808080u};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int k = kb + 16 * i + 4 * t;  // this lane's four k of chunk i
+      const uint2 xv = has_x ? __ldg((const uint2*)(xr + k)) : ZERO2;
+      const u32 b0 = __byte_perm(xv.x, xv.y, 0x5410), b1 = __byte_perm(xv.x, xv.y, 0x7632);
+      float cl[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ch[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(cl, bf16_pair(wa[i], 0, NEG128), bf16_pair(wb[i], 0, NEG128), bf16_pair(wa[i], 8, NEG128),
+               bf16_pair(wb[i], 8, NEG128), b0, b1);
+      mma16816(ch, bf16_pair(wa[i], 4, NEG136), bf16_pair(wb[i], 4, NEG136), bf16_pair(wa[i], 12, NEG136),
+               bf16_pair(wb[i], 12, NEG136), b0, b1);
+      const int grp = (kb + 16 * i) / group_size;
+      const float s0 = f16_to_f32(__ldg(s0p + grp)), s1 = f16_to_f32(__ldg(s1p + grp));
+      acc[0] = fmaf(fmaf(ch[0], 16.0f, cl[0]), s0, acc[0]);
+      acc[1] = fmaf(fmaf(ch[1], 16.0f, cl[1]), s0, acc[1]);
+      acc[2] = fmaf(fmaf(ch[2], 16.0f, cl[2]), s1, acc[2]);
+      acc[3] = fmaf(fmaf(ch[3], 16.0f, cl[3]), s1, acc[3]);
+    }
   }
 #else
   const i64 row_bytes = K / 2;

@@ -28,7 +28,8 @@ SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
 GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
 # gemv routes: "warp" (gemv.cu: a warp per output, CUDA cores, every format and activation dtype) and
-# "mma" (gemv_mma.cu: tensor cores, bf16 activations, bf16 and int4 weights, K and groups in 32s)
+# "mma" (gemv_mma.cu: tensor cores, bf16 activations, bf16 / int4 weights with K and groups in 32s,
+# int8 with K in 64s and groups in 16s)
 GEMV_ROUTES = ("warp", "mma")
 MMA_WARPS = 8  # gemv_mma.cu
 ACT_DTYPES = (BF16, F32_DT)  # activations: bf16, or fp32 (modules compiled with ACT_F32=1)
@@ -302,27 +303,30 @@ def gemv_route_ok(route: str, fmt: TensorFormat, K: int, act_dtype: torch.dtype)
     else:
         return False
     if route == "mma":
+        if code == 1:
+            return act_dtype == BF16 and K % 64 == 0 and g % 16 == 0 and K % g == 0
         return act_dtype == BF16 and code in (0, 2, 3) and K % 32 == 0 and (g == 0 or (g % 32 == 0 and K % g == 0))
     chunk = GEMV_CHUNK[code]
     return route == "warp" and K % chunk == 0 and (g == 0 or (g % chunk == 0 and K % g == 0))
 
 
 def _mma_wide(fmt: TensorFormat, K: int) -> bool:
-    """Whether the mma route keeps int4 weights of width K interleaved for 16-byte loads."""
-    return fmt.format == "int4" and K % 128 == 0
+    """Whether the mma route keeps weights of width K interleaved for 16-byte loads (int8 always: the
+    route takes int8 only where K % 64 == 0; int4 where K % 128 == 0)."""
+    return (fmt.format == "int4" and K % 128 == 0) or (fmt.format == "int8" and K % 64 == 0)
 
 
 def _interleave(q: torch.Tensor) -> torch.Tensor:
-    """int4 rows [N, K/2] bytes: in each 64-byte block swap (chunk i, word t) with (word t, chunk i),
-    a 4 x 4 transpose of 4-byte words (its own inverse)."""
+    """Rows of bytes [N, B] (int4 [N, K/2] uint8 or int8 [N, K]): in each 64-byte block swap (chunk i,
+    word t) with (word t, chunk i), a 4 x 4 transpose of 4-byte words (its own inverse)."""
     N, B = q.shape
     return q.view(N, B // 64, 4, 4, 4).transpose(2, 3).contiguous().view(N, B)
 
 
 def gemv_pack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weight parts as `route` reads them, from quant.py's layout: the mma route interleaves int4
-    rows whose width is a multiple of 128 (see gemv_mma.cu); everything else is kept as is."""
-    if route == "mma" and _mma_wide(fmt, parts[""].shape[1] * 2):
+    """The weight parts as `route` reads them, from quant.py's layout: the mma route interleaves int8
+    rows and int4 rows whose width is a multiple of 128 (see gemv_mma.cu); everything else is kept."""
+    if route == "mma" and fmt.quantized and _mma_wide(fmt, parts[""].shape[1] * (2 if fmt.format == "int4" else 1)):
         return {**parts, "": _interleave(parts[""])}
     return dict(parts)
 

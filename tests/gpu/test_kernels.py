@@ -257,8 +257,9 @@ def test_gemv(kc: KernelCompiler, fmt: TensorFormat, M: int, act: torch.dtype, o
 
 
 MMA_FORMATS = [TensorFormat("bf16"), TensorFormat("int4", 32, True), TensorFormat("int4", 32, False),
-               TensorFormat("int4", 64, True), TensorFormat("int4", 128, False)]
-MMA_IDS = ["bf16", "int4sym", "int4asym", "int4sym-g64", "int4asym-g128"]
+               TensorFormat("int4", 64, True), TensorFormat("int4", 128, False), TensorFormat("int8", 32),
+               TensorFormat("int8", 16)]
+MMA_IDS = ["bf16", "int4sym", "int4asym", "int4sym-g64", "int4asym-g128", "int8", "int8-g16"]
 
 
 @pytest.mark.parametrize("fmt", MMA_FORMATS, ids=MMA_IDS)
@@ -287,7 +288,7 @@ def test_gemv_mma(kc: KernelCompiler, fmt: TensorFormat, M: int, N: int, K: int)
 def test_gemv_batch_invariant(kc: KernelCompiler, fmt: TensorFormat, route: str) -> None:
     g = gen(10)
     N, K = 576, 1536
-    if not L.gemv_route_ok(route, fmt, K, BF):
+    if not L.gemv_route_ok(route, fmt, K, BF):  # f32 weights on the mma route
         pytest.skip(f"the {route} route does not take {fmt.format}")
     parts = L.gemv_pack(route, fmt, quantize(randn((N, K), g, torch.float32, 0.05), fmt))
     x = randn((8, K), g)
@@ -301,10 +302,10 @@ def test_gemv_batch_invariant(kc: KernelCompiler, fmt: TensorFormat, route: str)
 
 def test_gemv_mma_refuses_what_it_does_not_take(kc: KernelCompiler) -> None:
     g = gen(12)
-    for fmt in (TensorFormat("int8", 32), TensorFormat("f32")):
-        parts = quantize(randn((64, 256), g, torch.float32, 0.05), fmt)
+    for fmt, K in ((TensorFormat("int8", 32), 288), (TensorFormat("f32"), 256)):  # int8 takes K in 64s
+        parts = quantize(randn((64, K), g, torch.float32, 0.05), fmt)
         with pytest.raises(KernelError, match="mma gemv does not take"):
-            L.gemv(kc, randn((1, 256), g), fmt, parts, poisoned((1, 64), F32), route="mma")
+            L.gemv(kc, randn((1, K), g), fmt, parts, poisoned((1, 64), F32), route="mma")
     w = randn((64, 256), g)
     with pytest.raises(KernelError, match="mma gemv does not take"):  # fp32 activations: the warp route
         L.gemv(kc, randn((1, 256), g, F32), TensorFormat("bf16"), {"": w}, poisoned((1, 64), F32), route="mma")
