@@ -30,6 +30,9 @@ from ninfer.kernels.compiler import KernelCompiler
 PROMPT_ROWS = 128  # cuBLAS row block: every prompt matmul is [PROMPT_ROWS, K] @ [K, N]
 PARTITION = 512  # decode attention split-K partition (keys); fixed, for batch invariance
 DTYPES = {torch.bfloat16: TensorFormat("bf16"), torch.float32: TensorFormat("f32")}  # activation dtypes
+# decode gemv route per weight format, from H200 timings (docs/PERF.md): tensor cores win bf16 and int4
+# at every row count; for int8 they win rows 4..8 but lose a third at one row, which decides
+DEFAULT_ROUTES = {"bf16": "mma", "int4": "mma", "int8": "warp"}
 
 
 @dataclass(slots=True)
@@ -106,8 +109,10 @@ class CudaOps:
                       {"": torch.cat([dequantize(f, p, self.dtype) for f, p in items]).contiguous()}, b)
 
     def gemv_route(self, fmt: TensorFormat, k: int) -> str:
-        """The decode gemv kernel for weights of `fmt` and input width k: tensor cores where they take it."""
-        return "mma" if L.gemv_route_ok("mma", fmt, k, self.dtype) else "warp"
+        """The decode gemv kernel for weights of `fmt` and input width k (one route per weight, never
+        per batch: rows must not depend on their batch), DEFAULT_ROUTES where it takes them."""
+        route = DEFAULT_ROUTES.get(fmt.format, "warp")
+        return route if L.gemv_route_ok(route, fmt, k, self.dtype) else "warp"
 
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
