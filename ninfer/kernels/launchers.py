@@ -212,10 +212,10 @@ def rope_kv_write(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch
              I64(k.stride(0)), I64(v.stride(0)), F32(eps)])
 
 
-def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
-               max_context_len: int, out: torch.Tensor, scale: float, partition: int,
-               workspace: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
+                      out: torch.Tensor) -> dict[str, int]:
+    """Validate paged-attention inputs; the kernels' compile defines."""
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
@@ -237,6 +237,17 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         raise KernelError(f"head_dim {D} not supported (64, 128, 256)")
     if Hq % Hkv or (Hq // Hkv) * D > 2048:
         raise KernelError(f"{Hq} query heads over {Hkv} kv heads: need a whole group of at most {2048 // D}")
+    return defines
+
+
+def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
+               max_context_len: int, out: torch.Tensor, scale: float, partition: int,
+               workspace: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, lens, out)
+    T, Hq, D = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    B = block_tables.shape[0]
     if partition <= 0 or max_context_len < 0:
         raise KernelError("partition must be positive and max_context_len non-negative")
     if T == 0:
@@ -279,17 +290,41 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
                partition, workspace)
 
 
+ATTN_PREFILL_ROUTES = ("warp", "mma")  # attention.cu (CUDA cores, any dtype) or attention_mma.cu (tensor cores)
+
+
+def attention_prefill_route_ok(route: str, act_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the prefill attention `route` takes activations of act_dtype at this head_dim."""
+    if route == "mma":
+        return act_dtype == BF16 and head_dim in (64, 128)
+    return route == "warp"
+
+
 def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
-                            max_context_len: int, out: torch.Tensor, scale: float) -> None:
+                            max_context_len: int, out: torch.Tensor, scale: float, route: str = "warp") -> None:
     """Causal attention for new tokens of several sequences whose K/V are already in the cache.
 
     q, out [T, Hq, D]: sequence b's tokens are rows cu_seqlens[b]..cu_seqlens[b+1]-1 at positions
     start_pos[b].. (a prefix hit or an earlier chunk starts past 0); each sees keys 0..its position.
-    max_context_len: a host bound on start_pos[b] + its token count.
+    max_context_len: a host bound on start_pos[b] + its token count. route: ATTN_PREFILL_ROUTES.
     """
-    _attention(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, max_context_len, out, scale,
-               max(1, max_context_len), None)
+    if route not in ATTN_PREFILL_ROUTES:
+        raise KernelError(f"prefill attention route must be one of {', '.join(ATTN_PREFILL_ROUTES)}, got {route!r}")
+    if route == "warp":
+        _attention(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, max_context_len, out, scale,
+                   max(1, max_context_len), None)
+        return
+    defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out)
+    T, Hq, D = q.shape
+    _, page_size, Hkv, _ = k_cache.shape
+    if not attention_prefill_route_ok(route, q.dtype, D):
+        raise KernelError(f"the mma prefill attention takes bfloat16 with head_dim 64 or 128, got {q.dtype}, {D}")
+    if T:
+        kc.kernel("attention_mma.cu", "attention_prefill_mma", defines).launch(
+            (math.ceil(T / 64), block_tables.shape[0], Hq), (128, 1, 1),
+            [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
+             ptr(cu_seqlens), ptr(start_pos), ptr(out), I64(out.stride(0)), I32(Hkv), I32(page_size), F32(scale)])
 
 
 def gemv_route_ok(route: str, fmt: TensorFormat, K: int, act_dtype: torch.dtype) -> bool:

@@ -313,6 +313,64 @@ def test_gemv_mma_refuses_what_it_does_not_take(kc: KernelCompiler) -> None:
         L.gemv(kc, randn((1, 256), g), TensorFormat("bf16"), {"": w}, poisoned((1, 64), F32), route="fast")
 
 
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 16, 4), (128, 8, 8)])
+def test_attention_prefill_mma(kc: KernelCompiler, D: int, Hq: int, Hkv: int) -> None:
+    """The tensor-core prefill against fp64: several query tiles, prefix hits that do not start on a
+    tile, one-token chunks, GQA groups of 3, 4 and 1."""
+    g = gen(14)
+    start, new = [0, 100, 5, 130], [150, 20, 1, 70]
+    lens = [s + n for s, n in zip(start, new)]
+    k_cache, v_cache, tables = make_cache(g, lens, Hkv, D, 16)
+    T = sum(new)
+    q = randn((T, Hq, D), g)
+    cu = torch.tensor([0] + np.cumsum(new).tolist(), dtype=torch.int32, device=DEV)
+    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    out = poisoned((T, Hq, D))
+    L.paged_attention_prefill(kc, q, k_cache, v_cache, tables, cu, sp, max(lens), out, D ** -0.5, route="mma")
+    t = 0
+    for b in range(len(new)):
+        for i in range(new[b]):
+            ref = ref_attention(q[t], k_cache, v_cache, tables[b], start[b] + i + 1, D ** -0.5)
+            assert rel(out[t], ref) < TOL[BF], f"sequence {b} token {i}"
+            t += 1
+
+
+def test_attention_prefill_mma_chunks_and_batches_are_invariant(kc: KernelCompiler) -> None:
+    """A 200-token prompt in one step, in chunks 64 + 86 + 50, and inside a batch of others: bit-equal rows."""
+    g = gen(15)
+    D, Hq, Hkv = 128, 8, 2
+    k_cache, v_cache, tables = make_cache(g, [200, 90, 33], Hkv, D, 16)
+    q = randn((200, Hq, D), g)
+    one = poisoned((200, Hq, D))
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEV)  # noqa: E731
+    L.paged_attention_prefill(kc, q, k_cache, v_cache, tables[:1], i32([0, 200]), i32([0]), 200, one, D ** -0.5,
+                              route="mma")
+    for a, b in ((0, 64), (64, 150), (150, 200)):
+        part = poisoned((b - a, Hq, D))
+        L.paged_attention_prefill(kc, q[a:b], k_cache, v_cache, tables[:1], i32([0, b - a]), i32([a]), b, part,
+                                  D ** -0.5, route="mma")
+        assert torch.equal(part, one[a:b]), (a, b)
+    others = randn((40, Hq, D), g)
+    qb = torch.cat([others[:30], q[100:150], others[30:]])
+    mixed = poisoned((90, Hq, D))
+    L.paged_attention_prefill(kc, qb, k_cache, v_cache, tables[[1, 0, 2]], i32([0, 30, 80, 90]), i32([60, 100, 23]),
+                              200, mixed, D ** -0.5, route="mma")
+    assert torch.equal(mixed[30:80], one[100:150])
+
+
+def test_attention_prefill_mma_refuses(kc: KernelCompiler) -> None:
+    g = gen(16)
+    k_cache, v_cache, tables = make_cache(g, [8], 1, 256, 16)
+    q = randn((8, 1, 256), g)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=DEV)  # noqa: E731
+    with pytest.raises(KernelError, match="head_dim 64 or 128"):
+        L.paged_attention_prefill(kc, q, k_cache, v_cache, tables, i32([0, 8]), i32([0]), 8, poisoned((8, 1, 256)),
+                                  0.0625, route="mma")
+    with pytest.raises(KernelError, match="route must be one of"):
+        L.paged_attention_prefill(kc, q, k_cache, v_cache, tables, i32([0, 8]), i32([0]), 8, poisoned((8, 1, 256)),
+                                  0.0625, route="flash")
+
+
 @pytest.mark.parametrize("fmt", [TensorFormat("int8", 32), TensorFormat("int4", 32, True), TensorFormat("int4", 32, False),
                                  TensorFormat("int4", 64, False), TensorFormat("int8", 128)],
                          ids=["int8", "int4sym", "int4asym", "int4asym-g64", "int8-g128"])

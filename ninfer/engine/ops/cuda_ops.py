@@ -87,6 +87,8 @@ class CudaOps:
         self.cos, self.sin = L.rope_cos_sin(self.rotary_dim, config.max_position_embeddings, config.rope_theta,
                                             device, inv_freq=rope_inv_freq(config))
         self.ctx: CudaContext | None = None
+        # tensor cores for prompt attention where they take it (one route for the whole run)
+        self.prefill_attention = "mma" if L.attention_prefill_route_ok("mma", dtype, config.head_dim) else "warp"
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -213,7 +215,8 @@ class CudaOps:
                                      ctx.seq_lens, ctx.max_context, out, self.scale, PARTITION, ctx.workspace)
         else:
             L.paged_attention_prefill(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
-                                      ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale)
+                                      ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale,
+                                      self.prefill_attention)
         return out.view(T, -1)
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
