@@ -43,5 +43,6 @@ def test_route_takes() -> None:
     assert L.gemv_route_ok("mma", TensorFormat("int8", 32), 4096, bf16)
     assert not L.gemv_route_ok("mma", TensorFormat("int8", 32), 576 + 32, bf16)  # int8 K in 64s
     assert not L.gemv_route_ok("mma", TensorFormat("int4", 16, True), 4096, bf16)  # groups in 32s
+    assert not L.gemv_route_ok("mma", TensorFormat("int4", 96, True), 4032, bf16)  # powers of two
     assert L.gemv_route_ok("warp", TensorFormat("int8", 32), 4096, f32)
     assert not L.gemv_route_ok("fast", TensorFormat("bf16"), 4096, bf16)

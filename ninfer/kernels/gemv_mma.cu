@@ -62,7 +62,7 @@ __device__ __forceinline__ u32 nibble_pair(u32 w, int i) {
 // elements 8 t .. 8 t + 7 of the chunk; mma pairs (e0, e4), (e1, e5) | (e2, e6), (e3, e7).
 __device__ __forceinline__ void int4_chunk(float* acc, u32 wa, u32 wb, const act* xr, int kb, int t, bool has_x,
                                            const u16* s0p, const u16* s1p, const u16* m0p, const u16* m1p,
-                                           int group_size) {
+                                           int gshift) {
   const uint4 ZERO4 = {0u, 0u, 0u, 0u};
   const uint4 xv = has_x ? __ldg((const uint4*)(xr + kb + 8 * t)) : ZERO4;
   const u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
@@ -70,7 +70,7 @@ __device__ __forceinline__ void int4_chunk(float* acc, u32 wa, u32 wb, const act
   float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma16816(c, nibble_pair(wa, 0), nibble_pair(wb, 0), nibble_pair(wa, 1), nibble_pair(wb, 1), b0, b1);
   mma16816(c, nibble_pair(wa, 2), nibble_pair(wb, 2), nibble_pair(wa, 3), nibble_pair(wb, 3), b2, b3);
-  const int grp = kb / group_size;
+  const int grp = (kb >> 5) >> gshift;  // group sizes are 32 << gshift (no integer division per chunk)
   const float s0 = f16_to_f32(__ldg(s0p + grp)), s1 = f16_to_f32(__ldg(s1p + grp));
   acc[0] = fmaf(c[0], s0, acc[0]);
   acc[1] = fmaf(c[1], s0, acc[1]);
@@ -120,6 +120,7 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
   // mma over the low nibbles and one over the high ones (bytes 0 and 2, then 1 and 3, pair up as the
   // activations (x0, x2), (x1, x3) do), and the group scale on 16 c_hi + c_lo.
   const int ngroups = K / group_size;
+  const int gshift = 31 - __clz(group_size >> 4);  // group sizes are 16 << gshift
   const u16* s0p = scales + r0 * ngroups;
   const u16* s1p = scales + r1 * ngroups;
   const u8* w0 = w + r0 * K + 16 * t;
@@ -142,7 +143,7 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
                bf16_pair(wb[i], 8, NEG128), b0, b1);
       mma16816(ch, bf16_pair(wa[i], 4, NEG136), bf16_pair(wb[i], 4, NEG136), bf16_pair(wa[i], 12, NEG136),
                bf16_pair(wb[i], 12, NEG136), b0, b1);
-      const int grp = (kb + 16 * i) / group_size;
+      const int grp = ((kb + 16 * i) >> 4) >> gshift;
       const float s0 = f16_to_f32(__ldg(s0p + grp)), s1 = f16_to_f32(__ldg(s1p + grp));
       acc[0] = fmaf(fmaf(ch[0], 16.0f, cl[0]), s0, acc[0]);
       acc[1] = fmaf(fmaf(ch[1], 16.0f, cl[1]), s0, acc[1]);
@@ -153,6 +154,7 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #else
   const i64 row_bytes = K / 2;
   const int ngroups = K / group_size;
+  const int gshift = 31 - __clz(group_size >> 5);  // group sizes are 32 << gshift
   const u16* s0p = scales + r0 * ngroups;
   const u16* s1p = scales + r1 * ngroups;
 #if MMA_FMT == 3
@@ -174,7 +176,7 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
     const uint4 wa4 = __ldg((const uint4*)(w0 + kb / 2)), wb4 = __ldg((const uint4*)(w1 + kb / 2));
     const u32 wa[4] = {wa4.x, wa4.y, wa4.z, wa4.w}, wb[4] = {wb4.x, wb4.y, wb4.z, wb4.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) int4_chunk(acc, wa[i], wb[i], xr, kb + 32 * i, t, has_x, s0p, s1p, MINS_ARGS, group_size);
+    for (int i = 0; i < 4; ++i) int4_chunk(acc, wa[i], wb[i], xr, kb + 32 * i, t, has_x, s0p, s1p, MINS_ARGS, gshift);
   }
 #else
   // rows as stored: lane t reads word t of each 32-wide chunk (16 bytes of a row per warp load)
@@ -185,7 +187,7 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
   for (int it = warp; it < iters; it += MMA_WARPS) {
     const int kb = it * 32;
     int4_chunk(acc, __ldg((const u32*)(w0 + kb / 2)), __ldg((const u32*)(w1 + kb / 2)), xr, kb, t, has_x, s0p, s1p,
-               MINS_ARGS, group_size);
+               MINS_ARGS, gshift);
   }
 #endif
 #endif

@@ -28,8 +28,8 @@ SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
 GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
 # gemv routes: "warp" (gemv.cu: a warp per output, CUDA cores, every format and activation dtype) and
-# "mma" (gemv_mma.cu: tensor cores, bf16 activations, bf16 / int4 weights with K and groups in 32s,
-# int8 with K in 64s and groups in 16s)
+# "mma" (gemv_mma.cu: tensor cores, bf16 activations, bf16 / int4 weights with K in 32s, int8 with K
+# in 64s; group sizes powers of two from 32 / 16)
 GEMV_ROUTES = ("warp", "mma")
 MMA_WARPS = 8  # gemv_mma.cu
 ACT_DTYPES = (BF16, F32_DT)  # activations: bf16, or fp32 (modules compiled with ACT_F32=1)
@@ -337,10 +337,11 @@ def gemv_route_ok(route: str, fmt: TensorFormat, K: int, act_dtype: torch.dtype)
         code, g = (2 if fmt.symmetric else 3), fmt.group_size
     else:
         return False
-    if route == "mma":
+    if route == "mma":  # group sizes: powers of two from 16 (int8) or 32 (int4)
+        pow2 = g > 0 and g & (g - 1) == 0
         if code == 1:
-            return act_dtype == BF16 and K % 64 == 0 and g % 16 == 0 and K % g == 0
-        return act_dtype == BF16 and code in (0, 2, 3) and K % 32 == 0 and (g == 0 or (g % 32 == 0 and K % g == 0))
+            return act_dtype == BF16 and K % 64 == 0 and pow2 and g >= 16 and K % g == 0
+        return act_dtype == BF16 and code in (0, 2, 3) and K % 32 == 0 and (g == 0 or (pow2 and g >= 32 and K % g == 0))
     chunk = GEMV_CHUNK[code]
     return route == "warp" and K % chunk == 0 and (g == 0 or (g % chunk == 0 and K % g == 0))
 
