@@ -44,6 +44,24 @@ def test_errors_are_one_line_without_traceback(args: tuple[str, ...], message: s
     assert "Traceback" not in out.stderr + out.stdout
 
 
+def test_serve_start_up_failures_exit_1(tmp_path: Path) -> None:
+    """The real process: a missing model and a port in use end start-up with status 1 (a supervisor
+    tells a dead server from a clean stop), the cause in one line."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    out = ninfer("serve", str(tmp_path / "missing.gguf"), "--port", str(port))
+    assert out.returncode == 1 and "no such file" in out.stderr and "Traceback" not in out.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = ninfer("serve", str(tmp_path / "missing.gguf"), "--port", str(port))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+
+
 def test_bad_artifact_names_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.ninfer"
     bad.write_bytes(b"not a safetensors file at all")

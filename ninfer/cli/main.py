@@ -64,7 +64,10 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
-        app(args=args, standalone_mode=False, prog_name="ninfer")
+        # without standalone mode click returns a command's exit status instead of exiting with it
+        code = app(args=args, standalone_mode=False, prog_name="ninfer")
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
