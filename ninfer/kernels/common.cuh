@@ -145,3 +145,15 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   __syncthreads();
   return scratch[0];
 }
+
+// c[4] += A (16 x 16, bf16, row-major fragment a0..a3) x B (16 x 8, bf16, column-major fragment b0, b1)
+// on tensor cores, fp32 accumulators: lane (g = lane / 4, t = lane % 4) holds c rows g, g + 8 and
+// columns 2 t, 2 t + 1; a rows g, g + 8, k 2 t, 2 t + 1 (a0, a1) and + 8 (a2, a3); b k 2 t, 2 t + 1
+// (b0) and + 8 (b1), column g.
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
