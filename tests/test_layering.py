@@ -128,3 +128,17 @@ def test_server_reads_model_facts_not_artifacts() -> None:
     reads = [f"{p.relative_to(PACKAGE.parent)}:{line} reads {expr}" for p in sorted((PACKAGE / "server").rglob("*.py"))
              for line, expr in artifact_reads(p.read_text())]
     assert reads == []
+
+
+CHAT_PROTOCOLS = ("openai_chat", "responses", "anthropic")
+
+
+@pytest.mark.parametrize("protocol", CHAT_PROTOCOLS)
+def test_chat_protocols_import_no_other_protocol(protocol: str) -> None:
+    """Each chat protocol is a decoder and an encoder over the one chat path (chat_request,
+    chat_run, chat_output); what they share lives there, not in another protocol's module."""
+    path = PACKAGE / "server" / f"{protocol}.py"
+    others = [f"ninfer.server.{p}" for p in CHAT_PROTOCOLS if p != protocol]
+    names = [name for _, name in imported_modules(path.read_text(), f"ninfer.server.{protocol}")]
+    assert [n for n in names if any(n == o or n.startswith(o + ".") for o in others)] == []
+    assert "ninfer.server.chat_run.run_chat" in names  # the one generation loop

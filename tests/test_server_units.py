@@ -5,6 +5,7 @@ import socket
 
 import pytest
 
+from ninfer.engine.chat import Message
 from ninfer.engine.errors import (ContextLengthExceeded, DuplicateRequest, EngineError, EngineNotRunning,
                                   EngineOverloaded, InvalidRequest, SchemaError, TemplateError, TokenOutOfRange)
 from ninfer.engine.request import SamplingParams
@@ -131,8 +132,7 @@ def test_messages_normalized_and_media_refused() -> None:
         {"role": "user", "content": ""},
         {"role": "tool", "content": "r", "name": "fn", "tool_call_id": "c1"},
     ])
-    assert msgs == [{"role": "system", "content": "ab"}, {"role": "user", "content": ""},
-                    {"role": "tool", "content": "r", "tool_call_id": "c1"}]
+    assert msgs == [Message("system", "ab"), Message("user", ""), Message("tool", "r", tool_call_id="c1")]
     with pytest.raises(RequestError) as e:
         normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     assert e.value.code == "vision_disabled" and e.value.param == "messages[0].content[0]"
@@ -192,12 +192,12 @@ def test_anthropic_conversation_joins_turns_and_splits_the_prefill() -> None:
                          {"role": "system", "content": "mid"}, {"role": "user", "content": "c"},
                          {"role": "assistant", "content": "Sure:"}]}
     turns, prefill = conversation(body)
-    assert turns == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
-                     {"role": "system", "content": "mid"}, {"role": "user", "content": "c"}]
+    assert turns == [Message("system", "Be brief."), Message("user", "ab"), Message("system", "mid"),
+                     Message("user", "c")]
     assert prefill == "Sure:"
     turns, prefill = conversation({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                                                 {"role": "user", "content": "r"}]})
-    assert [t["role"] for t in turns] == ["user", "assistant", "user"] and prefill is None
+    assert [t.role for t in turns] == ["user", "assistant", "user"] and prefill is None
     with pytest.raises(RequestError, match="needs a user turn"):
         conversation({"messages": [{"role": "assistant", "content": "x"}]})
 
@@ -268,8 +268,8 @@ def test_responses_input_items_and_turns() -> None:
                              {"role": "assistant", "content": [{"type": "refusal", "refusal": "y"}]}])
     assert [i["id"] for i in items][1] == "u1" and all(i["id"] for i in items)
     assert items[1]["content"] == [{"type": "input_text", "text": "ab"}]
-    assert turns_of(items, "rules") == [{"role": "system", "content": "rules"}, {"role": "system", "content": "be brief"},
-                                        {"role": "user", "content": "ab"}, {"role": "assistant", "content": "xy"}]
+    assert turns_of(items, "rules") == [Message("system", "rules"), Message("system", "be brief"),
+                                        Message("user", "ab"), Message("assistant", "xy")]
     assert normalize_input("hi")[0]["content"] == [{"type": "input_text", "text": "hi"}]
     with pytest.raises(RequestError, match="repeats"):
         normalize_input([{"role": "user", "content": "a", "id": "m"}, {"role": "user", "content": "b", "id": "m"}])
@@ -305,8 +305,8 @@ def test_json_formats_need_structured_output() -> None:
         constrain(ServerState(config=ServerConfig()), fmt)
     assert e.value.code == "response_format_not_supported" and e.value.param == "response_format.json_schema"
     assert constrain(ServerState(config=ServerConfig(unconstrained_response_format=True)), fmt) is None
-    turns = with_instruction([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}], fmt)
-    assert turns[0]["content"].startswith("Respond with raw JSON only") and turns[0]["content"].endswith("Be kind.")
+    turns = with_instruction([Message("system", "Be kind."), Message("user", "hi")], fmt)
+    assert turns[0].content.startswith("Respond with raw JSON only") and turns[0].content.endswith("Be kind.")
     assert len(turns) == 2
 
 

@@ -33,6 +33,7 @@ def run(
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
 ) -> None:
+    from ninfer.engine.chat import Message, render
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine
     from ninfer.engine.request import PreparedRequest
@@ -68,9 +69,8 @@ def run(
         if raw:
             ids = tok.encode(prompt, add_special_tokens=True)
         else:
-            messages = ([{"role": "system", "content": system}] if system is not None else [])
-            messages.append({"role": "user", "content": prompt})
-            ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+            messages = ([Message("system", system)] if system is not None else []) + [Message("user", prompt)]
+            ids = render(tok, messages).ids
         req = PreparedRequest(request_id=f"run-{uuid.uuid4().hex[:12]}", prompt_token_ids=ids, sampling=sampling,
                               max_tokens=max_tokens, stop=list(stop), raw_prompt=raw, grammar=grammar)
         text, token_ids, final = [], [], None

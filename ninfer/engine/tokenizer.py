@@ -102,6 +102,11 @@ class Tokenizer:
     def special_token_ids(self) -> frozenset[int]:
         return self._special_ids
 
+    @functools.cached_property
+    def special_token_strings(self) -> tuple[str, ...]:
+        """The spellings of the special (control) tokens, e.g. "<|im_end|>"."""
+        return tuple(self._added[i] for i in sorted(self._special_ids) if self._added.get(i))
+
     @property
     def add_bos_token(self) -> bool:
         return self._special.add_bos_token

@@ -12,21 +12,22 @@ overload answers 529 and a queue timeout 504, as the spec maps them for these en
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from ninfer.engine.request import OutputEvent, PreparedRequest, Usage
+from ninfer.engine.chat import Message
+from ninfer.engine.request import OutputEvent, Usage
 from ninfer.errors import RequestError
+from ninfer.server.chat_output import ChatResult, Piece
+from ninfer.server.chat_request import ChatRequest, merge_template_kwargs
+from ninfer.server.chat_run import ChatEncoder, prepare, run_chat
 from ninfer.server.errors import CLIENT_ERRORS, http_error
-from ninfer.server.generate import Generation, new_request_id
 from ninfer.server.http import Call, anthropic_error_type
-from ninfer.server.openai_chat import template_kwargs
 from ninfer.server.params import (bad, join_text_parts, message_role, opt_bool, opt_int, parse_stop, refuse_tools,
                                   sampling_from, unsupported)
-from ninfer.server.sse import KEEPALIVE, TIMEOUT
-from ninfer.server.structured import anthropic_format, constrain, with_instruction
+from ninfer.server.sse import KEEPALIVE
+from ninfer.server.structured import anthropic_format
 
 ROLES = ("user", "assistant", "system")
 MAX_STOP_SEQUENCES = 16
@@ -61,7 +62,7 @@ def _text(content: Any, where: str) -> str:
     return join_text_parts(content, where, _block)
 
 
-def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], str | None]:
+def conversation(body: dict[str, Any]) -> tuple[list[Message], str | None]:
     """The turns the chat template renders, and the assistant prefill (None without one)."""
     value = body.get("messages")
     if value is None:
@@ -70,10 +71,10 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], str | None
         raise bad("messages", "messages must be an array")
     if not value:
         raise bad("messages", "messages must contain at least one message")
-    turns: list[dict[str, str]] = []
+    turns: list[Message] = []
     system = body.get("system")
     if system is not None:
-        turns.append({"role": "system", "content": _text(system, "system")})
+        turns.append(Message("system", _text(system, "system")))
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         role = message_role(m, where, ROLES)
@@ -81,14 +82,14 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], str | None
             raise bad(f"{where}.content", f"{where}.content is required", code="missing_required_parameter")
         text = _text(m["content"], f"{where}.content")
         last = turns[-1] if turns else None
-        if last is not None and role != "system" and last["role"] == role:
-            last["content"] += text  # consecutive user (or assistant) turns are one turn
+        if last is not None and role != "system" and last.role == role:
+            last.content += text  # consecutive user (or assistant) turns are one turn
         else:
-            turns.append({"role": role, "content": text})
+            turns.append(Message(role, text))
     prefill = None
-    if turns[-1]["role"] == "assistant":  # a final assistant turn is continued, not closed
-        prefill = turns.pop()["content"]
-        if not any(t["role"] == "user" for t in turns):
+    if turns[-1].role == "assistant":  # a final assistant turn is continued, not closed
+        prefill = turns.pop().content
+        if not any(t.role == "user" for t in turns):
             raise bad("messages", "an assistant prefill needs a user turn before it")
     return turns, prefill
 
@@ -119,16 +120,10 @@ def check_capabilities(body: dict[str, Any]) -> None:
             raise unsupported(name, f"{name} is not supported: this server has no tool executor")
 
 
-@dataclass(slots=True)
-class MessagesRequest:
-    req: PreparedRequest
-    model: str  # the client's label, echoed back
-    stream: bool
-
-
-def _prompt_ids(call: Call, body: dict[str, Any], generate: bool = True) -> tuple[list[int], Any]:
-    """Validate the conversation and render it to token ids; -> (ids, the output_config.format
-    grammar or None). count_tokens (generate=False) ignores output_config.format, as the spec says."""
+def decode_messages(call: Call, body: dict[str, Any], generate: bool = True) -> ChatRequest:
+    """Validate a Messages body into the internal chat request. count_tokens (generate=False)
+    ignores output_config.format and the output-only fields, as the spec says."""
+    state = call.state
     model = body.get("model")
     if model is None:
         raise bad("model", "model is required", code="missing_required_parameter")
@@ -137,36 +132,27 @@ def _prompt_ids(call: Call, body: dict[str, Any], generate: bool = True) -> tupl
     turns, prefill = conversation(body)
     check_capabilities(body)
     fmt = anthropic_format(body.get("output_config")) if generate else None
-    grammar = constrain(call.state, fmt)
-    if grammar is not None and prefill is not None:
+    if fmt is not None and prefill is not None:
         raise RequestError("an assistant prefill cannot be combined with output_config.format: the JSON value "
                            "starts the answer", param="messages", code="assistant_prefill_not_supported")
-    tok = call.state.loaded.tokenizer
-    kwargs = template_kwargs({"chat_template_kwargs": body.get("chat_template_kwargs")})
-    prompt = tok.apply_chat_template(with_instruction(turns, fmt), add_generation_prompt=True, **kwargs)
-    ids = tok.encode(prompt + (prefill or ""), add_special_tokens=False)
-    if not ids:
-        raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
-    return ids, grammar
-
-
-def prepare_messages(call: Call, body: dict[str, Any], request_id: str) -> MessagesRequest:
-    state = call.state
-    ids, grammar = _prompt_ids(call, body)
+    kwargs = merge_template_kwargs(body.get("chat_template_kwargs"), {})
+    chat = ChatRequest(protocol="anthropic", messages=turns, prefill=prefill, sampling=state.base_sampling,
+                       template_kwargs=kwargs, response_format=fmt)
+    if not generate:
+        return chat
     max_tokens = opt_int(body, "max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise bad("max_tokens", "max_tokens must be a positive integer (omit it for the default output limit)")
     stop = parse_stop(body.get("stop_sequences"), MAX_STOP_SEQUENCES, "stop_sequences")
-    if grammar is not None and stop:
+    if fmt is not None and state.grammars is not None and stop:
         raise RequestError("stop_sequences cannot be combined with output_config.format: the grammar ends the "
                            "output", param="stop_sequences", code="stop_not_supported")
-    stream = opt_bool(body, "stream") or False
-    sampling = sampling_from({k: body[k] for k in _SAMPLER_FIELDS if k in body}, state.base_sampling,
-                             greedy=state.config.sampler.greedy, negative_temperature_greedy=False)
-    # return_progress: the admission event, where a stream's message_start gets its exact usage
-    req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, max_tokens=max_tokens,
-                          stop=stop, grammar=grammar, hints={"protocol": "anthropic", "return_progress": stream})
-    return MessagesRequest(req=req, model=body["model"], stream=stream)
+    chat.stream = opt_bool(body, "stream") or False
+    chat.sampling = sampling_from({k: body[k] for k in _SAMPLER_FIELDS if k in body}, state.base_sampling,
+                                  greedy=state.config.sampler.greedy, negative_temperature_greedy=False)
+    chat.max_tokens, chat.stop = max_tokens, stop
+    chat.return_progress = True  # the admission event, where a stream's message_start gets its exact usage
+    return chat
 
 
 def _for_anthropic(e: RequestError) -> RequestError:
@@ -183,15 +169,13 @@ def _for_anthropic(e: RequestError) -> RequestError:
 
 async def handle_messages(call: Call) -> None:
     body = call.json()
+
+    def decode(request_id: str) -> tuple[ChatRequest, ChatEncoder]:
+        chat = decode_messages(call, body)
+        return chat, MessagesEncoder(call, chat, body["model"])
+
     try:
-        try:
-            m = prepare_messages(call, body, new_request_id())
-        except CLIENT_ERRORS as e:
-            err = http_error(e)
-            call.state.reject("anthropic", err)
-            raise err
-        async with Generation(call, m.req, m.stream) as gen:
-            await (_stream(call, gen, m) if m.stream else _aggregate(call, gen, m))
+        await run_chat(call, "anthropic", decode)
     except CLIENT_ERRORS as e:
         raise _for_anthropic(http_error(e)) from None
 
@@ -199,14 +183,18 @@ async def handle_messages(call: Call) -> None:
 async def handle_count_tokens(call: Call) -> None:
     """The prompt's token count as /v1/messages would render it; nothing is generated."""
     try:
-        n = len(_prompt_ids(call, call.json(), generate=False)[0])
+        chat = decode_messages(call, call.json(), generate=False)
+        n = len(prepare(call.state, chat, "count").prompt_token_ids)
     except CLIENT_ERRORS as e:
         raise _for_anthropic(http_error(e)) from None
     await call.respond(200, {"input_tokens": n})
 
 
-def _stop_reason(call: Call, event: OutputEvent) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence) of a final event."""
+def _stop_reason(call: Call, result: ChatResult) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished request."""
+    event = result.final
+    if result.finish_reason == "tool_calls":
+        return "tool_use", None
     if event.finish_reason == "stop":
         if isinstance(event.stop_reason, str):
             return "stop_sequence", event.stop_reason
@@ -226,20 +214,6 @@ def _usage(usage: Usage | None, output_tokens: int | None = None) -> dict[str, A
             "output_tokens": u.completion_tokens if output_tokens is None else output_tokens}
 
 
-def _message(gen: Generation, m: MessagesRequest, content: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"id": f"msg_{gen.req.request_id}", "type": "message", "role": "assistant", "model": m.model,
-            "content": content, "stop_reason": None, "stop_sequence": None}
-
-
-async def _aggregate(call: Call, gen: Generation, m: MessagesRequest) -> None:
-    out = await gen.collect()
-    assert out.final is not None
-    reason, sequence = _stop_reason(call, out.final)
-    payload = _message(gen, m, [{"type": "text", "text": out.text}])
-    payload.update(stop_reason=reason, stop_sequence=sequence, usage=_usage(out.final.usage))
-    await call.respond(200, payload)
-
-
 def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
@@ -247,51 +221,83 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
 PING = _event("ping", {"type": "ping"})
 
 
-async def _stream(call: Call, gen: Generation, m: MessagesRequest) -> None:
-    """message_start (at admission, with the exact cached/uncached split), one text block, then
-    message_delta with the stop reason and cumulative usage, message_stop. A keep-alive comment
-    is followed by a ping, which clients skip."""
-    prompt_n = len(m.req.prompt_token_ids)
-    started = False
+class MessagesEncoder(ChatEncoder):
+    """Message objects and the Anthropic SSE block lifecycle: message_start (at admission, with the
+    exact cached/uncached split), content blocks (start, deltas, stop), message_delta with the
+    stop reason and cumulative usage, message_stop. A keep-alive comment is followed by a ping,
+    which clients skip."""
 
-    async def start(cached: int) -> None:
-        nonlocal started
-        started = True
-        if not call.started:
-            await call.start_stream()
-        usage = _usage(Usage(prompt_n, 0, cached))
-        await call.write(_event("message_start", {"type": "message_start",
-                                                  "message": {**_message(gen, m, []), "usage": usage}}))
-        await call.write(_event("content_block_start", {"type": "content_block_start", "index": 0,
-                                                        "content_block": {"type": "text", "text": ""}}))
+    def __init__(self, call: Call, chat: ChatRequest, model: str) -> None:
+        super().__init__(call, chat)
+        self.model = model  # the client's label, echoed back
+        self.started = False  # message_start sent
+        self.block: str | None = None  # the open content block's kind
+        self.index = -1  # the open block's index
 
-    try:
-        async for event in gen.events(call.state.config.keepalive_seconds):
-            if event is TIMEOUT:
-                if not call.started:
-                    await call.start_stream()
-                await call.write(KEEPALIVE + PING)
-                continue
-            if not started:
-                progress = event.progress
-                await start(progress.cache if progress is not None else
-                            (event.timings.cache_n if event.timings is not None else 0))
-            if event.progress is not None:
-                continue
-            if event.text:
-                await call.write(_event("content_block_delta", {
-                    "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": event.text}}))
-            if event.finish_reason is not None:
-                reason, sequence = _stop_reason(call, event)
-                await call.write(_event("content_block_stop", {"type": "content_block_stop", "index": 0}))
-                await call.write(_event("message_delta", {
-                    "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": _usage(event.usage)}))
-                await call.write(_event("message_stop", {"type": "message_stop"}))
-    except CLIENT_ERRORS as e:
-        if not call.started:
-            raise
-        e = _for_anthropic(http_error(e))
-        await call.write(_event("error", {"type": "error",
-                                          "error": {"type": anthropic_error_type(e), "message": e.message}}))
-    await call.end()
+    def _message(self, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": f"msg_{self.req.request_id}", "type": "message", "role": "assistant", "model": self.model,
+                "content": content, "stop_reason": None, "stop_sequence": None}
+
+    async def respond(self, result: ChatResult) -> None:
+        reason, sequence = _stop_reason(self.call, result)
+        payload = self._message([{"type": "text", "text": result.content}])
+        payload.update(stop_reason=reason, stop_sequence=sequence, usage=_usage(result.final.usage))
+        await self.call.respond(200, payload)
+
+    async def _start(self, cached: int) -> None:
+        if self.started:
+            return
+        self.started = True
+        if not self.call.started:
+            await self.call.start_stream()
+        usage = _usage(Usage(len(self.req.prompt_token_ids), 0, cached))
+        await self._write("message_start", {"type": "message_start", "message": {**self._message([]), "usage": usage}})
+
+    async def _write(self, name: str, data: dict[str, Any]) -> None:
+        await self.call.write(_event(name, data))
+
+    async def _open_block(self, kind: str, block: dict[str, Any]) -> None:
+        if self.block == kind:
+            return
+        await self._close_block()
+        self.index += 1
+        self.block = kind
+        await self._write("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                  "content_block": block})
+
+    async def _close_block(self) -> None:
+        if self.block is not None:
+            await self._write("content_block_stop", {"type": "content_block_stop", "index": self.index})
+            self.block = None
+
+    async def keepalive(self) -> None:
+        if not self.call.started:
+            await self.call.start_stream()
+        await self.call.write(KEEPALIVE + PING)
+
+    async def progress(self, event: OutputEvent) -> None:
+        await self._start(event.progress.cache)
+
+    async def piece(self, piece: Piece) -> None:
+        await self._start(piece.timings.cache_n if piece.timings is not None else 0)
+        if piece.kind == "content":
+            await self._open_block("text", {"type": "text", "text": ""})
+            if piece.text:
+                await self._write("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                          "delta": {"type": "text_delta", "text": piece.text}})
+
+    async def finish(self, result: ChatResult) -> None:
+        final = result.final
+        await self._start(final.timings.cache_n if final.timings is not None else 0)
+        if self.index < 0:  # no content at all: one empty text block, as the API always has one
+            await self._open_block("text", {"type": "text", "text": ""})
+        await self._close_block()
+        reason, sequence = _stop_reason(self.call, result)
+        await self._write("message_delta", {"type": "message_delta",
+                                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                            "usage": _usage(final.usage)})
+        await self._write("message_stop", {"type": "message_stop"})
+
+    async def fail(self, err: RequestError) -> None:
+        e = _for_anthropic(err)
+        await self._write("error", {"type": "error", "error": {"type": anthropic_error_type(e), "message": e.message}})

@@ -1,31 +1,31 @@
-"""POST /v1/chat/completions (and the rendering /apply-template shares).
-
-Validation turns a body into a PreparedRequest with field-specific 400s; options the engine
-cannot honour are refused naming the field; unknown top-level fields are ignored.
+"""POST /v1/chat/completions (and the rendering /apply-template shares): the Chat Completions
+decoder (a body -> the internal ChatRequest, with field-specific 400s; options the engine cannot
+honour are refused naming the field; unknown top-level fields are ignored) and its encoder
+(chat.completion objects and chunks) over the one chat path (chat_run.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
 from typing import Any
 
-from ninfer.engine.request import OutputEvent, PreparedRequest
+from ninfer.engine.chat import Message, ToolCall, render
+from ninfer.engine.request import OutputEvent
 from ninfer.errors import RequestError
-from ninfer.server.errors import CLIENT_ERRORS, http_error
-from ninfer.server.generate import (Generation, logprob_records, new_request_id, prompt_progress,
-                                    slot_extras, usage_dict)
+from ninfer.server.chat_output import ChatResult, Piece
+from ninfer.server.chat_request import ChatRequest, effort_kwargs, merge_template_kwargs
+from ninfer.server.chat_run import ChatEncoder, run_chat
+from ninfer.server.generate import logprob_records, prompt_progress, slot_extras, usage_dict
 from ninfer.server.http import Call
 from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, join_text_parts, message_role,
                                   opt_bool, opt_int, opt_object, parse_logprobs, parse_stop, refuse_tools,
                                   reject_present, sampling_from, unsupported)
-from ninfer.server.sse import DONE, KEEPALIVE, TIMEOUT, sse_data, sse_error
-from ninfer.server.structured import chat_format, constrain, refuse_with_grammar, with_instruction
+from ninfer.server.sse import DONE, KEEPALIVE, sse_data, sse_error
+from ninfer.server.structured import chat_format, refuse_with_grammar
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_CHAT_STOPS = 4
 _CONSTRAINED = ("grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                 "guided_grammar")
-# template kwargs a request may not override: the template's inputs and the tokenizer's tokens
-_RESERVED_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
 
 
 def _chat_part(part: dict[str, Any], p: str) -> str:
@@ -55,8 +55,8 @@ def _content_text(content: Any, where: str) -> str:
     return join_text_parts(content, where, _chat_part)
 
 
-def normalize_messages(value: Any) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: role and string content (+ tool-call history)."""
+def normalize_messages(value: Any) -> list[Message]:
+    """Chat messages as conversation turns (developer turns are system turns)."""
     if not isinstance(value, list):
         raise bad("messages", "messages must be an array", code="invalid_type")
     if not value:
@@ -70,8 +70,7 @@ def normalize_messages(value: Any) -> list[dict[str, Any]]:
                       code="missing_required_parameter")
         if m.get("content") is None and role != "assistant":
             raise bad(f"{where}.content", f"{where}.content must be a string or an array of content parts")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _content_text(m.get("content"), f"{where}.content")}
+        msg = Message("system" if role == "developer" else role, _content_text(m.get("content"), f"{where}.content"))
         name = m.get("name")
         if name is not None:
             if not isinstance(name, str):
@@ -80,49 +79,51 @@ def normalize_messages(value: Any) -> list[dict[str, Any]]:
                 raise RequestError(f"{where}.name: participant names cannot be represented by the "
                                    "chat template", param=f"{where}.name", code="name_not_supported")
             if role == "function":
-                msg["name"] = name
+                msg.name = name
         if role == "assistant":
-            calls = m.get("tool_calls")
-            if calls is not None:
-                if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-                    raise bad(f"{where}.tool_calls", f"{where}.tool_calls must be an array of objects")
-                if calls:
-                    msg["tool_calls"] = calls
+            msg.tool_calls = history_calls(m.get("tool_calls"), f"{where}.tool_calls")
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if isinstance(reasoning, str) and reasoning:
-                msg["reasoning_content"] = reasoning
-        if role == "tool":
+                msg.reasoning = reasoning
+        if role in ("tool", "function"):
+            msg.role = "tool"
             call_id = m.get("tool_call_id")
             if call_id is not None and not isinstance(call_id, str):
                 raise bad(f"{where}.tool_call_id", f"{where}.tool_call_id must be a string")
             if call_id:
-                msg["tool_call_id"] = call_id
+                msg.tool_call_id = call_id
         out.append(msg)
+    return out
+
+
+def history_calls(calls: Any, where: str) -> list[ToolCall]:
+    """An assistant turn's tool_calls: [{id, type: function, function: {name, arguments}}]."""
+    if calls is None:
+        return []
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise bad(where, f"{where} must be an array of objects")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad(f"{where}[{j}].function.name", f"{where}[{j}].function.name must be a non-empty string")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        if not isinstance(args, str):
+            raise bad(f"{where}[{j}].function.arguments", f"{where}[{j}].function.arguments must be a JSON string")
+        call_id = c.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise bad(f"{where}[{j}].id", f"{where}[{j}].id must be a string")
+        out.append(ToolCall(id=call_id or "", name=fn["name"], arguments=args))
     return out
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs plus the typed top-level switches the templates read."""
-    kwargs = dict(opt_object(body, "chat_template_kwargs") or {})
-    for key in kwargs:
-        if key in _RESERVED_KWARGS:
-            raise bad(f"chat_template_kwargs.{key}", f"chat_template_kwargs cannot override {key}")
-    for name in ("enable_thinking", "preserve_thinking"):
-        value = opt_bool(body, name)
-        if value is not None:
-            if name in kwargs and kwargs[name] is not None and kwargs[name] != value:
-                raise bad(name, f"{name} disagrees with chat_template_kwargs.{name}")
-            kwargs[name] = value
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in ("none", "minimal", "low", "medium", "high", "xhigh", "max", "default", "auto"):
-            raise bad("reasoning_effort", "reasoning_effort must be one of none, minimal, low, medium, "
-                                          "high, xhigh, max")
-        if effort == "none":
-            kwargs.setdefault("enable_thinking", False)
-        elif effort not in ("default", "auto"):
-            kwargs["reasoning_effort"] = effort
-    return {k: v for k, v in kwargs.items() if v is not None}
+    kwargs = merge_template_kwargs(opt_object(body, "chat_template_kwargs"),
+                                   {name: opt_bool(body, name) for name in ("enable_thinking", "preserve_thinking")})
+    return effort_kwargs(body.get("reasoning_effort"), "reasoning_effort", kwargs)
 
 
 def check_capabilities(body: dict[str, Any]) -> None:
@@ -162,18 +163,8 @@ def check_capabilities(body: dict[str, Any]) -> None:
         raise unsupported("mm_processor_kwargs", "mm_processor_kwargs must be empty: no media processor")
 
 
-@dataclass(slots=True)
-class ChatOptions:
-    stream: bool
-    include_usage: bool
-    timings_per_token: bool
-    return_progress: bool
-    logprobs: bool
-    top_logprobs: int
-
-
-def prepare_chat(call: Call, body: dict[str, Any], request_id: str) -> tuple[PreparedRequest, ChatOptions]:
-    """Validate a Chat Completions body and render its prompt."""
+def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
+    """Validate a Chat Completions body into the internal chat request."""
     state = call.state
     loaded = state.loaded
     assert loaded is not None
@@ -189,8 +180,7 @@ def prepare_chat(call: Call, body: dict[str, Any], request_id: str) -> tuple[Pre
     stop = parse_stop(body.get("stop"), MAX_CHAT_STOPS)
     ignore_eos = opt_bool(body, "ignore_eos") or False
     fmt = chat_format(body)
-    grammar = constrain(state, fmt)
-    if grammar is not None:
+    if fmt is not None and (state.grammars is not None):
         refuse_with_grammar(stop, ignore_eos, fmt)
     stream = opt_bool(body, "stream") or False
     stream_options = opt_object(body, "stream_options") or {}
@@ -200,21 +190,12 @@ def prepare_chat(call: Call, body: dict[str, Any], request_id: str) -> tuple[Pre
     logprobs, top_logprobs = parse_logprobs(body)
     sampling = sampling_from(body, state.base_sampling, greedy=state.config.sampler.greedy,
                              logprobs=logprobs, top_logprobs=top_logprobs)
-    options = ChatOptions(stream=stream, include_usage=include_usage,
-                          timings_per_token=bool(opt_bool(body, "timings_per_token")),
-                          return_progress=bool(opt_bool(body, "return_progress")),
-                          logprobs=logprobs, top_logprobs=top_logprobs)
-    prompt = loaded.tokenizer.apply_chat_template(with_instruction(messages, fmt), add_generation_prompt=True,
-                                                  **template_kwargs(body))
-    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
-    if not ids:
-        raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
-    req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
-                          max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, grammar=grammar,
-                          # both options shape a stream only; the engine does the work only then
-                          hints={"protocol": "chat", "timings_per_token": stream and options.timings_per_token,
-                                 "return_progress": stream and options.return_progress})
-    return req, options
+    chat = ChatRequest(protocol="chat", messages=messages, sampling=sampling, template_kwargs=template_kwargs(body),
+                       response_format=fmt, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
+                       return_progress=bool(opt_bool(body, "return_progress")),
+                       timings_per_token=bool(opt_bool(body, "timings_per_token")),
+                       include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs)
+    return chat
 
 
 async def handle_apply_template(call: Call) -> None:
@@ -223,115 +204,114 @@ async def handle_apply_template(call: Call) -> None:
     loaded = call.state.loaded
     assert loaded is not None
     messages = normalize_messages(body.get("messages"))
-    prompt = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  **template_kwargs(body))
+    prompt = render(loaded.tokenizer, messages, kwargs=template_kwargs(body)).text
     await call.respond(200, {"prompt": prompt})
 
 
 async def handle_chat(call: Call) -> None:
     body = call.json()
-    rid = new_request_id()
-    try:
-        req, opts = prepare_chat(call, body, rid)
-    except CLIENT_ERRORS as e:
-        err = http_error(e)
-        call.state.reject("chat", err)
-        raise err
-    async with Generation(call, req, opts.stream) as gen:
-        if opts.stream:
-            await _stream(call, gen, opts)
+
+    def decode(request_id: str) -> tuple[ChatRequest, ChatEncoder]:
+        chat = decode_chat(call, body)
+        return chat, ChatCompletionEncoder(call, chat)
+
+    await run_chat(call, "chat", decode)
+
+
+class ChatCompletionEncoder(ChatEncoder):
+    """chat.completion objects and chat.completion.chunk SSE (role chunk first, [DONE] last)."""
+
+    def __init__(self, call: Call, chat: ChatRequest) -> None:
+        super().__init__(call, chat)
+        self.tokenizer = call.state.loaded.tokenizer
+
+    @property
+    def _id(self) -> str:
+        return f"chatcmpl-{self.req.request_id}"
+
+    def _final_extras(self, result: ChatResult) -> dict[str, Any]:
+        final = result.final
+        extras: dict[str, Any] = {}
+        if final.timings is not None:
+            extras["timings"] = final.timings.to_dict()
+        extras.update(slot_extras(final, list(self.req.prompt_token_ids) + result.token_ids))
+        return extras
+
+    def _logprobs(self, records: Any) -> dict[str, Any] | None:
+        if not self.chat.logprobs:
+            return None
+        return {"content": logprob_records(self.tokenizer, records, self.chat.top_logprobs), "refusal": None}
+
+    async def respond(self, result: ChatResult) -> None:
+        final = result.final
+        assert final is not None
+        payload = {
+            "id": self._id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.call.state.model_id,
+            "choices": [{"index": 0,
+                         "message": {"role": "assistant", "content": result.content, "refusal": None},
+                         "logprobs": self._logprobs(result.logprobs),
+                         "finish_reason": result.finish_reason}],
+            "usage": usage_dict(final.usage),
+            **self._final_extras(result),
+        }
+        await self.call.respond(200, payload)
+
+    # ---- streaming ----
+
+    def _base(self) -> dict[str, Any]:
+        base = {"id": self._id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.call.state.model_id}
+        if self.chat.include_usage:
+            base["usage"] = None
+        return base
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return sse_data({**self._base(), "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                                      "finish_reason": finish}]})
+
+    async def _open(self) -> None:
+        if not self.call.started:
+            await self.call.start_stream()
+            await self.call.write(self._chunk({"role": "assistant", "content": ""}))
+
+    async def keepalive(self) -> None:
+        await self._open()
+        await self.call.write(KEEPALIVE)
+
+    async def progress(self, event: OutputEvent) -> None:
+        await self._open()
+        piece = prompt_progress(event, self.chat.timings_per_token)
+        if piece is not None:
+            await self.call.write(sse_data({**self._base(), "choices": [], **piece}))
+
+    async def piece(self, piece: Piece) -> None:
+        await self._open()
+        if piece.kind == "content":
+            data = {**self._base(), "choices": [{"index": 0, "delta": {"content": piece.text},
+                                                 "logprobs": self._logprobs(piece.logprobs), "finish_reason": None}]}
+            if self.chat.timings_per_token and piece.timings is not None:
+                data["timings"] = piece.timings.to_dict()
+            await self.call.write(sse_data(data))
+
+    async def finish(self, result: ChatResult) -> None:
+        await self._open()
+        final = result.final
+        extras = self._final_extras(result)
+        finish = {**self._base(), "choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                               "finish_reason": result.finish_reason}]}
+        if self.chat.include_usage:
+            await self.call.write(sse_data(finish))
+            choices: list[Any] = []
+            if self.call.state.config.usage_chunk_choice:
+                choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
+            await self.call.write(sse_data({**self._base(), "choices": choices,
+                                            "usage": usage_dict(final.usage), **extras}))
         else:
-            await _aggregate(call, gen, opts)
+            await self.call.write(sse_data({**finish, **extras}))
+        await self.call.write(DONE)
 
-
-def _final_extras(req: PreparedRequest, final: OutputEvent, token_ids: list[int]) -> dict[str, Any]:
-    extras: dict[str, Any] = {}
-    if final.timings is not None:
-        extras["timings"] = final.timings.to_dict()
-    extras.update(slot_extras(final, list(req.prompt_token_ids) + token_ids))
-    return extras
-
-
-async def _aggregate(call: Call, gen: Generation, opts: ChatOptions) -> None:
-    state = call.state
-    out = await gen.collect()
-    final = out.final
-    assert final is not None
-    lp = None
-    if opts.logprobs:
-        lp = {"content": logprob_records(state.loaded.tokenizer, out.logprobs, opts.top_logprobs),
-              "refusal": None}
-    payload = {
-        "id": f"chatcmpl-{gen.req.request_id}",
-        "object": "chat.completion",
-        "created": gen.created,
-        "model": state.model_id,
-        "choices": [{"index": 0,
-                     "message": {"role": "assistant", "content": out.text, "refusal": None},
-                     "logprobs": lp,
-                     "finish_reason": final.finish_reason}],
-        "usage": usage_dict(final.usage),
-        **_final_extras(gen.req, final, out.token_ids),
-    }
-    await call.respond(200, payload)
-
-
-async def _stream(call: Call, gen: Generation, opts: ChatOptions) -> None:
-    state = call.state
-    tok = state.loaded.tokenizer
-    base = {"id": f"chatcmpl-{gen.req.request_id}", "object": "chat.completion.chunk",
-            "created": gen.created, "model": state.model_id}
-    if opts.include_usage:
-        base["usage"] = None
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse_data({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                              "finish_reason": finish}]})
-
-    async def open_stream() -> None:
-        await call.start_stream()
-        await call.write(chunk({"role": "assistant", "content": ""}))
-
-    token_ids: list[int] = []
-    try:
-        async for event in gen.events(state.config.keepalive_seconds):
-            if event is TIMEOUT:
-                if not call.started:
-                    await open_stream()
-                await call.write(KEEPALIVE)
-                continue
-            if not call.started:
-                await open_stream()
-            piece = prompt_progress(event, opts.timings_per_token)
-            if piece is not None:  # the engine sends these only when return_progress asked
-                await call.write(sse_data({**base, "choices": [], **piece}))
-                continue
-            token_ids.extend(event.token_ids)
-            if event.text or event.logprobs and opts.logprobs:
-                lp = None
-                if opts.logprobs:
-                    lp = {"content": logprob_records(tok, event.logprobs, opts.top_logprobs), "refusal": None}
-                data = {**base, "choices": [{"index": 0, "delta": {"content": event.text}, "logprobs": lp,
-                                             "finish_reason": None}]}
-                if opts.timings_per_token and event.timings is not None:
-                    data["timings"] = event.timings.to_dict()
-                await call.write(sse_data(data))
-            if event.finish_reason is not None:
-                extras = _final_extras(gen.req, event, token_ids)
-                finish = {**base, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                               "finish_reason": event.finish_reason}]}
-                if opts.include_usage:
-                    await call.write(sse_data(finish))
-                    choices: list[Any] = []
-                    if state.config.usage_chunk_choice:
-                        choices = [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]
-                    await call.write(sse_data({**base, "choices": choices,
-                                               "usage": usage_dict(event.usage), **extras}))
-                else:
-                    await call.write(sse_data({**finish, **extras}))
-                await call.write(DONE)
-    except CLIENT_ERRORS as e:
-        if not call.started:
-            raise
-        await call.write(sse_error(http_error(e)))
-    await call.end()
+    async def fail(self, err: RequestError) -> None:
+        await self.call.write(sse_error(err))

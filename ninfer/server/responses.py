@@ -16,16 +16,18 @@ from typing import Any
 
 import orjson
 
-from ninfer.engine.request import OutputEvent, PreparedRequest, Usage
+from ninfer.engine.chat import Message
+from ninfer.engine.request import Usage
 from ninfer.errors import RequestError
-from ninfer.server.errors import CLIENT_ERRORS, http_error
-from ninfer.server.generate import Generation, logprob_records
+from ninfer.server.chat_output import ChatResult, Piece
+from ninfer.server.chat_request import ChatRequest, effort_kwargs, merge_template_kwargs
+from ninfer.server.chat_run import ChatEncoder, prepare, run_chat
+from ninfer.server.generate import logprob_records
 from ninfer.server.http import Call
-from ninfer.server.openai_chat import template_kwargs
 from ninfer.server.params import (bad, check_model, join_text_parts, opt_bool, opt_int, opt_number, opt_object,
                                   refuse_tools, sampling_from, unsupported)
-from ninfer.server.sse import KEEPALIVE, TIMEOUT
-from ninfer.server.structured import constrain, responses_format, with_instruction
+from ninfer.server.sse import KEEPALIVE
+from ninfer.server.structured import responses_format, with_instruction
 
 ROLES = ("user", "assistant", "system", "developer")
 INCLUDE = ("reasoning.encrypted_content", "message.output_text.logprobs")
@@ -116,16 +118,16 @@ def normalize_input(value: Any) -> list[dict[str, Any]]:
     return items
 
 
-def turns_of(items: list[dict[str, Any]], instructions: str | None) -> list[dict[str, str]]:
-    """Chat-template turns: instructions first (as a system turn), contiguous assistant Items joined."""
-    turns = [{"role": "system", "content": instructions}] if instructions is not None else []
+def turns_of(items: list[dict[str, Any]], instructions: str | None) -> list[Message]:
+    """Conversation turns: instructions first (as a system turn), contiguous assistant Items joined."""
+    turns = [Message("system", instructions)] if instructions is not None else []
     for item in items:
         role = "system" if item["role"] == "developer" else item["role"]
         text = "".join(part["text"] for part in item["content"])
-        if role == "assistant" and turns and turns[-1]["role"] == "assistant":
-            turns[-1]["content"] += text
+        if role == "assistant" and turns and turns[-1].role == "assistant":
+            turns[-1].content += text
         else:
-            turns.append({"role": role, "content": text})
+            turns.append(Message(role, text))
     return turns
 
 
@@ -138,15 +140,13 @@ def _not_found(response_id: str, param: str | None = None) -> RequestError:
 # ---- Create ------------------------------------------------------------------------------------
 
 @dataclass(slots=True)
-class CreateRequest:
-    req: PreparedRequest
-    stream: bool
+class CreateOptions:
+    """What a Create decides beyond the chat request: storage and the echoed request fields."""
+
     store: bool
     input_items: list[dict[str, Any]]
     history: list[dict[str, Any]]  # the parent's chain plus this input (the output is added after)
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the Response object reports
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 def _check_fields(body: dict[str, Any], known: set[str]) -> None:
@@ -212,21 +212,14 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
             raise bad(name, f"{name} must be a string")
 
 
-@dataclass(slots=True)
-class Prompt:
-    ids: list[int]
-    items: list[dict[str, Any]]  # this input's Items
-    history: list[dict[str, Any]]  # the chain's Items with them
-    grammar: Any  # text.format's grammar, or None
-
-
-def _conversation(call: Call, body: dict[str, Any], known: set[str], generate: bool = True) -> Prompt:
-    """The prompt of a Create (or, generate=False, of an input_tokens count: the format's
-    instruction counts, its grammar is not built) and what goes with it."""
-    check_model(body, call.state, required=True)
+def decode_create(call: Call, body: dict[str, Any], known: set[str] = _KNOWN,
+                  generate: bool = True) -> tuple[ChatRequest, CreateOptions]:
+    """Validate a Create body (or, generate=False, an input_tokens body: the format's instruction
+    counts, its grammar is not built) into the internal chat request and the Create's options."""
+    state = call.state
+    check_model(body, state, required=True)
     _check_fields(body, known)
     fmt = responses_format(opt_object(body, "text"))
-    grammar = constrain(call.state, fmt) if generate else None
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions", "instructions must be a string")
@@ -236,28 +229,16 @@ def _conversation(call: Call, body: dict[str, Any], known: set[str], generate: b
     if parent_id is not None:
         if not isinstance(parent_id, str) or not parent_id:
             raise bad("previous_response_id", "previous_response_id must be a non-empty string")
-        parent = call.state.responses.get(parent_id)
+        parent = state.responses.get(parent_id)
         if parent is None:
             raise _not_found(parent_id, "previous_response_id")
         history = list(parent.history)
     history += items
-    if not any(item["role"] == "user" for item in history):
+    if not any(item.get("role") == "user" for item in history):
         raise bad("input", "input must contain a user message (or continue a response that has one)")
-    kwargs = dict(template_kwargs({k: body[k] for k in ("chat_template_kwargs", "preserve_thinking") if k in body}))
-    effort = (body.get("reasoning") or {}).get("effort")
-    if effort == "none":
-        kwargs.setdefault("enable_thinking", False)
-    elif effort is not None:
-        kwargs["reasoning_effort"] = effort
-    tok = call.state.loaded.tokenizer
-    turns = with_instruction(turns_of(history, instructions), fmt)
-    prompt = tok.apply_chat_template(turns, add_generation_prompt=True, **kwargs)
-    return Prompt(tok.encode(prompt, add_special_tokens=False), items, history, grammar)
-
-
-def prepare_create(call: Call, body: dict[str, Any]) -> CreateRequest:
-    state = call.state
-    p = _conversation(call, body, _KNOWN)
+    kwargs = merge_template_kwargs(body.get("chat_template_kwargs"),
+                                   {"preserve_thinking": opt_bool(body, "preserve_thinking")})
+    kwargs = effort_kwargs((body.get("reasoning") or {}).get("effort"), "reasoning.effort", kwargs)
     max_tokens = opt_int(body, "max_output_tokens", lo=0)
     opt_number(body, "temperature", 0.0, 2.0)  # the Responses range; sampling_from reads the value
     top_logprobs = opt_int(body, "top_logprobs", lo=0, hi=20) or 0
@@ -265,97 +246,40 @@ def prepare_create(call: Call, body: dict[str, Any]) -> CreateRequest:
     sampling = sampling_from({k: body[k] for k in ("temperature", "top_p") if k in body}, state.base_sampling,
                              greedy=state.config.sampler.greedy, logprobs=logprobs, top_logprobs=top_logprobs,
                              negative_temperature_greedy=False)
-    stream = opt_bool(body, "stream") or False
+    chat = ChatRequest(protocol="responses", messages=turns_of(history, instructions), sampling=sampling,
+                       template_kwargs=kwargs, response_format=fmt if generate else None, max_tokens=max_tokens,
+                       stream=opt_bool(body, "stream") or False, logprobs=logprobs, top_logprobs=top_logprobs)
+    if not generate and fmt is not None:  # the count includes the format's instruction, not its grammar
+        chat.messages = with_instruction(chat.messages, fmt)
     store = opt_bool(body, "store")
     parallel = opt_bool(body, "parallel_tool_calls")
-    echo = {"instructions": body.get("instructions"), "max_output_tokens": max_tokens,
-            "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {},
+    reasoning = body.get("reasoning") or {}
+    echo = {"instructions": instructions, "max_output_tokens": max_tokens,
+            "previous_response_id": parent_id, "metadata": body.get("metadata") or {},
             "temperature": sampling.temperature, "top_p": sampling.top_p, "top_logprobs": top_logprobs,
             "user": body.get("user"),
             "parallel_tool_calls": True if parallel is None else parallel,
             "tool_choice": body.get("tool_choice") or "auto",
-            "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"),
-                          "summary": (body.get("reasoning") or {}).get("summary")},
+            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}, "verbosity": "medium"}}
-    req = PreparedRequest(request_id=uuid.uuid4().hex, prompt_token_ids=p.ids, sampling=sampling,
-                          max_tokens=max_tokens, grammar=p.grammar, hints={"protocol": "responses"})
-    return CreateRequest(req=req, stream=stream, store=True if store is None else store, input_items=p.items,
-                         history=p.history, echo=echo, logprobs=logprobs, top_logprobs=top_logprobs)
+    return chat, CreateOptions(store=True if store is None else store, input_items=items, history=history, echo=echo)
 
 
-def _usage(usage: Usage | None) -> dict[str, Any]:
+def _usage(usage: Usage | None, reasoning_tokens: int = 0) -> dict[str, Any]:
     u = usage or Usage(0, 0, 0)
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
-
-
-class _Builder:
-    """The Response object of one Create as it progresses."""
-
-    def __init__(self, call: Call, c: CreateRequest) -> None:
-        self.call, self.c = call, c
-        self.id = f"resp_{c.req.request_id}"
-        self.item_id = _new_id("msg")
-        self.created_at = int(time.time())
-        self.text = ""
-        self.logprobs: list[dict[str, Any]] = []
-
-    def part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
-
-    def item(self, status: str) -> dict[str, Any]:
-        content = [self.part()] if status != "in_progress" else []
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
-
-    def response(self, final: OutputEvent | None) -> dict[str, Any]:
-        status, incomplete, output, usage = "in_progress", None, [], None
-        if final is not None:
-            status = "completed" if final.finish_reason == "stop" else "incomplete"
-            if status == "incomplete":
-                incomplete = {"reason": "max_output_tokens"}
-            output = [self.item(status)]
-            usage = _usage(final.usage)
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "completed_at": int(time.time()) if status == "completed" else None, "error": None,
-                "incomplete_details": incomplete, "model": self.call.state.model_id, "output": output,
-                "usage": usage, "store": self.c.store, "background": False, "service_tier": "default",
-                "tools": [], "truncation": "disabled", **self.c.echo}
-
-    def add(self, event: OutputEvent) -> tuple[str, list[dict[str, Any]]]:
-        """Take an event's text and logprob records; -> (the new text, its records)."""
-        self.text += event.text
-        records = []
-        if self.c.logprobs and event.logprobs:
-            records = logprob_records(self.call.state.loaded.tokenizer, event.logprobs, self.c.top_logprobs)
-            self.logprobs.extend(records)
-        return event.text, records
-
-    def finish(self, final: OutputEvent) -> dict[str, Any]:
-        """The terminal Response, stored when asked (its Items join the chain for continuations)."""
-        response = self.response(final)
-        if self.c.store:
-            self.call.state.responses.put(response, self.c.input_items, self.c.history + response["output"])
-        return response
 
 
 async def handle_create(call: Call) -> None:
     body = call.json()
-    try:
-        c = prepare_create(call, body)
-    except CLIENT_ERRORS as e:
-        err = http_error(e)
-        call.state.reject("responses", err)
-        raise err
-    async with Generation(call, c.req, c.stream) as gen:
-        if c.stream:
-            await _stream(call, gen, c)
-        else:
-            b = _Builder(call, c)
-            async for event in gen.events(None):
-                b.add(event)
-                if event.finish_reason is not None:
-                    await call.respond(200, b.finish(event))
+
+    def decode(request_id: str) -> tuple[ChatRequest, ChatEncoder]:
+        chat, options = decode_create(call, body)
+        return chat, ResponseEncoder(call, chat, options)
+
+    await run_chat(call, "responses", decode)
 
 
 def _sse(name: str, seq: int, data: dict[str, Any]) -> bytes:
@@ -363,56 +287,129 @@ def _sse(name: str, seq: int, data: dict[str, Any]) -> bytes:
         + b"\n\n"
 
 
-async def _stream(call: Call, gen: Generation, c: CreateRequest) -> None:
-    b = _Builder(call, c)
-    seq = 0
-    where = {"item_id": b.item_id, "output_index": 0, "content_index": 0}
+class ResponseEncoder(ChatEncoder):
+    """The Response object and its semantic SSE: output Items (a reasoning Item, an assistant
+    message, function_call Items) added, filled and done in output order."""
 
-    async def emit(name: str, **data: Any) -> None:
-        nonlocal seq
-        await call.write(_sse(name, seq, data))
-        seq += 1
+    def __init__(self, call: Call, chat: ChatRequest, options: CreateOptions) -> None:
+        super().__init__(call, chat)
+        self.o = options
+        self.created_at = int(time.time())
+        self.tokenizer = call.state.loaded.tokenizer
+        self.output: list[dict[str, Any]] = []  # Items so far (the last one may be open)
+        self.open: dict[str, Any] | None = None  # the Item being streamed
+        self.seq = 0
 
-    async def open_stream() -> None:  # once submitted: a refused submission stays an HTTP error
-        await call.start_stream()
-        await emit("response.created", response=b.response(None))
-        await emit("response.in_progress", response=b.response(None))
-        await emit("response.output_item.added", output_index=0, item=b.item("in_progress"))
-        await emit("response.content_part.added", **where, part=b.part())
+    @property
+    def id(self) -> str:
+        return f"resp_{self.req.request_id}"
 
-    try:
-        async for event in gen.events(call.state.config.keepalive_seconds):
-            if not call.started:
-                await open_stream()
-            if event is TIMEOUT:
-                await call.write(KEEPALIVE)
-                continue
-            delta, records = b.add(event)
-            if delta or records:
-                await emit("response.output_text.delta", **where, delta=delta, logprobs=records)
-            if event.finish_reason is not None:
-                response = b.finish(event)
-                item = response["output"][0]
-                await emit("response.output_text.done", **where, text=b.text, logprobs=b.logprobs)
-                await emit("response.content_part.done", **where, part=item["content"][0])
-                await emit("response.output_item.done", output_index=0, item=item)
-                await emit(f"response.{response['status']}", response=response)
-    except CLIENT_ERRORS as e:
-        if not call.started:
-            raise
-        e = http_error(e)
-        failed = {**b.response(None), "status": "failed",
-                  "error": {"code": e.code or "server_error", "message": e.message}}
-        await emit("response.failed", response=failed)
-    await call.end()
+    def _records(self, logprobs: Any) -> list[dict[str, Any]]:
+        if not self.chat.logprobs or not logprobs:
+            return []
+        return logprob_records(self.tokenizer, logprobs, self.chat.top_logprobs)
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if status == "completed" else None, "error": None,
+                "incomplete_details": incomplete, "model": self.call.state.model_id, "output": output,
+                "usage": usage, "store": self.o.store, "background": False, "service_tier": "default",
+                "tools": [], "truncation": "disabled", **self.o.echo}
+
+    def _final(self, result: ChatResult, output: list[dict[str, Any]]) -> dict[str, Any]:
+        """The terminal Response, stored when asked (its Items join the chain for continuations)."""
+        status = "completed" if result.final.finish_reason == "stop" else "incomplete"
+        for item in output:
+            item["status"] = "completed" if status == "completed" or item["type"] == "function_call" else status
+        response = self._response(status, output, _usage(result.final.usage))
+        if self.o.store:
+            self.call.state.responses.put(response, self.o.input_items, self.o.history + response["output"])
+        return response
+
+    @staticmethod
+    def _message_item(text: str, logprobs: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]
+        return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant", "content": content}
+
+    async def respond(self, result: ChatResult) -> None:
+        output = [self._message_item(result.content, self._records(result.logprobs))]
+        await self.call.respond(200, self._final(result, output))
+
+    # ---- streaming ----
+
+    async def _emit(self, name: str, **data: Any) -> None:
+        await self.call.write(_sse(name, self.seq, data))
+        self.seq += 1
+
+    async def _open_stream(self) -> None:  # once submitted: a refused submission stays an HTTP error
+        if not self.call.started:
+            await self.call.start_stream()
+            await self._emit("response.created", response=self._response("in_progress", [], None))
+            await self._emit("response.in_progress", response=self._response("in_progress", [], None))
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+
+    async def _open_message(self) -> None:
+        if self.open is not None and self.open["type"] == "message":
+            return
+        await self._close_item()
+        self.open = self._message_item("", [], "in_progress")
+        self.output.append(self.open)
+        await self._emit("response.output_item.added", output_index=len(self.output) - 1,
+                         item={**self.open, "content": []})
+        await self._emit("response.content_part.added", **self._where(), part=self.open["content"][0])
+
+    async def _close_item(self, status: str = "completed") -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        where = {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            await self._emit("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
+            await self._emit("response.content_part.done", **where, part=part)
+        await self._emit("response.output_item.done", output_index=where["output_index"], item=item)
+
+    async def keepalive(self) -> None:
+        await self._open_stream()
+        await self.call.write(KEEPALIVE)
+
+    async def piece(self, piece: Piece) -> None:
+        await self._open_stream()
+        if piece.kind == "content":
+            await self._open_message()
+            records = self._records(piece.logprobs)
+            part = self.open["content"][0]
+            part["text"] += piece.text
+            part["logprobs"].extend(records)
+            if piece.text or records:
+                await self._emit("response.output_text.delta", **self._where(), delta=piece.text, logprobs=records)
+
+    async def finish(self, result: ChatResult) -> None:
+        await self._open_stream()
+        if not self.output:
+            await self._open_message()
+        status = "completed" if result.final.finish_reason == "stop" else "incomplete"
+        await self._close_item(status)
+        response = self._final(result, self.output)
+        await self._emit(f"response.{response['status']}", response=response)
+
+    async def fail(self, err: RequestError) -> None:
+        failed = {**self._response("failed", self.output, None),
+                  "error": {"code": err.code or "server_error", "message": err.message}}
+        await self._emit("response.failed", response=failed)
 
 
 # ---- the other endpoints -----------------------------------------------------------------------
 
 async def handle_input_tokens(call: Call) -> None:
     """The prompt a Create with this body would run, counted; nothing is generated or stored."""
-    p = _conversation(call, call.json(), _COUNT_FIELDS, generate=False)
-    await call.respond(200, {"object": "response.input_tokens", "input_tokens": len(p.ids)})
+    chat, _ = decode_create(call, call.json(), _COUNT_FIELDS, generate=False)
+    n = len(prepare(call.state, chat, "count").prompt_token_ids)
+    await call.respond(200, {"object": "response.input_tokens", "input_tokens": n})
 
 
 async def handle_resource(call: Call) -> None:

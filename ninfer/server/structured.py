@@ -5,9 +5,10 @@ as a leading instruction; the grammar enforces validity independently."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ninfer.engine.chat import Message
 from ninfer.errors import RequestError
 from ninfer.server.params import bad
 from ninfer.server.state import ServerState
@@ -115,12 +116,12 @@ def refuse_with_grammar(stop: list[str], ignore_eos: bool, fmt: JsonFormat) -> N
                            param="ignore_eos", code="ignore_eos_not_supported")
 
 
-def with_instruction(turns: list[dict[str, Any]], fmt: JsonFormat | None) -> list[dict[str, Any]]:
+def with_instruction(messages: list[Message], fmt: JsonFormat | None) -> list[Message]:
     """The conversation with the format shown to the model first (merged into a leading system turn)."""
     if fmt is None:
-        return turns
+        return messages
     text = "Respond with raw JSON only, without Markdown code fences: " + (
         "one JSON object." if fmt.schema is None else f"a value of this JSON Schema: {json.dumps(fmt.schema)}")
-    if turns and turns[0]["role"] == "system":
-        return [{**turns[0], "content": f"{text}\n\n{turns[0]['content']}"}, *turns[1:]]
-    return [{"role": "system", "content": text}, *turns]
+    if messages and messages[0].role == "system":
+        return [replace(messages[0], content=f"{text}\n\n{messages[0].content}"), *messages[1:]]
+    return [Message("system", text), *messages]

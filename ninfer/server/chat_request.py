@@ -1,0 +1,90 @@
+"""The one internal chat request. Chat Completions, Responses and Anthropic Messages each decode
+their body into a `ChatRequest` (as llama-server converts Anthropic and Responses bodies to a chat
+request); chat_run.py renders it once, runs it through one generation loop and hands the output
+to the protocol's encoder. The decoding pieces the protocols share live here, so protocol modules
+never import each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ninfer.engine.chat import Message, Tool
+from ninfer.engine.request import SamplingParams
+from ninfer.server.params import bad
+from ninfer.server.structured import JsonFormat
+
+# template kwargs a request may not override: the template's inputs and the tokenizer's tokens
+RESERVED_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+@dataclass(slots=True, frozen=True)
+class ToolChoice:
+    """auto: the model may call any offered tool; none: no structured calls; required: a call of
+    one of `names` is enforced by a grammar (one name: a named call)."""
+
+    mode: str = "auto"
+    names: tuple[str, ...] = ()  # required: the engine names the call may take
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """A chat conversation with everything a generation needs, whatever protocol sent it."""
+
+    protocol: str  # "chat" | "responses" | "anthropic": logs and request hints
+    messages: list[Message]
+    sampling: SamplingParams
+    prefill: str | None = None  # a final assistant text continued in place
+    tools: list[Tool] = field(default_factory=list)  # what the template renders
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True  # False keeps the first call
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    response_format: JsonFormat | None = None
+    max_tokens: int | None = None  # None: the default output limit
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    stream: bool = False
+    include_usage: bool = False  # Chat: a final usage chunk
+    return_progress: bool = False  # prompt-progress events (Anthropic's message_start needs admission)
+    timings_per_token: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def callable_tools(self) -> list[Tool]:
+        """The tools whose calls become structured output (none under tool_choice none)."""
+        return [] if self.tool_choice.mode == "none" else self.tools
+
+
+def merge_template_kwargs(kwargs: dict[str, Any] | None, typed: dict[str, Any],
+                          param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """chat_template_kwargs merged with the typed fields that duplicate them (values must agree;
+    null means unspecified)."""
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad(param, f"{param} must be an object")
+    merged = dict(kwargs or {})
+    for key in merged:
+        if key in RESERVED_KWARGS:
+            raise bad(f"{param}.{key}", f"{param} cannot override {key}")
+    for name, value in typed.items():
+        if value is None:
+            continue
+        if merged.get(name) is not None and merged[name] != value:
+            raise bad(name, f"{name} disagrees with {param}.{name}")
+        merged[name] = value
+    return {k: v for k, v in merged.items() if v is not None}
+
+
+def effort_kwargs(effort: Any, param: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A reasoning effort into template kwargs: none disables thinking, the others reach the
+    template unchanged; default/auto (Chat's aliases) leave the server's level."""
+    if effort is None or effort in ("default", "auto"):
+        return kwargs
+    if effort not in EFFORTS:
+        raise bad(param, f"{param} must be one of {', '.join(EFFORTS)}")
+    if effort == "none":
+        if kwargs.get("enable_thinking") is True:
+            raise bad(param, f"{param} none disagrees with enable_thinking true")
+        return {**kwargs, "enable_thinking": False}
+    return {**kwargs, "reasoning_effort": effort}
