@@ -147,7 +147,6 @@ def test_messages_normalized_and_media_refused() -> None:
     ({"n": 2}, "n_not_supported"), ({"logit_bias": {"5": 2}}, "logit_bias_not_supported"),
     ({"guided_json": {"type": "object"}}, "guided_json_not_supported"),
     ({"grammar": "root ::= x"}, "grammar_not_supported"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools_not_supported"),
     ({"audio": {"voice": "x"}}, "audio_not_supported"), ({"store": True}, "store_not_supported"),
     ({"modalities": ["text", "audio"]}, "modalities_not_supported"),
 ])

@@ -72,6 +72,20 @@ def serve(
     unconstrained_response_format: bool = typer.Option(
         False, "--unconstrained-response-format",
         help="Without --structured-output, generate JSON-format requests unconstrained instead of refusing them."),
+    no_thinking: bool = typer.Option(False, "--no-thinking", help="Disable thinking by default (requests may enable it)."),
+    preserve_thinking: bool = typer.Option(False, "--preserve-thinking",
+                                           help="Preserve closed-turn assistant reasoning by default."),
+    default_thinking_budget: Optional[int] = typer.Option(None, "--default-thinking-budget",
+                                                          help="Thinking-token cap of thinking requests that name none."),
+    thinking_budget_message: Optional[str] = typer.Option(None, "--thinking-budget-message",
+                                                          help="Guidance committed at the thinking budget (</think> appended when missing)."),
+    post_thinking: bool = typer.Option(False, "--post-thinking",
+                                       help="Sample the answer of thinking requests with the post-thinking preset."),
+    post_thinking_temperature: Optional[float] = typer.Option(None, "--post-thinking-temperature", help="Implies --post-thinking."),
+    post_thinking_top_p: Optional[float] = typer.Option(None, "--post-thinking-top-p", help="Implies --post-thinking."),
+    post_thinking_top_k: Optional[int] = typer.Option(None, "--post-thinking-top-k", help="Implies --post-thinking."),
+    post_thinking_sampler: Optional[str] = typer.Option(None, "--post-thinking-sampler",
+                                                        help="temp=F,top_p=F,top_k=N[,min_p=F,presence=F,frequency=F]; implies --post-thinking."),
     backend: str = BACKEND,
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
@@ -107,7 +121,12 @@ def serve(
                           structured_output=structured_output, log_stats_interval_ms=log_stats_interval_ms,
                           request_log_jsonl=request_log_jsonl,
                           log_stats_panel=_on_off(log_stats_panel, "--log-stats-panel"),
-                          unconstrained_response_format=unconstrained_response_format, model_path=model or "")
+                          unconstrained_response_format=unconstrained_response_format, model_path=model or "",
+                          no_thinking=no_thinking, preserve_thinking=preserve_thinking,
+                          default_thinking_budget=default_thinking_budget,
+                          thinking_budget_message=thinking_budget_message,
+                          post_thinking=_post_thinking(post_thinking, post_thinking_temperature, post_thinking_top_p,
+                                                       post_thinking_top_k, post_thinking_sampler))
     if chat_template is not None:
         from pathlib import Path
         if not Path(chat_template).expanduser().is_file():
@@ -133,3 +152,32 @@ def _on_off(value: str, option: str) -> bool:
     if value not in ("on", "off"):
         raise ConfigError(f"{option} must be on or off, got {value!r}")
     return value == "on"
+
+
+_SAMPLER_KEYS = {"temp": "temperature", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                 "min_p": "min_p", "presence": "presence_penalty", "frequency": "frequency_penalty"}
+
+
+def _post_thinking(on: bool, temperature: Optional[float], top_p: Optional[float], top_k: Optional[int],
+                   sampler: Optional[str]) -> dict | None:
+    """The post-thinking overrides (None: off). Any override implies --post-thinking."""
+    fields: dict = {}
+    if sampler:
+        for item in sampler.split(","):
+            key, _, value = item.partition("=")
+            name = _SAMPLER_KEYS.get(key.strip())
+            if name is None or not value:
+                raise ConfigError(f"--post-thinking-sampler: {item!r} is not one of "
+                                  "temp=F,top_p=F,top_k=N,min_p=F,presence=F,frequency=F")
+            try:
+                fields[name] = int(value) if name == "top_k" else float(value)
+            except ValueError:
+                raise ConfigError(f"--post-thinking-sampler: {item!r} needs a number") from None
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)):
+        if value is not None:
+            fields[name] = value
+    if "temperature" in fields and not 0.0 <= fields["temperature"] <= 2.0:
+        raise ConfigError("--post-thinking-temperature must be in [0, 2]")
+    if "top_p" in fields and not 0.0 <= fields["top_p"] <= 1.0:
+        raise ConfigError("--post-thinking-top-p must be in [0, 1]")
+    return fields if (on or fields) else None

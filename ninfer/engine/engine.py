@@ -25,6 +25,8 @@ from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnap
                                     QueueEntry)
 from ninfer.engine.kv_cache import PagePool, StatePool
 from ninfer.engine.output import OutputProcessor
+from ninfer.engine.reasoning import ReasoningSplitter, effective_budget, single_token_mask
+from ninfer.engine.sampler import mask_words
 from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
 from ninfer.engine.errors import ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded
@@ -52,6 +54,12 @@ class _Live:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)  # per published-able token
     logprobs_sent: int = 0
     matcher: Any = None  # structured output: the request's grammar.Matcher
+    splitter: ReasoningSplitter | None = None  # a chat request's <think> channel split
+    reasoning_tokens: int = 0
+    undecided_tokens: int = 0  # leading tokens that may still open <think>
+    thinking_budget: int | None = None  # the effective cap (None: none, or not enforceable)
+    forced: deque[int] = field(default_factory=deque)  # tokens committed without sampling (early close)
+    post_thinking: bool = False  # the sampler switched after the reasoning closed
 
 
 class RequestHandle:
@@ -202,6 +210,11 @@ class Engine:
         timeout = self.config.pending_timeout_ms
         live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None,
                      matcher=req.grammar.matcher() if req.grammar is not None else None)
+        spec = req.reasoning
+        if spec is not None:
+            live.splitter = ReasoningSplitter(spec.starts_open)
+            if spec.budget is not None and spec.close_ids:
+                live.thinking_budget = effective_budget(spec.budget, max_out, len(spec.close_ids))
         with self._cv:
             if self._stopping or self._thread is None:
                 raise EngineNotRunning(self._failed)
@@ -320,10 +333,9 @@ class Engine:
         try:
             if batch.page_copies:
                 self._copy_pages(batch.page_copies)
-            for work in batch.seqs:  # structured output: the grammar's mask for this sample
-                matcher = self._by_seq[work.seq_id].matcher
-                if work.sample and matcher is not None:
-                    work.token_mask = matcher.next_mask()
+            for work in batch.seqs:  # the grammar's (or a forced token's) mask for this sample
+                if work.sample:
+                    work.token_mask = self._mask(self._by_seq[work.seq_id])
             output = self.runner.run(batch)
         except Exception as exc:  # fail the lanes, keep serving the queue
             for seq in list(self.scheduler.running):
@@ -362,10 +374,22 @@ class Engine:
         self._emit(live, OutputEvent(request_id=seq.request_id, timings=timings,
                                      progress=PromptProgress(seq.prompt_len, cache, processed, elapsed_ms)))
 
+    def _mask(self, live: _Live) -> Any:
+        """The token mask of a request's next sample: a forced token's, the grammar's outside
+        reasoning, or None."""
+        if live.forced:
+            return single_token_mask(live.forced[0], mask_words(self.runner.vocab_size))
+        if live.matcher is not None and not (live.splitter is not None and live.splitter.in_reasoning):
+            return live.matcher.next_mask()
+        return None
+
     def _on_token(self, live: _Live, token: int, logprob: TokenLogprob | None, now: float) -> None:
-        seq, proc = live.seq, live.proc
-        if live.matcher is not None and not live.matcher.accept(token):  # the mask should have excluded it
-            self.scheduler.abort(seq)
+        seq, proc, splitter = live.seq, live.proc, live.splitter
+        reasoning_token = splitter is not None and splitter.in_reasoning
+        if live.forced:
+            live.forced.popleft()
+        elif live.matcher is not None and not reasoning_token and not live.matcher.accept(token):
+            self.scheduler.abort(seq)  # the mask should have excluded it
             self._counters.requests_failed += 1
             self._finalize(live, "error", error=f"structured output: the grammar does not admit sampled token {token}")
             return
@@ -375,23 +399,48 @@ class Engine:
         live.last_token_at = now
         step = proc.append(token)
         text = step.text
+        ended = step.finished or seq.finished
+        if ended and not step.finished:  # the output budget (which the context bounds)
+            text += proc.finish()
+        reasoning = ""
+        if splitter is not None:
+            undecided = splitter.state == "start"
+            reasoning, text = splitter.feed(text, final=ended)
+            reasoning_token = reasoning_token or splitter.in_reasoning
+            if undecided and splitter.state == "start":
+                live.undecided_tokens += 1  # counted as reasoning once the output opens <think>
+            elif undecided and splitter.opened:
+                live.reasoning_tokens += live.undecided_tokens
+            live.reasoning_tokens += reasoning_token
+            self._after_reasoning_step(live)
         if token not in proc.stop_token_ids:
-            live.logprobs.append(logprob)
+            live.logprobs.append(None if reasoning_token else logprob)
         if step.finished:  # a stop token or a stop string
             self.scheduler.finish(seq, "stop", step.stop_reason)
-            self._finish(live, "stop", step.stop_reason, text, token)
-        elif seq.finished:  # the output budget (which the context bounds)
-            text += proc.finish()
-            if proc.stop_reason is not None:  # the final flush completed a stop string
-                self._finish(live, "stop", proc.stop_reason, text, token)
-            else:
-                self._finish(live, "length", None, text, token)
+            self._finish(live, "stop", step.stop_reason, text, token, reasoning)
+        elif seq.finished:
+            reason = "stop" if proc.stop_reason is not None else "length"  # a final flush may complete a stop
+            self._finish(live, reason, proc.stop_reason, text, token, reasoning)
         else:
             # the first event carries the finished prompt phase; every event does when asked
             timings = self._timings(live) if first or live.req.hints.get("timings_per_token") else None
-            self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=(token,), text=text,
+            self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=(token,), text=text, reasoning=reasoning,
                                          logprobs=self._take_logprobs(live, proc.tokens_published),
                                          timings=timings))
+
+    def _after_reasoning_step(self, live: _Live) -> None:
+        """At the thinking budget, queue the early close; once reasoning closed, switch to the
+        post-thinking sampler (once)."""
+        spec, splitter = live.req.reasoning, live.splitter
+        if splitter.in_reasoning:
+            if live.thinking_budget is not None and not live.forced and live.reasoning_tokens >= live.thinking_budget:
+                live.forced.extend(spec.close_ids)
+                live.thinking_budget = None  # once
+        elif splitter.opened and spec.post_thinking is not None and not live.post_thinking:
+            live.post_thinking = True
+            live.seq.sampling = spec.post_thinking
+            if spec.post_thinking.seed is not None:
+                live.seq.seed = spec.post_thinking.seed
 
     def _take_logprobs(self, live: _Live, published: int) -> tuple[TokenLogprob, ...]:
         records = live.logprobs[live.logprobs_sent:published]
@@ -399,11 +448,11 @@ class Engine:
         return tuple(r for r in records if r is not None)
 
     def _finish(self, live: _Live, reason: str, stop_reason: str | int | None, text: str,
-                token: int | None = None) -> None:
+                token: int | None = None, reasoning: str = "") -> None:
         c = self._counters
         c.requests_finished += 1
         c.prefix_cache_hit_tokens += live.seq.num_cached_tokens
-        self._finalize(live, reason, stop_reason=stop_reason, text=text,
+        self._finalize(live, reason, stop_reason=stop_reason, text=text, reasoning=reasoning,
                        token_ids=(token,) if token is not None else (),
                        logprobs=self._take_logprobs(live, live.proc.tokens_published))
 
@@ -426,7 +475,7 @@ class Engine:
                 self._finalize(live, "error", error="request_queue_timeout")
 
     def _finalize(self, live: _Live, reason: str, *, stop_reason: str | int | None = None, text: str = "",
-                  token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] = (),
+                  reasoning: str = "", token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] = (),
                   error: str | None = None) -> None:
         seq = live.seq
         self._by_seq.pop(seq.seq_id, None)
@@ -436,10 +485,14 @@ class Engine:
             del self._live[seq.request_id]
             self._admitted -= 1
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_token_ids),
-                      cached_tokens=seq.num_cached_tokens)
-        self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, logprobs=logprobs,
-                                     finish_reason=reason, stop_reason=stop_reason, usage=usage,
-                                     timings=self._timings(live), error=error, slot_id=seq.slot))
+                      cached_tokens=seq.num_cached_tokens, reasoning_tokens=live.reasoning_tokens)
+        if live.splitter is not None and reason in ("cancelled", "error"):  # release what the split held
+            held_reasoning, held_text = live.splitter.feed("", final=True)
+            reasoning, text = reasoning + held_reasoning, text + held_text
+        self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, reasoning=reasoning,
+                                     logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason, usage=usage,
+                                     timings=self._timings(live), error=error, slot_id=seq.slot,
+                                     post_thinking_sampling=live.post_thinking))
 
     def _emit(self, live: _Live, event: OutputEvent) -> None:
         try:

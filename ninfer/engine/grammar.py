@@ -47,6 +47,25 @@ class JsonGrammars:
         return Grammar(compiled, self.vocab_size)
 
 
+    def tool_call(self, tools: list[tuple[str, dict[str, Any]]], opener: str = "<tool_call>\n",
+                  closer: str = "\n</tool_call>") -> Grammar:
+        """One call in the Qwen form, opener + {"name": N, "arguments": A} + closer, where N is
+        one of `tools` (name, parameters schema) and A a value of that tool's parameters."""
+        schemas = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params or {"type": "object"}},
+                    "required": ["name", "arguments"], "additionalProperties": False} for name, params in tools]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        try:
+            body = xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+            grammar = xg.Grammar.concat(xg.Grammar.from_ebnf(f"root ::= {json.dumps(opener)}"), body,
+                                        xg.Grammar.from_ebnf(f"root ::= {json.dumps(closer)}"))
+            compiled = self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)
+            raise SchemaError(f"tools: a parameters schema cannot be enforced: {reason[:300]}", field="tools") from None
+        return Grammar(compiled, self.vocab_size)
+
+
 class Grammar:
     """A compiled grammar; each request gets its own matcher."""
 

@@ -67,6 +67,7 @@ class PreparedRequest:
     cache_prompt: bool = True  # False keeps the request out of the context cache
     raw_prompt: bool = False  # a raw (non-chat) prompt: long ones keep a one-short checkpoint
     hints: dict[str, Any] = field(default_factory=dict)  # protocol hints the engine passes through
+    reasoning: Any = None  # a chat request's reasoning.ReasoningSpec: split <think> output (None: no split)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -143,6 +144,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0  # output tokens accepted while the reasoning channel was open
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,7 +160,8 @@ class OutputEvent:
 
     request_id: str
     token_ids: tuple[int, ...] = ()
-    text: str = ""
+    text: str = ""  # the answer (content channel)
+    reasoning: str = ""  # newly committed reasoning text (requests with a ReasoningSpec)
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the matched stop string or stop token id
@@ -167,3 +170,4 @@ class OutputEvent:
     error: str | None = None
     progress: PromptProgress | None = None  # a prompt-progress event (hints["return_progress"]): no tokens
     slot_id: int | None = None  # final event: the context-cache slot the session was retained in
+    post_thinking_sampling: bool = False  # final event: the sampler switched after the reasoning closed

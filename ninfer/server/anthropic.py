@@ -12,47 +12,51 @@ overload answers 529 and a queue timeout 504, as the spec maps them for these en
 """
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 import orjson
 
-from ninfer.engine.chat import Message
+from ninfer.engine.chat import Message, ToolCall
 from ninfer.engine.request import OutputEvent, Usage
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
-from ninfer.server.chat_request import ChatRequest, merge_template_kwargs
+from ninfer.server.chat_request import ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking
 from ninfer.server.chat_run import ChatEncoder, prepare, run_chat
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, anthropic_error_type
-from ninfer.server.params import (bad, join_text_parts, message_role, opt_bool, opt_int, parse_stop, refuse_tools,
-                                  sampling_from, unsupported)
+from ninfer.server.params import (bad, join_text_parts, message_role, opt_bool, opt_int, parse_stop, sampling_from,
+                                  unsupported)
 from ninfer.server.sse import KEEPALIVE
 from ninfer.server.structured import anthropic_format
+from ninfer.server.tools import anthropic_tool_choice, anthropic_tools
 
 ROLES = ("user", "assistant", "system")
 MAX_STOP_SEQUENCES = 16
 _SAMPLER_FIELDS = ("temperature", "top_p", "top_k")  # Anthropic's; OpenAI-only names are not read here
+SIGNATURE_PREFIX = "ninfer-reasoning.v1:"
 # content blocks that need a capability this server does not have: code, what is missing
 _REFUSED_BLOCKS = {
     "image": ("vision_disabled", "image input needs a vision model; this server serves text only"),
     "document": ("documents_not_supported", "document blocks are not supported"),
     "search_result": ("search_results_not_supported", "search_result blocks are not supported"),
-    "thinking": ("thinking_not_supported", "thinking blocks are not supported: this model has no thinking mode"),
-    "redacted_thinking": ("thinking_not_supported",
-                          "redacted_thinking blocks are not supported: this model has no thinking mode"),
-    "tool_use": ("tools_not_supported", "tool use is not supported by this server"),
-    "tool_result": ("tools_not_supported", "tool use is not supported by this server"),
+    "server_tool_use": ("tools_not_supported", "server tools are not supported: this server has no tool executor"),
+    "web_search_tool_result": ("tools_not_supported", "server tool results are not supported"),
+    "container_upload": ("container_not_supported", "container uploads are not supported"),
 }
 
 
 def _block(block: dict[str, Any], p: str) -> str:
-    """A non-text content block: refused, naming what is missing."""
+    """A non-text content block inside text-only content: refused, naming what is missing."""
     kind = block.get("type")
     if not isinstance(kind, str) or not kind:
         raise bad(f"{p}.type", f"{p}.type must be a content block type such as \"text\"")
     if kind in _REFUSED_BLOCKS:
         code, why = _REFUSED_BLOCKS[kind]
         raise RequestError(f"{p}: {why}", param=p, code=code)
+    if kind in ("thinking", "redacted_thinking", "tool_use", "tool_result"):
+        raise RequestError(f"{p}: a {kind} block cannot appear here", param=f"{p}.type", code="invalid_value")
     raise RequestError(f"{p}: {kind} blocks are not supported by this server", param=f"{p}.type",
                        code="content_block_not_supported")
 
@@ -60,6 +64,77 @@ def _block(block: dict[str, Any], p: str) -> str:
 def _text(content: Any, where: str) -> str:
     """A string, or an array of text blocks joined (their cache_control and citations are hints)."""
     return join_text_parts(content, where, _block)
+
+
+def signature(reasoning: str) -> str:
+    """The compatibility signature of a thinking block: the reasoning itself, Base64 (not secret)."""
+    return SIGNATURE_PREFIX + base64.b64encode(reasoning.encode()).decode()
+
+
+def _thinking(block: dict[str, Any], p: str) -> str:
+    """A replayed thinking block's reasoning; an empty one restores it from a NInfer signature."""
+    text = block.get("thinking")
+    if not isinstance(text, str):
+        raise bad(f"{p}.thinking", f"{p}.thinking must be a string")
+    sig = block.get("signature")
+    if text or not isinstance(sig, str) or not sig.startswith(SIGNATURE_PREFIX):
+        return text
+    try:
+        return base64.b64decode(sig[len(SIGNATURE_PREFIX):], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError(f"{p}.signature is not a valid {SIGNATURE_PREFIX} signature", param=f"{p}.signature",
+                           code="invalid_thinking_signature") from None
+
+
+def _tool_result(block: dict[str, Any], p: str) -> Message:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise bad(f"{p}.tool_use_id", f"{p}.tool_use_id must be a non-empty string")
+    content = block.get("content", "")
+    text = _text(content, f"{p}.content") if content is not None else ""
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise bad(f"{p}.is_error", f"{p}.is_error must be a boolean")
+    return Message("tool", text, tool_call_id=call_id, is_error=bool(is_error))
+
+
+def _turn(role: str, content: Any, where: str) -> list[Message]:
+    """One message as turns: tool results (a user turn's leading tool_result blocks) become tool
+    turns; an assistant's thinking, text and tool_use blocks one assistant turn."""
+    if isinstance(content, str):
+        return [Message(role, content)]
+    if not isinstance(content, list):
+        raise bad(where, f"{where} must be a string or an array of content blocks")
+    out: list[Message] = []
+    main = Message(role)
+    for j, block in enumerate(content):
+        p = f"{where}[{j}]"
+        if not isinstance(block, dict):
+            raise bad(p, f"{p} must be a content block object")
+        kind = block.get("type")
+        if kind == "tool_result" and role == "user":
+            if main.content:
+                raise RequestError(f"{p}: tool_result blocks must lead their user turn", param=p,
+                                   code="invalid_tool_history")
+            out.append(_tool_result(block, p))
+        elif kind == "thinking" and role == "assistant":
+            main.reasoning = (main.reasoning or "") + _thinking(block, p)
+        elif kind == "redacted_thinking" and role == "assistant":
+            continue  # opaque provider data: no local prompt representation
+        elif kind == "tool_use" and role == "assistant":
+            call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"{p}.id", f"{p}.id must be a non-empty string")
+            if not isinstance(name, str) or not name:
+                raise bad(f"{p}.name", f"{p}.name must be a non-empty string")
+            if not isinstance(args, dict):
+                raise bad(f"{p}.input", f"{p}.input must be an object")
+            main.tool_calls.append(ToolCall(call_id, name, json.dumps(args, ensure_ascii=False)))
+        else:
+            main.content += join_text_parts([block], where, lambda b, _: _block(b, p))
+    if main.content or main.reasoning or main.tool_calls or not out:
+        out.append(main)
+    return out
 
 
 def conversation(body: dict[str, Any]) -> tuple[list[Message], str | None]:
@@ -80,44 +155,81 @@ def conversation(body: dict[str, Any]) -> tuple[list[Message], str | None]:
         role = message_role(m, where, ROLES)
         if "content" not in m:
             raise bad(f"{where}.content", f"{where}.content is required", code="missing_required_parameter")
-        text = _text(m["content"], f"{where}.content")
-        last = turns[-1] if turns else None
-        if last is not None and role != "system" and last.role == role:
-            last.content += text  # consecutive user (or assistant) turns are one turn
-        else:
-            turns.append(Message(role, text))
+        for turn in _turn(role, m["content"], f"{where}.content"):
+            last = turns[-1] if turns else None
+            if last is not None and turn.role in ("user", "assistant") and last.role == turn.role \
+                    and not last.tool_calls and not (turn.reasoning and (last.content or last.reasoning)):
+                last.content += turn.content  # consecutive user (or assistant) turns are one turn
+                last.reasoning = last.reasoning or turn.reasoning
+                last.tool_calls += turn.tool_calls
+            else:
+                if turn.role == "system" and last is not None and last.tool_calls:
+                    raise RequestError(f"{where}: a system message cannot come between a tool_use and its "
+                                       "tool_result", param=where, code="invalid_tool_history")
+                turns.append(turn)
     prefill = None
-    if turns[-1].role == "assistant":  # a final assistant turn is continued, not closed
+    last = turns[-1]
+    if last.role == "assistant" and not last.tool_calls and not last.reasoning:  # continued, not closed
         prefill = turns.pop().content
         if not any(t.role == "user" for t in turns):
             raise bad("messages", "an assistant prefill needs a user turn before it")
-    return turns, prefill
+    return _order_results(turns), prefill
+
+
+def _order_results(turns: list[Message]) -> list[Message]:
+    """A visible tool_use turn's results: one per declared id, matched by id, in call order."""
+    out: list[Message] = []
+    i = 0
+    while i < len(turns):
+        turn = turns[i]
+        out.append(turn)
+        i += 1
+        if turn.role != "assistant" or not turn.tool_calls:
+            continue
+        j = i
+        while j < len(turns) and turns[j].role == "tool":
+            j += 1
+        order = [c.id for c in turn.tool_calls]
+        ids = [r.tool_call_id for r in turns[i:j]]
+        if j < len(turns) or i < len(turns):  # a later turn exists: it must answer every call
+            if sorted(ids) != sorted(order):
+                raise RequestError("the user turn after a tool_use turn must lead with exactly one tool_result "
+                                   f"for each tool_use id ({', '.join(order)})", param="messages",
+                                   code="invalid_tool_history")
+        for r in turns[i:j]:
+            r.name = turn.tool_calls[order.index(r.tool_call_id)].name if r.tool_call_id in order else None
+        out += sorted(turns[i:j], key=lambda r: order.index(r.tool_call_id) if r.tool_call_id in order else 0)
+        i = j
+    return out
 
 
 def check_capabilities(body: dict[str, Any]) -> None:
     """Refuse fields that ask for what this server cannot do; neutral spellings pass."""
-    refuse_tools(body)
-    choice = body.get("tool_choice")
-    if choice is not None:
-        kind = choice.get("type") if isinstance(choice, dict) else None
-        if kind not in ("auto", "none", "any", "tool"):
-            raise bad("tool_choice", "tool_choice must be an object with type auto, none, any or tool")
-        if kind in ("any", "tool"):
-            raise bad("tool_choice", f"tool_choice {kind} needs tools, and none are declared")
-    thinking = body.get("thinking")
-    if thinking is not None:
-        kind = thinking.get("type") if isinstance(thinking, dict) else None
-        if kind not in ("disabled", "enabled", "adaptive"):
-            raise bad("thinking.type", "thinking must be an object with type disabled, enabled or adaptive")
-        if kind != "disabled":
-            raise RequestError(f"thinking {kind} is not supported: this model has no thinking mode",
-                               param="thinking", code="thinking_not_supported")
     output_config = body.get("output_config")
     if output_config is not None and not isinstance(output_config, dict):
         raise bad("output_config", "output_config must be an object")
     for name in ("mcp_servers", "container"):
         if body.get(name):
             raise unsupported(name, f"{name} is not supported: this server has no tool executor")
+
+
+def thinking_config(body: dict[str, Any]) -> tuple[bool | None, int | None, bool]:
+    """thinking: -> (enable_thinking or None for the default, budget_tokens, display omitted)."""
+    thinking = body.get("thinking")
+    if thinking is None:
+        return None, None, False
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind not in ("disabled", "enabled", "adaptive"):
+        raise bad("thinking.type", "thinking must be an object with type disabled, enabled or adaptive")
+    display = thinking.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise bad("thinking.display", "thinking.display must be summarized or omitted")
+    budget = None
+    if kind == "enabled":
+        budget = thinking.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+            raise bad("thinking.budget_tokens", "thinking.budget_tokens must be an integer >= 1024")
+    return kind != "disabled", budget, display == "omitted"
 
 
 def decode_messages(call: Call, body: dict[str, Any], generate: bool = True) -> ChatRequest:
@@ -135,9 +247,16 @@ def decode_messages(call: Call, body: dict[str, Any], generate: bool = True) -> 
     if fmt is not None and prefill is not None:
         raise RequestError("an assistant prefill cannot be combined with output_config.format: the JSON value "
                            "starts the answer", param="messages", code="assistant_prefill_not_supported")
-    kwargs = merge_template_kwargs(body.get("chat_template_kwargs"), {})
+    enable, budget, omitted = thinking_config(body)
+    kwargs = merge_template_kwargs(body.get("chat_template_kwargs"),
+                                   {"enable_thinking": enable, "preserve_thinking": opt_bool(body, "preserve_thinking")})
+    effort = (body.get("output_config") or {}).get("effort")
+    kwargs = effort_kwargs(effort, "output_config.effort", kwargs)
+    tools = anthropic_tools(body)
+    choice, parallel = anthropic_tool_choice(body, tools)
     chat = ChatRequest(protocol="anthropic", messages=turns, prefill=prefill, sampling=state.base_sampling,
-                       template_kwargs=kwargs, response_format=fmt)
+                       template_kwargs=kwargs, response_format=fmt, tools=tools, tool_choice=choice,
+                       parallel_tool_calls=parallel, thinking_budget=budget, omit_reasoning=omitted)
     if not generate:
         return chat
     max_tokens = opt_int(body, "max_tokens")
@@ -152,6 +271,7 @@ def decode_messages(call: Call, body: dict[str, Any], generate: bool = True) -> 
                                   greedy=state.config.sampler.greedy, negative_temperature_greedy=False)
     chat.max_tokens, chat.stop = max_tokens, stop
     chat.return_progress = True  # the admission event, where a stream's message_start gets its exact usage
+    chat.post_thinking = parse_post_thinking(body, max_temperature=1.0)
     return chat
 
 
@@ -233,14 +353,26 @@ class MessagesEncoder(ChatEncoder):
         self.started = False  # message_start sent
         self.block: str | None = None  # the open content block's kind
         self.index = -1  # the open block's index
+        self.reasoning = ""  # the thinking block's text so far (its signature carries it)
 
     def _message(self, content: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": f"msg_{self.req.request_id}", "type": "message", "role": "assistant", "model": self.model,
                 "content": content, "stop_reason": None, "stop_sequence": None}
 
+    def _thinking_block(self, reasoning: str) -> dict[str, Any]:
+        return {"type": "thinking", "thinking": "" if self.chat.omit_reasoning else reasoning,
+                "signature": signature(reasoning)}
+
     async def respond(self, result: ChatResult) -> None:
         reason, sequence = _stop_reason(self.call, result)
-        payload = self._message([{"type": "text", "text": result.content}])
+        content: list[dict[str, Any]] = []
+        if result.reasoning:
+            content.append(self._thinking_block(result.reasoning))
+        if result.content or not (result.reasoning or result.tool_calls):
+            content.append({"type": "text", "text": result.content})
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments)}
+                    for c in result.tool_calls]
+        payload = self._message(content)
         payload.update(stop_reason=reason, stop_sequence=sequence, usage=_usage(result.final.usage))
         await self.call.respond(200, payload)
 
@@ -266,6 +398,10 @@ class MessagesEncoder(ChatEncoder):
                                                   "content_block": block})
 
     async def _close_block(self) -> None:
+        if self.block == "thinking":
+            await self._write("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                      "delta": {"type": "signature_delta",
+                                                                "signature": signature(self.reasoning)}})
         if self.block is not None:
             await self._write("content_block_stop", {"type": "content_block_stop", "index": self.index})
             self.block = None
@@ -280,11 +416,27 @@ class MessagesEncoder(ChatEncoder):
 
     async def piece(self, piece: Piece) -> None:
         await self._start(piece.timings.cache_n if piece.timings is not None else 0)
-        if piece.kind == "content":
-            await self._open_block("text", {"type": "text", "text": ""})
-            if piece.text:
+        if piece.kind == "reasoning":
+            await self._open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.reasoning += piece.text
+            if piece.text and not self.chat.omit_reasoning:
                 await self._write("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                                          "delta": {"type": "text_delta", "text": piece.text}})
+                                                          "delta": {"type": "thinking_delta", "thinking": piece.text}})
+        elif piece.kind == "content":
+            if not piece.text:
+                return
+            await self._open_block("text", {"type": "text", "text": ""})
+            await self._write("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                      "delta": {"type": "text_delta", "text": piece.text}})
+        elif piece.kind == "tool_start":
+            await self._close_block()
+            await self._open_block("tool_use", {"type": "tool_use", "id": piece.call.id, "name": piece.call.name,
+                                                "input": {}})
+        elif piece.kind == "tool_args":
+            await self._write("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                      "delta": {"type": "input_json_delta", "partial_json": piece.text}})
+        elif piece.kind == "tool_done":
+            await self._close_block()
 
     async def finish(self, result: ChatResult) -> None:
         final = result.final

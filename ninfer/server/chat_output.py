@@ -4,11 +4,13 @@ aggregate result is the same pieces joined.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ninfer.engine.chat import ToolCall
+from ninfer.engine.chat import Tool, ToolCall
 from ninfer.engine.request import OutputEvent, Timings, TokenLogprob
+from ninfer.server.toolcalls import ParsedCall, Parser, ToolCallStream
 
 
 @dataclass(slots=True)
@@ -45,25 +47,51 @@ class ChatResult:
 
 
 class ChatOutput:
-    """Turns a request's engine events into pieces and accumulates the result."""
+    """Turns a request's engine events into pieces and accumulates the result. With callable
+    tools, content goes through the tool-call parser (toolcalls.py); parallel_tool_calls false
+    keeps the first call."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[Tool] = (), parallel_tool_calls: bool = True) -> None:
         self.result = ChatResult()
+        self._tools = {t.engine_name: t for t in tools}
+        self._calls = ToolCallStream(Parser({n: t.parameters for n, t in self._tools.items()})) if tools else None
+        self._parallel = parallel_tool_calls
 
     def feed(self, event: OutputEvent) -> list[Piece]:
         """The pieces one engine event releases (a final event also flushes what was held)."""
         r = self.result
         r.token_ids.extend(event.token_ids)
+        final = event.finish_reason is not None
         pieces: list[Piece] = []
-        if event.text or event.logprobs:
-            r.content += event.text
+        if event.reasoning:
+            r.reasoning += event.reasoning
+            pieces.append(Piece("reasoning", event.reasoning))
+        text, calls = event.text, []
+        if self._calls is not None and not self._calls.done and (text or final):
+            text, calls = self._calls.feed(text, final=final)
+        if text or event.logprobs:
+            r.content += text
             r.logprobs.extend(event.logprobs)
-            pieces.append(Piece("content", event.text, logprobs=event.logprobs))
-        if event.finish_reason is not None:
+            pieces.append(Piece("content", text, logprobs=event.logprobs))
+        for parsed in calls:
+            if r.tool_calls and not self._parallel:
+                break
+            pieces += self._call_pieces(parsed)
+        if final:
             r.final = event
         if pieces and event.timings is not None:
             pieces[0].timings = event.timings
         return pieces
+
+    def _call_pieces(self, parsed: ParsedCall) -> list[Piece]:
+        tool = self._tools.get(parsed.name)
+        call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=tool.name if tool else parsed.name,
+                        arguments=parsed.arguments, namespace=tool.namespace if tool else None)
+        index = len(self.result.tool_calls)
+        self.result.tool_calls.append(call)
+        return [Piece("tool_start", index=index, call=replace(call, arguments="")),
+                Piece("tool_args", call.arguments, index=index, call=call),
+                Piece("tool_done", index=index, call=call)]
 
 
 def piece_dict(piece: Piece) -> dict[str, Any]:

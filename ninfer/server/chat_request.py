@@ -11,7 +11,8 @@ from typing import Any
 
 from ninfer.engine.chat import Message, Tool
 from ninfer.engine.request import SamplingParams
-from ninfer.server.params import bad
+from ninfer.errors import RequestError
+from ninfer.server.params import bad, opt_int, opt_number, sampling_from
 from ninfer.server.structured import JsonFormat
 
 # template kwargs a request may not override: the template's inputs and the tokenizer's tokens
@@ -50,11 +51,18 @@ class ChatRequest:
     timings_per_token: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    thinking_budget: int | None = None  # the request's cap (None: the server default)
+    post_thinking: dict[str, Any] | None = None  # the request's post_thinking fields (None: the server's choice)
+    omit_reasoning: bool = False  # Anthropic thinking.display "omitted": reasoning travels in the signature only
 
     @property
     def callable_tools(self) -> list[Tool]:
-        """The tools whose calls become structured output (none under tool_choice none)."""
-        return [] if self.tool_choice.mode == "none" else self.tools
+        """The tools whose calls become structured output (none under tool_choice none; the named
+        ones under allowed_tools or a forced call)."""
+        if self.tool_choice.mode == "none":
+            return []
+        names = self.tool_choice.names
+        return [t for t in self.tools if t.engine_name in names] if names else self.tools
 
 
 def merge_template_kwargs(kwargs: dict[str, Any] | None, typed: dict[str, Any],
@@ -88,3 +96,39 @@ def effort_kwargs(effort: Any, param: str, kwargs: dict[str, Any]) -> dict[str, 
             raise bad(param, f"{param} none disagrees with enable_thinking true")
         return {**kwargs, "enable_thinking": False}
     return {**kwargs, "reasoning_effort": effort}
+
+
+POST_THINKING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")
+
+
+def parse_thinking_budget(body: dict[str, Any], name: str = "thinking_budget") -> int | None:
+    """The NInfer thinking_budget extension: a positive integer or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise bad(name, f"{name} must be a positive integer or null")
+    return value
+
+
+def parse_post_thinking(body: dict[str, Any], max_temperature: float = 2.0) -> dict[str, Any] | None:
+    """The post_thinking extension object: the sampler after the reasoning closes ({} = the preset)."""
+    value = body.get("post_thinking")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad("post_thinking", "post_thinking must be an object")
+    for key in value:
+        if key not in POST_THINKING_FIELDS:
+            raise bad(f"post_thinking.{key}", f"post_thinking.{key} is not a sampler field "
+                                              f"({', '.join(POST_THINKING_FIELDS)})")
+    fields = {k: v for k, v in value.items() if v is not None}
+    try:
+        opt_number(fields, "temperature", 0.0, max_temperature)
+        opt_int(fields, "seed")
+        sampling_from(fields, SamplingParams(), greedy=False)
+    except RequestError as e:
+        e.param = f"post_thinking.{e.param}"
+        e.message = f"post_thinking.{e.message}"
+        raise
+    return fields

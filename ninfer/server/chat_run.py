@@ -9,19 +9,64 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+
 from ninfer.engine.chat import render
+from ninfer.engine.reasoning import CLOSE, EARLY_CLOSE_GUIDANCE, OPEN, ReasoningSpec
 from ninfer.engine.request import OutputEvent, PreparedRequest
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatOutput, ChatResult, Piece
 from ninfer.server.chat_request import ChatRequest
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.generate import Generation, new_request_id
+from ninfer.server.params import sampling_from
 from ninfer.server.http import Call
 from ninfer.server.sse import TIMEOUT
 from ninfer.server.state import ServerState
 from ninfer.server.structured import constrain, with_instruction
+from ninfer.server.tools import forced_grammar
+
+
+def template_kwargs(state: ServerState, chat: ChatRequest) -> dict[str, Any]:
+    """The request's template kwargs over the server defaults (--no-thinking, --preserve-thinking).
+    A structured response or a forced tool call that does not ask for thinking runs without it."""
+    kwargs = dict(chat.template_kwargs)
+    if chat.tool_choice.mode == "required" and kwargs.get("enable_thinking") is True:
+        raise RequestError("tool_choice: a forced tool call starts the answer, so it cannot follow reasoning the "
+                           "request enables; disable thinking or use tool_choice auto", param="tool_choice",
+                           code="tool_choice_not_supported")
+    if state.config.preserve_thinking:
+        kwargs.setdefault("preserve_thinking", True)
+    if state.config.no_thinking or chat.response_format is not None or chat.tool_choice.mode == "required":
+        if chat.tool_choice.mode == "required":
+            kwargs.pop("reasoning_effort", None)  # a server default effort yields to a forced call
+        kwargs.setdefault("enable_thinking", False)
+    return kwargs
+
+
+def reasoning_spec(state: ServerState, chat: ChatRequest, thinking: bool, opens: bool) -> ReasoningSpec:
+    """The split, the thinking budget and the post-thinking sampler of a request."""
+    spec = ReasoningSpec(starts_open=opens)
+    if not thinking:
+        return spec
+    tok = state.loaded.tokenizer
+    budget = chat.thinking_budget or state.config.default_thinking_budget
+    if budget is not None:
+        message = state.config.thinking_budget_message or EARLY_CLOSE_GUIDANCE
+        if CLOSE not in message:
+            message += CLOSE
+        spec.budget = budget
+        spec.close_ids = tok.encode(message + "\n\n", parse_special=False)
+    fields = chat.post_thinking if chat.post_thinking is not None else state.config.post_thinking
+    if fields is not None:
+        preset = replace(state.base_sampling, temperature=0.2, logprobs=chat.sampling.logprobs,
+                         top_logprobs=chat.sampling.top_logprobs, seed=chat.sampling.seed)
+        flags = state.config.post_thinking or {}
+        spec.post_thinking = sampling_from({**flags, **fields}, preset, greedy=state.config.sampler.greedy,
+                                           logprobs=chat.sampling.logprobs, top_logprobs=chat.sampling.top_logprobs)
+    return spec
 
 
 def prepare(state: ServerState, chat: ChatRequest, request_id: str) -> PreparedRequest:
@@ -29,16 +74,23 @@ def prepare(state: ServerState, chat: ChatRequest, request_id: str) -> PreparedR
     loaded = state.loaded
     assert loaded is not None
     grammar = constrain(state, chat.response_format)
+    if chat.tool_choice.mode == "required":  # the call always parses and its arguments fit the schema
+        grammar = forced_grammar(state, chat.tools, chat.tool_choice)
+    kwargs = template_kwargs(state, chat)
     rendered = render(loaded.tokenizer, with_instruction(chat.messages, chat.response_format), tools=chat.tools,
-                      kwargs=chat.template_kwargs, prefill=chat.prefill)
+                      kwargs=kwargs, prefill=chat.prefill)
     if not rendered.ids:
         raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
+    template = loaded.tokenizer.chat_template or ""
+    thinking = rendered.opens_reasoning or (kwargs.get("enable_thinking") is not False and OPEN in template
+                                            and chat.prefill is None)
     # timings_per_token and return_progress shape a stream only: the engine does the work only then
     hints: dict[str, Any] = {"protocol": chat.protocol, "timings_per_token": chat.stream and chat.timings_per_token,
-                             "return_progress": chat.stream and chat.return_progress}
+                             "return_progress": chat.stream and chat.return_progress, "thinking": thinking}
     return PreparedRequest(request_id=request_id, prompt_token_ids=rendered.ids, sampling=chat.sampling,
                            max_tokens=chat.max_tokens, stop=list(chat.stop), ignore_eos=chat.ignore_eos,
-                           grammar=grammar, hints=hints)
+                           grammar=grammar, hints=hints,
+                           reasoning=reasoning_spec(state, chat, thinking, rendered.opens_reasoning))
 
 
 class ChatEncoder:
@@ -88,7 +140,7 @@ async def run_chat(call: Call, protocol: str, decode: Decode) -> None:
         state.reject(protocol, err)
         raise err
     encoder.req = req
-    out = ChatOutput()
+    out = ChatOutput(chat.callable_tools, chat.parallel_tool_calls)
     async with Generation(call, req, chat.stream) as gen:
         encoder.created = gen.created
         if not chat.stream:

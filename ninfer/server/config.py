@@ -67,6 +67,11 @@ class ServerConfig:
     request_log_jsonl: str | None = None  # the JSONL measurement log, appended
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
+    no_thinking: bool = False  # requests that do not decide start without thinking
+    preserve_thinking: bool = False  # closed-turn reasoning kept in the prompt by default
+    default_thinking_budget: int | None = None  # the cap of a thinking request that names none
+    thinking_budget_message: str | None = None  # the early-close guidance instead of the built-in one
+    post_thinking: dict[str, float | int] | None = None  # None: off; else the preset overrides (may be {})
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -89,6 +94,10 @@ class ServerConfig:
             raise ConfigError("--default-max-tokens must be >= 1")
         if self.log_stats_interval_ms < 0:
             raise ConfigError("--log-stats-interval-ms must be >= 0 (0 disables the throughput record)")
+        if self.default_thinking_budget is not None and self.default_thinking_budget < 1:
+            raise ConfigError("--default-thinking-budget must be a positive integer")
+        if self.thinking_budget_message is not None and not self.thinking_budget_message.strip():
+            raise ConfigError("--thinking-budget-message must not be empty")
         if not self.keepalive_seconds > 0:
             raise ConfigError("keepalive_seconds must be positive")
 

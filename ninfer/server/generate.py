@@ -49,7 +49,7 @@ def usage_dict(usage: Usage | None) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": 0}}
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
 
 
 def logprob_records(tokenizer: Any, records: tuple[TokenLogprob, ...] | list[TokenLogprob],

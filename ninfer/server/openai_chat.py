@@ -12,15 +12,17 @@ from ninfer.engine.chat import Message, ToolCall, render
 from ninfer.engine.request import OutputEvent
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
-from ninfer.server.chat_request import ChatRequest, effort_kwargs, merge_template_kwargs
+from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking,
+                                       parse_thinking_budget)
 from ninfer.server.chat_run import ChatEncoder, run_chat
 from ninfer.server.generate import logprob_records, prompt_progress, slot_extras, usage_dict
 from ninfer.server.http import Call
 from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, join_text_parts, message_role,
-                                  opt_bool, opt_int, opt_object, parse_logprobs, parse_stop, refuse_tools,
-                                  reject_present, sampling_from, unsupported)
+                                  opt_bool, opt_int, opt_object, parse_logprobs, parse_stop, reject_present,
+                                  sampling_from, unsupported)
 from ninfer.server.sse import DONE, KEEPALIVE, sse_data, sse_error
 from ninfer.server.structured import chat_format, refuse_with_grammar
+from ninfer.server.tools import chat_tool_choice, chat_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_CHAT_STOPS = 4
@@ -141,10 +143,6 @@ def check_capabilities(body: dict[str, Any]) -> None:
             raise unsupported("modalities", "only text output is supported")
     reject_present(body, _CONSTRAINED, "these constrained-decoding extensions are not available; "
                                        "structured JSON is requested through response_format")
-    refuse_tools(body)
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        raise unsupported("tool_choice", "tool_choice can only be none or auto: no tools are available")
     reject_present(body, ("functions",), "legacy function calling is not supported")
     fcall = body.get("function_call")
     if fcall is not None and fcall not in ("none", "auto"):
@@ -190,11 +188,15 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
     logprobs, top_logprobs = parse_logprobs(body)
     sampling = sampling_from(body, state.base_sampling, greedy=state.config.sampler.greedy,
                              logprobs=logprobs, top_logprobs=top_logprobs)
+    tools = chat_tools(body)
+    parallel = opt_bool(body, "parallel_tool_calls")
     chat = ChatRequest(protocol="chat", messages=messages, sampling=sampling, template_kwargs=template_kwargs(body),
+                       tools=tools, tool_choice=chat_tool_choice(body, tools), parallel_tool_calls=parallel is not False,
                        response_format=fmt, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                        return_progress=bool(opt_bool(body, "return_progress")),
                        timings_per_token=bool(opt_bool(body, "timings_per_token")),
-                       include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs)
+                       include_usage=include_usage, logprobs=logprobs, top_logprobs=top_logprobs,
+                       thinking_budget=parse_thinking_budget(body), post_thinking=parse_post_thinking(body))
     return chat
 
 
@@ -245,13 +247,21 @@ class ChatCompletionEncoder(ChatEncoder):
     async def respond(self, result: ChatResult) -> None:
         final = result.final
         assert final is not None
+        message: dict[str, Any] = {"role": "assistant", "content": result.content, "refusal": None}
+        if result.reasoning:
+            message["reasoning_content"] = result.reasoning
+        if result.tool_calls:
+            message["content"] = result.content or None
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in result.tool_calls]
         payload = {
             "id": self._id,
             "object": "chat.completion",
             "created": self.created,
             "model": self.call.state.model_id,
             "choices": [{"index": 0,
-                         "message": {"role": "assistant", "content": result.content, "refusal": None},
+                         "message": message,
                          "logprobs": self._logprobs(result.logprobs),
                          "finish_reason": result.finish_reason}],
             "usage": usage_dict(final.usage),
@@ -289,12 +299,21 @@ class ChatCompletionEncoder(ChatEncoder):
 
     async def piece(self, piece: Piece) -> None:
         await self._open()
-        if piece.kind == "content":
+        if piece.kind == "reasoning":
+            await self.call.write(self._chunk({"reasoning_content": piece.text}))
+        elif piece.kind == "content":
             data = {**self._base(), "choices": [{"index": 0, "delta": {"content": piece.text},
                                                  "logprobs": self._logprobs(piece.logprobs), "finish_reason": None}]}
             if self.chat.timings_per_token and piece.timings is not None:
                 data["timings"] = piece.timings.to_dict()
             await self.call.write(sse_data(data))
+        elif piece.kind == "tool_start":
+            call = piece.call
+            await self.call.write(self._chunk({"tool_calls": [{"index": piece.index, "id": call.id, "type": "function",
+                                                               "function": {"name": call.name, "arguments": ""}}]}))
+        elif piece.kind == "tool_args":
+            await self.call.write(self._chunk({"tool_calls": [{"index": piece.index,
+                                                               "function": {"arguments": piece.text}}]}))
 
     async def finish(self, result: ChatResult) -> None:
         await self._open()

@@ -249,15 +249,6 @@ def join_text_parts(content: Any, where: str, other: Callable[[dict[str, Any], s
     return "".join(pieces)
 
 
-def refuse_tools(body: dict[str, Any]) -> None:
-    """`tools` may be absent or an empty array: this server does not call tools."""
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise bad("tools", "tools must be an array")
-    if tools:
-        raise unsupported("tools", "tools: tool calling is not supported by this server")
-
-
 def message_role(message: Any, where: str, roles: tuple[str, ...]) -> str:
     """A message object's role, one of `roles`; a 400 naming the field otherwise."""
     if not isinstance(message, dict):

@@ -9,31 +9,34 @@ top-level fields fail with unknown_parameter, as the spec requires.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
-from ninfer.engine.chat import Message
+from ninfer.engine.chat import Message, ToolCall
 from ninfer.engine.request import Usage
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
-from ninfer.server.chat_request import ChatRequest, effort_kwargs, merge_template_kwargs
+from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking,
+                                       parse_thinking_budget)
 from ninfer.server.chat_run import ChatEncoder, prepare, run_chat
 from ninfer.server.generate import logprob_records
 from ninfer.server.http import Call
 from ninfer.server.params import (bad, check_model, join_text_parts, opt_bool, opt_int, opt_number, opt_object,
-                                  refuse_tools, sampling_from, unsupported)
+                                  sampling_from, unsupported)
 from ninfer.server.sse import KEEPALIVE
 from ninfer.server.structured import responses_format, with_instruction
+from ninfer.server.tools import responses_tool_choice, responses_tools
 
 ROLES = ("user", "assistant", "system", "developer")
 INCLUDE = ("reasoning.encrypted_content", "message.output_text.logprobs")
 # accepted and echoed or ignored: they change nothing in generation
 _PASSIVE = ("client_metadata", "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention",
-            "safety_identifier", "user", "max_tool_calls", "stream_options", "thinking_budget")
+            "safety_identifier", "user", "max_tool_calls", "stream_options")
 # recognized, but they ask for what this server does not do
 _REFUSED = {"conversation": "Conversations are not supported", "prompt": "prompt templates are not supported",
             "context_management": "context management is not supported",
@@ -45,7 +48,7 @@ _COUNT_FIELDS = {"model", "input", "instructions", "previous_response_id", "reas
 _KNOWN = {"model", "input", "instructions", "previous_response_id", "max_output_tokens", "stream", "store",
           "temperature", "top_p", "metadata", "reasoning", "chat_template_kwargs", "preserve_thinking", "graft",
           "text", "tools", "tool_choice", "parallel_tool_calls", "truncation", "top_logprobs", "service_tier",
-          "background", "include", *_PASSIVE, *_REFUSED}
+          "background", "include", "thinking_budget", "post_thinking", *_PASSIVE, *_REFUSED}
 
 
 def _new_id(prefix: str) -> str:
@@ -75,8 +78,9 @@ def _message_part(part: dict[str, Any], p: str) -> str:
 
 
 def normalize_input(value: Any) -> list[dict[str, Any]]:
-    """Canonical message Items: {"type": "message", "id", "role", "content": [parts]}, with the
-    client's ids kept (others generated) and each part reduced to its text."""
+    """Canonical input Items, the client's ids kept (others generated): message Items
+    {"type": "message", "id", "role", "content": [one text part]}, reasoning Items with raw
+    reasoning_text, function_call and function_call_output Items."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -90,45 +94,146 @@ def normalize_input(value: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise bad(where, f"{where} must be an Item object")
         kind = item.get("type", "message")
-        if kind in ("function_call", "function_call_output"):
-            raise RequestError(f"{where}: {kind} Items need tool calling, which this server does not support",
-                               param=f"{where}.type", code="tools_not_supported")
-        if kind == "reasoning":
-            raise RequestError(f"{where}: reasoning Items are not supported: this model has no thinking mode",
-                               param=f"{where}.type", code="reasoning_not_supported")
-        if kind != "message":
+        decode = _ITEM_DECODERS.get(kind)
+        if decode is None:
             raise bad(f"{where}.type", f"{where}.type {kind!r} is not a supported Item type")
-        role = item.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
-        content = item.get("content")
-        if isinstance(content, str):
-            content = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
-        text = join_text_parts(content, f"{where}.content", _message_part)
+        canonical = decode(item, where)
         item_id = item.get("id")
         if item_id is not None and (not isinstance(item_id, str) or not item_id):
             raise bad(f"{where}.id", f"{where}.id must be a non-empty string")
-        item_id = item_id or _new_id("msg")
+        item_id = item_id or _new_id(_ID_PREFIX[kind])
         if item_id in seen:
             raise bad(f"{where}.id", f"{where}.id {item_id!r} repeats an earlier Item's id")
         seen.add(item_id)
-        part_type = "output_text" if role == "assistant" else "input_text"
-        items.append({"type": "message", "id": item_id, "role": role, "status": "completed",
-                      "content": [{"type": part_type, "text": text}]})
+        items.append({"type": kind, "id": item_id, **canonical})
     return items
 
 
+def _message_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        raise bad(f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
+    content = item.get("content")
+    if isinstance(content, str):
+        content = [{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
+    text = join_text_parts(content, f"{where}.content", _message_part)
+    part_type = "output_text" if role == "assistant" else "input_text"
+    return {"role": role, "status": "completed", "content": [{"type": part_type, "text": text}]}
+
+
+def _reasoning_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """Raw replay: reasoning_text content; summary and encrypted_content may accompany it."""
+    content = item.get("content")
+    texts = []
+    for j, part in enumerate(content or []):
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
+            raise bad(f"{where}.content[{j}]", f"{where}.content[{j}] must be a reasoning_text part with text")
+        texts.append(part["text"])
+    if not texts:
+        raise RequestError(f"{where}: a reasoning Item needs its raw reasoning_text content; summaries and "
+                           "encrypted content cannot replace it", param=f"{where}.content",
+                           code="reasoning_not_supported")
+    return {"summary": item.get("summary") or [], "content": [{"type": "reasoning_text", "text": "".join(texts)}]}
+
+
+def _function_call_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str) or (name != "arguments" and not item[name]):
+            raise bad(f"{where}.{name}", f"{where}.{name} must be a non-empty string")
+    try:
+        args = json.loads(item["arguments"] or "{}")
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise bad(f"{where}.arguments", f"{where}.arguments must be a JSON object string")
+    out = {"call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"], "status": "completed"}
+    if item.get("namespace") is not None:
+        if not isinstance(item["namespace"], str):
+            raise bad(f"{where}.namespace", f"{where}.namespace must be a string")
+        out["namespace"] = item["namespace"]
+    return out
+
+
+def _function_output_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+        raise bad(f"{where}.call_id", f"{where}.call_id must be a non-empty string")
+    output = item.get("output")
+    if isinstance(output, list):
+        if not output:
+            raise bad(f"{where}.output", f"{where}.output must be a string or a non-empty array of parts")
+        output = join_text_parts(output, f"{where}.output", _message_part)
+    if not isinstance(output, str):
+        raise bad(f"{where}.output", f"{where}.output must be a string or an array of input_text parts")
+    return {"call_id": item["call_id"], "output": output, "status": "completed"}
+
+
+_ITEM_DECODERS = {"message": _message_item, "reasoning": _reasoning_item, "function_call": _function_call_item,
+                  "function_call_output": _function_output_item}
+_ID_PREFIX = {"message": "msg", "reasoning": "rs", "function_call": "fc", "function_call_output": "fco"}
+# an assistant turn holds its Items in this order: reasoning -> message content -> function calls
+_ASSISTANT_ORDER = {"reasoning": 0, "message": 1, "function_call": 2}
+
+
 def turns_of(items: list[dict[str, Any]], instructions: str | None) -> list[Message]:
-    """Conversation turns: instructions first (as a system turn), contiguous assistant Items joined."""
+    """Conversation turns: instructions first (as a system turn); contiguous assistant-owned Items
+    (reasoning, assistant messages, function calls) form one assistant turn; function call
+    outputs become tool results in the order of the calls they answer."""
     turns = [Message("system", instructions)] if instructions is not None else []
-    for item in items:
-        role = "system" if item["role"] == "developer" else item["role"]
-        text = "".join(part["text"] for part in item["content"])
-        if role == "assistant" and turns and turns[-1].role == "assistant":
-            turns[-1].content += text
+    stage = -1  # the assistant turn's last Item kind, by _ASSISTANT_ORDER
+    for i, item in enumerate(items):
+        kind = item["type"]
+        owner = "assistant" if kind in ("reasoning", "function_call") else \
+            "tool" if kind == "function_call_output" else item["role"]
+        if owner != "assistant":
+            stage = -1
+            if owner == "tool":
+                turns.append(Message("tool", item["output"], tool_call_id=item["call_id"]))
+            else:
+                text = "".join(part["text"] for part in item["content"])
+                turns.append(Message("system" if owner == "developer" else owner, text))
+            continue
+        order = _ASSISTANT_ORDER[kind]
+        if stage < 0 or not turns or turns[-1].role != "assistant":
+            turns.append(Message("assistant"))
+        elif order < stage:
+            raise RequestError(f"input[{i}]: an assistant turn holds reasoning, then message content, then function "
+                               "calls; this order would need rearranging", param=f"input[{i}]",
+                               code="invalid_assistant_history")
+        stage = order
+        turn = turns[-1]
+        if kind == "reasoning":
+            turn.reasoning = (turn.reasoning or "") + item["content"][0]["text"]
+        elif kind == "message":
+            turn.content += "".join(part["text"] for part in item["content"])
         else:
-            turns.append(Message(role, text))
-    return turns
+            turn.tool_calls.append(ToolCall(item["call_id"], item["name"], item["arguments"], item.get("namespace")))
+    return _order_results(turns)
+
+
+def _order_results(turns: list[Message]) -> list[Message]:
+    """Tool results after an assistant turn with calls: matched by call id and put in call order."""
+    out: list[Message] = []
+    i = 0
+    while i < len(turns):
+        turn = turns[i]
+        out.append(turn)
+        i += 1
+        if turn.role != "assistant" or not turn.tool_calls:
+            continue
+        j = i
+        while j < len(turns) and turns[j].role == "tool":
+            j += 1
+        results = turns[i:j]
+        order = [c.id for c in turn.tool_calls]
+        ids = [r.tool_call_id for r in results]
+        if len(set(ids)) != len(ids) or any(x not in order for x in ids):
+            raise RequestError("function_call_output Items must answer the preceding calls, each once, by call_id",
+                               param="input", code="invalid_tool_history")
+        for r in results:
+            r.name = turn.tool_calls[order.index(r.tool_call_id)].name
+        out += sorted(results, key=lambda r: order.index(r.tool_call_id))
+        i = j
+    return out
 
 
 def _not_found(response_id: str, param: str | None = None) -> RequestError:
@@ -147,6 +252,8 @@ class CreateOptions:
     input_items: list[dict[str, Any]]
     history: list[dict[str, Any]]  # the parent's chain plus this input (the output is added after)
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the Response object reports
+    include: list[str] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the request's tools, echoed
 
 
 def _check_fields(body: dict[str, Any], known: set[str]) -> None:
@@ -156,10 +263,6 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise unsupported(name, f"{name}: {why} by this server")
-    refuse_tools(body)
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("auto", "none"):
-        raise unsupported("tool_choice", "tool_choice can only be auto or none: no tools are available")
     if opt_bool(body, "background"):
         raise unsupported("background", "background execution is not supported: responses run in the request")
     truncation = body.get("truncation")
@@ -202,9 +305,6 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
             raise bad("graft", "graft must be a string or null")
         raise RequestError(f"graft {graft!r}: this server loaded no prompt grafts", param="graft",
                            code="unknown_graft")
-    budget = body.get("thinking_budget")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise bad("thinking_budget", "thinking_budget must be a positive integer or null")
     if body.get("client_metadata") is not None and not isinstance(body["client_metadata"], dict):
         raise bad("client_metadata", "client_metadata must be an object or null")
     for name in ("prompt_cache_key", "safety_identifier", "user"):
@@ -246,9 +346,14 @@ def decode_create(call: Call, body: dict[str, Any], known: set[str] = _KNOWN,
     sampling = sampling_from({k: body[k] for k in ("temperature", "top_p") if k in body}, state.base_sampling,
                              greedy=state.config.sampler.greedy, logprobs=logprobs, top_logprobs=top_logprobs,
                              negative_temperature_greedy=False)
+    tools = responses_tools(body)
     chat = ChatRequest(protocol="responses", messages=turns_of(history, instructions), sampling=sampling,
+                       tools=tools, tool_choice=responses_tool_choice(body, tools),
+                       parallel_tool_calls=opt_bool(body, "parallel_tool_calls") is not False,
                        template_kwargs=kwargs, response_format=fmt if generate else None, max_tokens=max_tokens,
-                       stream=opt_bool(body, "stream") or False, logprobs=logprobs, top_logprobs=top_logprobs)
+                       stream=opt_bool(body, "stream") or False, logprobs=logprobs, top_logprobs=top_logprobs,
+                       thinking_budget=parse_thinking_budget(body) if generate else None,
+                       post_thinking=parse_post_thinking(body) if generate else None)
     if not generate and fmt is not None:  # the count includes the format's instruction, not its grammar
         chat.messages = with_instruction(chat.messages, fmt)
     store = opt_bool(body, "store")
@@ -262,13 +367,14 @@ def decode_create(call: Call, body: dict[str, Any], known: set[str] = _KNOWN,
             "tool_choice": body.get("tool_choice") or "auto",
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}, "verbosity": "medium"}}
-    return chat, CreateOptions(store=True if store is None else store, input_items=items, history=history, echo=echo)
+    return chat, CreateOptions(store=True if store is None else store, input_items=items, history=history, echo=echo,
+                               include=list(body.get("include") or []), tools=list(body.get("tools") or []))
 
 
-def _usage(usage: Usage | None, reasoning_tokens: int = 0) -> dict[str, Any]:
+def _usage(usage: Usage | None) -> dict[str, Any]:
     u = usage or Usage(0, 0, 0)
     return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
@@ -287,6 +393,9 @@ def _sse(name: str, seq: int, data: dict[str, Any]) -> bytes:
         + b"\n\n"
 
 
+SUMMARY_PLACEHOLDER = "Reasoning summaries are not generated by this server; the raw reasoning is in content."
+
+
 class ResponseEncoder(ChatEncoder):
     """The Response object and its semantic SSE: output Items (a reasoning Item, an assistant
     message, function_call Items) added, filled and done in output order."""
@@ -298,7 +407,11 @@ class ResponseEncoder(ChatEncoder):
         self.tokenizer = call.state.loaded.tokenizer
         self.output: list[dict[str, Any]] = []  # Items so far (the last one may be open)
         self.open: dict[str, Any] | None = None  # the Item being streamed
+        self.calls: dict[int, dict[str, Any]] = {}  # tool call index -> its function_call Item
         self.seq = 0
+        reasoning = self.o.echo.get("reasoning") or {}
+        self.summary = reasoning.get("summary") is not None
+        self.mirror = "reasoning.encrypted_content" in self.o.include
 
     @property
     def id(self) -> str:
@@ -315,11 +428,14 @@ class ResponseEncoder(ChatEncoder):
                 "completed_at": int(time.time()) if status == "completed" else None, "error": None,
                 "incomplete_details": incomplete, "model": self.call.state.model_id, "output": output,
                 "usage": usage, "store": self.o.store, "background": False, "service_tier": "default",
-                "tools": [], "truncation": "disabled", **self.o.echo}
+                "tools": self.o.tools, "truncation": "disabled", **self.o.echo}
+
+    def _status(self, result: ChatResult) -> str:
+        return "completed" if result.final.finish_reason == "stop" else "incomplete"
 
     def _final(self, result: ChatResult, output: list[dict[str, Any]]) -> dict[str, Any]:
         """The terminal Response, stored when asked (its Items join the chain for continuations)."""
-        status = "completed" if result.final.finish_reason == "stop" else "incomplete"
+        status = self._status(result)
         for item in output:
             item["status"] = "completed" if status == "completed" or item["type"] == "function_call" else status
         response = self._response(status, output, _usage(result.final.usage))
@@ -327,13 +443,36 @@ class ResponseEncoder(ChatEncoder):
             self.call.state.responses.put(response, self.o.input_items, self.o.history + response["output"])
         return response
 
+    # ---- Items ----
+
     @staticmethod
     def _message_item(text: str, logprobs: list[dict[str, Any]], status: str = "completed") -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]
         return {"type": "message", "id": _new_id("msg"), "status": status, "role": "assistant", "content": content}
 
+    def _reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        summary = [{"type": "summary_text", "text": SUMMARY_PLACEHOLDER}] if self.summary else []
+        item = {"type": "reasoning", "id": _new_id("rs"), "status": status, "summary": summary,
+                "content": [{"type": "reasoning_text", "text": text}]}
+        if self.mirror and status != "in_progress":
+            item["encrypted_content"] = text
+        return item
+
+    @staticmethod
+    def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        item = {"type": "function_call", "id": _new_id("fc"), "call_id": call.id, "name": call.name,
+                "arguments": call.arguments, "status": status}
+        if call.namespace is not None:
+            item["namespace"] = call.namespace
+        return item
+
     async def respond(self, result: ChatResult) -> None:
-        output = [self._message_item(result.content, self._records(result.logprobs))]
+        output = []
+        if result.reasoning:
+            output.append(self._reasoning_item(result.reasoning))
+        if result.content or not (result.reasoning or result.tool_calls):
+            output.append(self._message_item(result.content, self._records(result.logprobs)))
+        output += [self._call_item(c) for c in result.tool_calls]
         await self.call.respond(200, self._final(result, output))
 
     # ---- streaming ----
@@ -348,30 +487,58 @@ class ResponseEncoder(ChatEncoder):
             await self._emit("response.created", response=self._response("in_progress", [], None))
             await self._emit("response.in_progress", response=self._response("in_progress", [], None))
 
-    def _where(self) -> dict[str, Any]:
-        return {"item_id": self.open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+    def _where(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
 
-    async def _open_message(self) -> None:
-        if self.open is not None and self.open["type"] == "message":
-            return
+    async def _add(self, item: dict[str, Any]) -> None:
         await self._close_item()
-        self.open = self._message_item("", [], "in_progress")
-        self.output.append(self.open)
-        await self._emit("response.output_item.added", output_index=len(self.output) - 1,
-                         item={**self.open, "content": []})
-        await self._emit("response.content_part.added", **self._where(), part=self.open["content"][0])
+        self.open = item
+        self.output.append(item)
+        shown = {**item, "content": []} if "content" in item else item
+        await self._emit("response.output_item.added", output_index=len(self.output) - 1, item=shown)
+
+    async def _open_kind(self, kind: str) -> dict[str, Any]:
+        """The open message or reasoning Item, added (with its content part) when another is open."""
+        if self.open is not None and self.open["type"] == kind:
+            return self.open
+        if kind == "message":
+            item = self._message_item("", [], "in_progress")
+            await self._add(item)
+        else:
+            item = self._reasoning_item("", "in_progress")
+            await self._add(item)
+            if self.summary:
+                where = {"item_id": item["id"], "output_index": self.output.index(item), "summary_index": 0}
+                part = item["summary"][0]
+                await self._emit("response.reasoning_summary_part.added", **where, part={**part, "text": ""})
+                await self._emit("response.reasoning_summary_text.delta", **where, delta=part["text"])
+                await self._emit("response.reasoning_summary_text.done", **where, text=part["text"])
+                await self._emit("response.reasoning_summary_part.done", **where, part=part)
+        await self._emit("response.content_part.added", **self._where(item), part=item["content"][0])
+        return item
 
     async def _close_item(self, status: str = "completed") -> None:
         item, self.open = self.open, None
         if item is None:
             return
-        where = {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
+            where = self._where(item)
             await self._emit("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
             await self._emit("response.content_part.done", **where, part=part)
-        await self._emit("response.output_item.done", output_index=where["output_index"], item=item)
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            where = self._where(item)
+            if self.mirror:
+                item["encrypted_content"] = part["text"]
+            await self._emit("response.reasoning_text.done", **where, text=part["text"])
+            await self._emit("response.content_part.done", **where, part=part)
+        elif item["type"] == "function_call":
+            item["status"] = "completed"
+            await self._emit("response.function_call_arguments.done", item_id=item["id"],
+                             output_index=self.output.index(item), arguments=item["arguments"])
+        await self._emit("response.output_item.done", output_index=self.output.index(item), item=item)
 
     async def keepalive(self) -> None:
         await self._open_stream()
@@ -379,21 +546,39 @@ class ResponseEncoder(ChatEncoder):
 
     async def piece(self, piece: Piece) -> None:
         await self._open_stream()
-        if piece.kind == "content":
-            await self._open_message()
+        if piece.kind == "reasoning":
+            item = await self._open_kind("reasoning")
+            item["content"][0]["text"] += piece.text
+            await self._emit("response.reasoning_text.delta", **self._where(item), delta=piece.text)
+        elif piece.kind == "content":
             records = self._records(piece.logprobs)
-            part = self.open["content"][0]
+            if not piece.text and not records:
+                return
+            item = await self._open_kind("message")
+            part = item["content"][0]
             part["text"] += piece.text
             part["logprobs"].extend(records)
-            if piece.text or records:
-                await self._emit("response.output_text.delta", **self._where(), delta=piece.text, logprobs=records)
+            await self._emit("response.output_text.delta", **self._where(item), delta=piece.text, logprobs=records)
+        elif piece.kind == "tool_start":
+            item = self._call_item(replace(piece.call, arguments=""), "in_progress")
+            self.calls[piece.index] = item
+            await self._add(item)
+        elif piece.kind == "tool_args":
+            item = self.calls[piece.index]
+            item["arguments"] += piece.text
+            await self._emit("response.function_call_arguments.delta", item_id=item["id"],
+                             output_index=self.output.index(item), delta=piece.text)
+        elif piece.kind == "tool_done":
+            item = self.calls[piece.index]
+            item["arguments"] = piece.call.arguments
+            if self.open is item:
+                await self._close_item()
 
     async def finish(self, result: ChatResult) -> None:
         await self._open_stream()
         if not self.output:
-            await self._open_message()
-        status = "completed" if result.final.finish_reason == "stop" else "incomplete"
-        await self._close_item(status)
+            await self._open_kind("message")
+        await self._close_item(self._status(result))
         response = self._final(result, self.output)
         await self._emit(f"response.{response['status']}", response=response)
 

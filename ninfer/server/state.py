@@ -37,6 +37,7 @@ class ServerState:
     requests_rejected: int = 0  # rejected during preparation
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored OpenAI Responses
     grammars: Any = None  # grammar.JsonGrammars with --structured-output
+    _tool_grammars: Any = None  # grammar.JsonGrammars for forced tool calls, built on first use
     reqlog: RequestLog = field(default_factory=RequestLog)  # req#N records (and the JSONL log when asked)
     # /slots digests by cache entry id (an entry's tokens never change): (session, then one per
     # checkpoint: its page checkpoints, ascending, then the endpoint)
@@ -68,6 +69,15 @@ class ServerState:
         self.ready_unix = time.time()
         self.ready_at = time.monotonic()
         self.loaded = loaded
+
+    def tool_grammars(self) -> Any:
+        """The grammar compiler forced tool calls use (the --structured-output one when there is one)."""
+        if self.grammars is not None:
+            return self.grammars
+        if self._tool_grammars is None:
+            from ninfer.engine.grammar import JsonGrammars  # xgrammar loads only when asked for
+            self._tool_grammars = JsonGrammars(self.loaded.tokenizer, self.loaded.facts.logits_size)
+        return self._tool_grammars
 
     def reject(self, protocol: str, err: RequestError) -> None:
         """Count and log a request refused before it reached the engine (or by its submit)."""

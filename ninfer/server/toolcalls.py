@@ -1,0 +1,360 @@
+"""Tool calls in model output, in the Qwen forms and the forms agent harnesses write:
+
+    <tool_call>{"name": N, "arguments": {...}}</tool_call>                       (Qwen JSON)
+    <tool_call><function=N><parameter=P>value</parameter></function></tool_call>  (Qwen XML)
+    <function=N>...</function>, <function name="N">...</function>, <invoke name="N">...</invoke>
+    with <parameter=P>, <parameter name="P"> or <param name="P"> values, bare or inside
+    <function_calls>...</function_calls>
+
+Every opening tag is closed by its own kind. A value is text up to its closing tag, where a
+closing tag followed by ordinary text is value text and one followed (after whitespace) by "<" or
+the end of the output ends the value; balanced nested parameter tags stay value text. An explicit
+top-level parameter type decides conversion: string-admitting values stay strings, other typed
+values are decoded as JSON; untyped values are JSON when they parse, else strings.
+
+Prose may quote markup before the real call: unless the first marker's region opens with a
+complete call, markers are tried in order (at most MAX_MARKERS) and the first region that parses
+to the end of the output is the structured turn; earlier markup stays content. A region that opens
+a function but does not parse is recovered: complete calls before the failure are kept, the failed
+one becomes a call of the reserved malformed_tool_call tool (its arguments say what went wrong, so
+the model can retry), and the text after it is dropped. Only declared tools become calls.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+MALFORMED = "malformed_tool_call"
+MAX_MARKERS = 16
+MARKERS = ("<tool_call>", "<function_calls>", "<function=", "<function name=", "<invoke name=")
+_MARKER = re.compile("|".join(re.escape(m) for m in MARKERS))
+_NAME_ATTR = re.compile(r"""\s*name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))\s*>""")
+_WS = re.compile(r"\s*")
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, members in the order the model wrote them
+
+
+class Incomplete(Exception):
+    """The text ends inside a call (more output may complete it)."""
+
+
+class Malformed(Exception):
+    """The region cannot be read as calls."""
+
+
+@dataclass(slots=True)
+class Region:
+    """What a region starting at a marker parsed to: `calls` before `error` (None: the region ran
+    to the end of the text), `opened`: its first item opened a declared function."""
+
+    calls: list[ParsedCall]
+    error: str | None
+    opened: bool
+    incomplete: bool = False  # stopped because the text ended inside a call
+
+
+def string_admitting(schema: Any) -> bool:
+    """Does a parameter schema's explicit top-level type admit a string? (None: untyped.)"""
+    if not isinstance(schema, dict) or "type" not in schema:
+        return None  # type: ignore[return-value]
+    kind = schema["type"]
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+class Parser:
+    """Parses tool-call regions against the declared tools: engine name -> parameters schema."""
+
+    def __init__(self, tools: dict[str, dict[str, Any]]) -> None:
+        self.tools = tools
+
+    # ---- whole output ----
+
+    def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
+        """(content, calls) of a finished output."""
+        starts = [m.start() for m in _MARKER.finditer(text)][:MAX_MARKERS]
+        regions = [(p, self.region(text[p:], final=True)) for p in starts]
+        first = True  # no region opened a function yet (markup that opens none is quoted text)
+        for p, region in regions:
+            if region.error is None and region.calls:
+                return text[:p].rstrip(), region.calls
+            if region.opened:
+                if first and region.calls:  # the first region opens with a complete call: recover it
+                    return text[:p].rstrip(), region.calls + [self.malformed(region.error)]
+                first = False
+        for p, region in regions:
+            if region.opened:
+                return text[:p].rstrip(), region.calls + [self.malformed(region.error)]
+        return text, []
+
+    @staticmethod
+    def malformed(error: str | None) -> ParsedCall:
+        reason = error or "the tool call could not be read"
+        return ParsedCall(MALFORMED, json.dumps({"error": reason + "; write the call again in the documented "
+                                                 "format"}, ensure_ascii=False))
+
+    # ---- one region ----
+
+    def region(self, text: str, final: bool) -> Region:
+        """Parse calls from a marker at text[0] to the end of the text."""
+        calls: list[ParsedCall] = []
+        pos = 0
+        opened = False
+        try:
+            while True:
+                pos = _skip_ws(text, pos)
+                if pos == len(text):
+                    return Region(calls, None, opened)
+                pos, items = self._item(text, pos, calls)
+                opened = True
+                calls += items
+        except Incomplete:
+            if final:
+                return Region(calls, "the output ended inside the tool call", opened or self._opens(text))
+            return Region(calls, None, opened or self._opens(text), incomplete=True)
+        except Malformed as e:
+            return Region(calls, str(e), opened or self._opens(text))
+
+    def _opens(self, text: str) -> bool:
+        """Does the region open a declared function (its first call's name is readable)?"""
+        m = re.match(r"\s*(?:<tool_call>\s*|<function_calls>\s*)?(?:<function=([^>\s]+)>|<function"
+                     r"""\s+name\s*=\s*["']?([^"'>\s]+)|<invoke\s+name\s*=\s*["']?([^"'>\s]+)|\{\s*"name"\s*:\s*"([^"]+)")""",
+                     text)
+        return bool(m) and next(g for g in m.groups() if g is not None) in self.tools
+
+    def _item(self, text: str, pos: int, before: list[ParsedCall]) -> tuple[int, list[ParsedCall]]:
+        if _at(text, pos, "<tool_call>"):
+            pos = _skip_ws(text, pos + len("<tool_call>"))
+            _need(text, pos, 1)
+            call, pos = self._json_call(text, pos) if text[pos] == "{" else self._xml_call(text, pos)
+            pos = _expect(text, _skip_ws(text, pos), "</tool_call>")
+            return pos, [call]
+        if _at(text, pos, "<function_calls>"):
+            pos += len("<function_calls>")
+            calls = []
+            while True:
+                pos = _skip_ws(text, pos)
+                if _at(text, pos, "</function_calls>"):
+                    return pos + len("</function_calls>"), calls
+                call, pos = self._xml_call(text, pos)
+                calls.append(call)
+        call, pos = self._xml_call(text, pos)
+        return pos, [call]
+
+    def _json_call(self, text: str, pos: int) -> tuple[ParsedCall, int]:
+        try:
+            obj, end = json.JSONDecoder().raw_decode(text, pos)
+        except ValueError:
+            if "</tool_call>" not in text[pos:]:
+                raise Incomplete() from None
+            raise Malformed("the <tool_call> body is not a JSON object") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise Malformed('the <tool_call> JSON needs a "name" string and an "arguments" object')
+        name = obj["name"]
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise Malformed(f"the arguments of {name} are not a JSON object") from None
+        if not isinstance(args, dict):
+            raise Malformed(f"the arguments of {name} are not a JSON object")
+        self._check_name(name)
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False)), end
+
+    def _xml_call(self, text: str, pos: int) -> tuple[ParsedCall, int]:
+        if _at(text, pos, "<function="):
+            end = _find(text, ">", pos)
+            name, close, pos = text[pos + len("<function="):end].strip(), "</function>", end + 1
+        elif _at(text, pos, "<function") or _at(text, pos, "<invoke"):
+            tag = "function" if _at(text, pos, "<function") else "invoke"
+            name, pos = _name_attr(text, pos + 1 + len(tag))
+            close = f"</{tag}>"
+        else:
+            _need(text, pos, len("<function"))
+            raise Malformed(f"expected a function call at {text[pos:pos + 40]!r}")
+        self._check_name(name)
+        schema = self.tools[name]
+        values: dict[str, Any] = {}
+        while True:
+            pos = _skip_ws(text, pos)
+            if _at(text, pos, close):
+                return ParsedCall(name, json.dumps(values, ensure_ascii=False)), pos + len(close)
+            pname, value, pos = _parameter(text, pos, name)
+            values[pname] = _convert(value, (schema.get("properties") or {}).get(pname), name, pname)
+
+    def _check_name(self, name: str) -> None:
+        if name not in self.tools:
+            raise Malformed(f"{name!r} is not one of the offered tools ({', '.join(self.tools) or 'none'})")
+
+
+def _parameter(text: str, pos: int, fn: str) -> tuple[str, str, int]:
+    """One <parameter=P>, <parameter name="P"> or <param name="P"> value -> (name, text, end)."""
+    if _at(text, pos, "<parameter="):
+        end = _find(text, ">", pos)
+        name, pos, tag = text[pos + len("<parameter="):end].strip(), end + 1, "parameter"
+    elif _at(text, pos, "<parameter") or _at(text, pos, "<param"):
+        tag = "parameter" if _at(text, pos, "<parameter") else "param"
+        name, pos = _name_attr(text, pos + 1 + len(tag))
+    else:
+        _need(text, pos, len("<parameter"))
+        raise Malformed(f"{fn}: expected a parameter or the end of the call at {text[pos:pos + 40]!r}")
+    close = f"</{tag}>"
+    opener = re.compile(rf"<{tag}(?:=|\s+name\s*=)")
+    start, depth, i = pos, 0, pos
+    while True:
+        c = text.find(close, i)
+        o = opener.search(text, i)
+        if c < 0:
+            raise Incomplete()
+        if o is not None and o.start() < c:
+            depth += 1
+            i = o.end()
+            continue
+        after = _skip_ws(text, c + len(close))
+        if depth:
+            depth -= 1
+            i = c + len(close)
+            continue
+        if after == len(text) or text[after] == "<":
+            value = text[start:c]
+            if value.startswith("\n"):
+                value = value[1:]
+            if value.endswith("\n"):
+                value = value[:-1]
+            return name, value, c + len(close)
+        i = c + len(close)  # a closing tag followed by ordinary text is value text
+
+
+def _convert(value: str, schema: Any, fn: str, pname: str) -> Any:
+    admits = string_admitting(schema)
+    if admits:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        if admits is None:
+            return value  # untyped: text
+        raise Malformed(f"{fn}: parameter {pname} must be JSON of type {schema['type']}, got {value[:60]!r}") from None
+
+
+def _name_attr(text: str, pos: int) -> tuple[str, int]:
+    m = _NAME_ATTR.match(text, pos)
+    if m is None:
+        if ">" not in text[pos:]:
+            raise Incomplete()
+        raise Malformed(f"expected name=\"...\" at {text[pos:pos + 40]!r}")
+    return next(g for g in m.groups() if g is not None), m.end()
+
+
+def _at(text: str, pos: int, s: str) -> bool:
+    if text.startswith(s, pos):
+        return True
+    if len(text) - pos < len(s) and s.startswith(text[pos:]):
+        raise Incomplete()
+    return False
+
+
+def _need(text: str, pos: int, n: int) -> None:
+    if len(text) - pos < n:
+        raise Incomplete()
+
+
+def _find(text: str, s: str, pos: int) -> int:
+    i = text.find(s, pos)
+    if i < 0:
+        raise Incomplete()
+    return i
+
+
+def _expect(text: str, pos: int, s: str) -> int:
+    if not _at(text, pos, s):
+        raise Malformed(f"expected {s} at {text[pos:pos + 40]!r}")
+    return pos + len(s)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    return _WS.match(text, pos).end()
+
+
+def partial_marker(text: str) -> int:
+    """Length of the longest suffix of `text` that could still grow into a marker."""
+    best = 0
+    for m in MARKERS:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+def first_marker(text: str, start: int = 0) -> int:
+    m = _MARKER.search(text, start)
+    return -1 if m is None else m.start()
+
+
+class ToolCallStream:
+    """Content text in, (content delta, newly complete calls) out, as the output grows. Holds only
+    a possible marker prefix (and the whitespace before it) and the tool region; calls are
+    released once the first marker's region opens with a complete call, the rest at the end."""
+
+    def __init__(self, parser: Parser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # content characters released
+        self.scan = 0  # markers before this were quoted markup (they opened no function)
+        self.region_at: int | None = None  # the committed structured region
+        self.calls_sent = 0
+        self.done = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
+        assert not self.done
+        self.text += text
+        if final:
+            self.done = True
+        if self.region_at is None:
+            hold = self._find_region(final)
+            if self.region_at is None:
+                if final:
+                    content, calls = self.parser.parse(self.text)
+                    return self._release(len(content), content), calls
+                return self._release(hold), []
+            content = self._release(len(self.text[:self.region_at].rstrip()))
+        else:
+            content = ""
+        region = self.parser.region(self.text[self.region_at:], final)
+        calls = region.calls[self.calls_sent:]
+        self.calls_sent = len(region.calls)
+        if final and region.error is not None:
+            calls.append(self.parser.malformed(region.error))
+        return content, calls
+
+    def _find_region(self, final: bool) -> int:
+        """Commit the first region that opens with a complete call; -> where content must stop."""
+        while True:
+            p = first_marker(self.text, self.scan)
+            if p < 0:
+                return len(self.text) - partial_marker(self.text)
+            region = self.parser.region(self.text[p:], final)
+            if region.calls and not final:
+                self.region_at = p
+                return p
+            if region.error is not None and not region.opened and not region.incomplete:
+                self.scan = p + 1  # quoted markup: ordinary text
+                continue
+            return p
+
+    def _release(self, upto: int, text: str | None = None) -> str:
+        text = self.text if text is None else text
+        if not self.done:
+            upto = len(text[:upto].rstrip())  # whitespace waits: a call may follow it
+        if upto <= self.sent:
+            return ""
+        out = text[self.sent:upto]
+        self.sent = upto
+        return out

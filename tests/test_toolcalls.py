@@ -1,0 +1,193 @@
+"""Tool-call parsing and the reasoning split on scripted model outputs: every form the spec lists,
+quoted markup, recovery with malformed_tool_call, the marker limit, value rules, and streaming at
+every chunk boundary (the streamed pieces always join to the aggregate result)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from ninfer.engine.chat import Tool
+from ninfer.engine.reasoning import ReasoningSplitter
+from ninfer.engine.request import OutputEvent
+from ninfer.server.chat_output import ChatOutput
+from ninfer.server.toolcalls import MALFORMED, MAX_MARKERS, Parser
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                             "opts": {"type": "object"}}, "required": ["city"]}
+TOOLS = [Tool("get_weather", WEATHER), Tool("noop", {"type": "object", "properties": {}}),
+         Tool("search", {"type": "object", "properties": {"q": {"type": ["string", "null"]}, "n": {}}})]
+PARSER = Parser({t.engine_name: t.parameters for t in TOOLS})
+
+
+def calls(text: str) -> tuple[str, list[tuple[str, dict]]]:
+    content, parsed = PARSER.parse(text)
+    return content, [(c.name, json.loads(c.arguments)) for c in parsed]
+
+
+@pytest.mark.parametrize("text", [
+    'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+    'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 2}"}\n</tool_call>',
+    'Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n'
+    '</parameter>\n</function>\n</tool_call>',
+    'Sure.\n<function=get_weather><parameter=city>Paris</parameter><parameter=days>2</parameter></function>',
+    'Sure.\n<function name="get_weather"><parameter name="city">Paris</parameter><param name="days">2</param>'
+    '</function>',
+    "Sure.\n<invoke name='get_weather'>\n<parameter name=\"city\">Paris</parameter>\n<parameter name=\"days\">2"
+    "</parameter>\n</invoke>",
+    'Sure.\n<function_calls>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+    '<parameter name="days">2</parameter>\n</invoke>\n</function_calls>\n',
+])
+def test_every_form_parses_to_the_same_call(text: str) -> None:
+    assert calls(text) == ("Sure.", [("get_weather", {"city": "Paris", "days": 2})])
+
+
+def test_member_order_is_the_model_order() -> None:
+    _, parsed = PARSER.parse('<tool_call>{"name": "get_weather", "arguments": {"days": 1, "city": "X"}}</tool_call>')
+    assert parsed[0].arguments == '{"days": 1, "city": "X"}'
+
+
+def test_several_calls_and_containers() -> None:
+    text = ('<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n<tool_call>\n<function=get_weather>'
+            '<parameter=city>Rome</parameter></function>\n</tool_call>\n<function_calls><invoke name="noop">'
+            '</invoke><invoke name="search"><param name="q">x</param></invoke></function_calls>')
+    assert calls(text) == ("", [("noop", {}), ("get_weather", {"city": "Rome"}), ("noop", {}),
+                                ("search", {"q": "x"})])
+
+
+def test_value_rules() -> None:
+    # string-admitting types stay strings; other typed values are JSON; untyped JSON when it parses
+    _, got = calls('<function=search><parameter=q>42</parameter><parameter=n>[1, 2]</parameter></function>')
+    assert got == [("search", {"q": "42", "n": [1, 2]})]
+    _, got = calls('<function=search><parameter=n>plain words</parameter></function>')
+    assert got == [("search", {"n": "plain words"})]
+    _, got = calls('<function=get_weather><parameter=opts>{"a": [1]}</parameter></function>')
+    assert got == [("get_weather", {"opts": {"a": [1]}})]
+    # markup and a closing tag followed by ordinary text stay value text; balanced nesting too
+    value = 'see <tool_call> and </parameter> here, <parameter=x>inner</parameter> ok'
+    _, got = calls(f'<function=get_weather><parameter=city>{value}</parameter></function>')
+    assert got == [("get_weather", {"city": value})]
+
+
+def test_typed_value_that_is_not_json_is_malformed() -> None:
+    content, got = calls('<function=get_weather><parameter=city>A</parameter><parameter=days>two</parameter></function>')
+    assert content == "" and got[0][0] == MALFORMED and "days" in got[0][1]["error"]
+
+
+def test_quoted_markup_before_the_real_call_stays_content() -> None:
+    text = ('Write <tool_call> tags or <function=get_weather> like this.\n'
+            '<tool_call>{"name": "noop", "arguments": {}}</tool_call>')
+    content, got = calls(text)
+    assert content == "Write <tool_call> tags or <function=get_weather> like this." and got == [("noop", {})]
+
+
+def test_markup_that_opens_no_function_is_text() -> None:
+    text = "A <tool_call> is how calls look, and <invoke name=\"unknown\"> too."
+    assert calls(text) == (text, [])
+
+
+def test_recovery_keeps_complete_calls_and_drops_the_rest() -> None:
+    text = ('<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", '
+            '"arguments": {"city": }}</tool_call> trailing words')
+    content, got = calls(text)
+    assert content == "" and [n for n, _ in got] == ["noop", MALFORMED]
+    assert "JSON" in got[1][1]["error"]
+    # an opened call that never closes
+    content, got = calls("Let me check.\n<function=get_weather><parameter=city>Paris")
+    assert content == "Let me check." and got[0][0] == MALFORMED and "ended" in got[0][1]["error"]
+
+
+def test_marker_limit() -> None:
+    quoted = "<tool_call> " * (MAX_MARKERS - 1)
+    real = '<tool_call>{"name": "noop", "arguments": {}}</tool_call>'
+    assert calls(quoted + real)[1] == [("noop", {})]
+    assert calls(quoted + "<tool_call> " + real)[1] == []  # the 17th marker is never tried
+
+
+SCRIPTS = [
+    'Plain answer with <b>tags</b> and no calls.',
+    'Checking.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    'Quote: <tool_call> is a tag.\n<function=noop></function>\n<function=get_weather><parameter=city>Oslo'
+    '</parameter></function>',
+    '<function_calls><invoke name="search"><parameter name="q">a</parameter></invoke></function_calls>',
+    '<tool_call>{"name": "noop", "arguments": {}}</tool_call><tool_call>{"name": "bad"}</tool_call> more',
+    'Text then a stray <invo and <tool_ca',
+]
+
+
+def _events(text: str, cuts: list[int]) -> list[OutputEvent]:
+    bounds = [0, *cuts, len(text)]
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    events = [OutputEvent("r", text=p) for p in pieces[:-1]]
+    return events + [OutputEvent("r", text=pieces[-1], finish_reason="stop")]
+
+
+def _run(events: list[OutputEvent], parallel: bool = True) -> tuple[ChatOutput, list]:
+    out = ChatOutput(TOOLS, parallel)
+    pieces = []
+    for e in events:
+        pieces += out.feed(e)
+    return out, pieces
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_streaming_at_every_boundary_matches_the_aggregate(script: str) -> None:
+    whole, _ = _run(_events(script, []))
+    content, parsed = PARSER.parse(script)
+    assert whole.result.content == content and [c.name for c in whole.result.tool_calls] == [c.name for c in parsed]
+    rng = random.Random(0)
+    splits = [[i] for i in range(1, len(script))] + [sorted(rng.sample(range(1, len(script)), 5)) for _ in range(20)] \
+        + [list(range(1, len(script)))]  # one character at a time
+    for cuts in splits:
+        out, pieces = _run(_events(script, cuts))
+        r = out.result
+        assert "".join(p.text for p in pieces if p.kind == "content") == r.content == content, cuts
+        assert [(c.name, c.arguments) for c in r.tool_calls] == [(c.name, c.arguments) for c in parsed], cuts
+        for i, call in enumerate(r.tool_calls):  # argument deltas join to the final arguments
+            assert "".join(p.text for p in pieces if p.kind == "tool_args" and p.index == i) == call.arguments
+            kinds = [p.kind for p in pieces if p.index == i and p.kind.startswith("tool")]
+            assert kinds[0] == "tool_start" and kinds[-1] == "tool_done"
+
+
+def test_content_streams_before_the_call_and_only_a_marker_prefix_is_held() -> None:
+    out = ChatOutput(TOOLS)
+    assert [p.text for p in out.feed(OutputEvent("r", text="Hello there <tool"))] == ["Hello there"]
+    assert [p.text for p in out.feed(OutputEvent("r", text="kit is a word"))] == [" <toolkit is a word"]
+
+
+def test_first_complete_call_is_released_before_the_end() -> None:
+    out = ChatOutput(TOOLS)
+    pieces = out.feed(OutputEvent("r", text='<tool_call>{"name": "noop", "arguments": {}}</tool_call>\n<tool'))
+    assert [p.kind for p in pieces] == ["tool_start", "tool_args", "tool_done"]
+
+
+def test_parallel_false_keeps_the_first_call() -> None:
+    out, _ = _run(_events(SCRIPTS[4], []), parallel=False)
+    assert [c.name for c in out.result.tool_calls] == ["noop"] and out.result.finish_reason == "tool_calls"
+
+
+# ---- the reasoning split ---------------------------------------------------------------------
+
+REASONING = [
+    ("<think>\nplan it\n</think>\n\nThe answer.", False, "plan it\n", "The answer."),
+    ("  <think>a</think>\nb", False, "a", "b"),
+    ("step </think>, quoted</think>\n\nfinal", True, "step </think>, quoted", "final"),
+    ("no reasoning at all", False, "", "no reasoning at all"),
+    ("<thinking is a word", False, "", "<thinking is a word"),
+    ("still thinking when cut", True, "still thinking when cut", ""),
+    ("x</think>", True, "x", ""),
+]
+
+
+@pytest.mark.parametrize("text, opens, reasoning, content", REASONING)
+def test_reasoning_split_at_every_boundary(text: str, opens: bool, reasoning: str, content: str) -> None:
+    for cut in range(len(text) + 1):
+        for step in (1, 3):
+            s = ReasoningSplitter(opens)
+            chunks = [text[:cut]] + [text[i:i + step] for i in range(cut, len(text), step)]
+            got_r, got_c = "", ""
+            for i, chunk in enumerate(chunks):
+                r, c = s.feed(chunk, final=i == len(chunks) - 1)
+                got_r, got_c = got_r + r, got_c + c
+            assert (got_r, got_c) == (reasoning, content), (cut, step)
