@@ -24,12 +24,10 @@ jsonschema = pytest.importorskip("jsonschema")
 
 KEY = "agents-secret"
 MODEL = "smol-agent"
-# Qwen3.5-style: thinking on by default opens the block in the generation prompt
-THINKING_TEMPLATE = QWEN_STYLE_TEMPLATE.replace(
-    "{%- if enable_thinking is defined and enable_thinking is false %}\n        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
-    "    {%- endif %}",
-    "{%- if enable_thinking is defined and enable_thinking is false %}\n        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
-    "    {%- else %}\n        {{- '<think>\\n' }}\n    {%- endif %}")
+ROOT = Path(__file__).resolve().parent.parent
+# the shipped Qwen3-style tool template: the tests' Qwen-style template whose generation prompt opens
+# <think> unless thinking is disabled (Qwen3.5-style)
+TEMPLATE = ROOT / "presets" / "templates" / "qwen3-tools.jinja"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                              "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
@@ -44,10 +42,9 @@ ASK = "What is the weather in Paris?"
 
 @pytest.fixture(scope="module")
 def agent_server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory):
-    assert THINKING_TEMPLATE != QWEN_STYLE_TEMPLATE
+    assert TEMPLATE.read_text().startswith(QWEN_STYLE_TEMPLATE.split("{%- if add_generation_prompt %}")[0])
     root = tmp_path_factory.mktemp("agents")
-    template = root / "qwen3.jinja"
-    template.write_text(THINKING_TEMPLATE)
+    template = TEMPLATE
     port = free_port()
     log = root / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--port", str(port),
@@ -209,3 +206,20 @@ def test_thinking_budget_closes_reasoning_in_every_protocol(agent_server: str) -
                           thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"})
     block = m.content[0]
     assert block.type == "thinking" and block.thinking == "" and block.signature.startswith("ninfer-reasoning.v1:")
+
+
+def test_openai_agents_sdk_runs_a_function_tool(agent_server: str) -> None:
+    """An unchanged Agents SDK app (scripts/agents_sdk_demo.py): a forced get_weather call, the SDK runs
+    the tool and sends its output back, and the model answers in text."""
+    pytest.importorskip("agents")
+    import asyncio
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agents_sdk_demo", ROOT / "scripts" / "agents_sdk_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    result = asyncio.run(demo.run(agent_server + "/v1", KEY, MODEL, ASK))
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
+    assert len(demo.CALLS) == 1 and isinstance(demo.CALLS[0]["city"], str)
+    assert isinstance(result.final_output, str) and result.final_output
