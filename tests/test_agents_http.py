@@ -182,14 +182,14 @@ def test_forced_call_with_requested_thinking_is_refused(agent_server: str) -> No
 def test_thinking_budget_closes_reasoning_in_every_protocol(agent_server: str) -> None:
     c = oai(agent_server)
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Think about 2+2."}],
-                                  max_tokens=120, extra_body={"thinking_budget": 6})
+                                  max_tokens=40, extra_body={"thinking_budget": 6})
     msg = r.choices[0].message
     assert "Considering the limited time" in msg.reasoning_content
     assert "<think>" not in (msg.content or "") and "</think>" not in (msg.content or "")
     assert r.usage.completion_tokens_details.reasoning_tokens >= 6
     # streamed reasoning deltas join to the same reasoning; the answer follows
     stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Think about 2+2."}],
-                                       max_tokens=120, stream=True, extra_body={"thinking_budget": 6})
+                                       max_tokens=40, stream=True, extra_body={"thinking_budget": 6})
     reasoning = content = ""
     for chunk in stream:
         for ch in chunk.choices:
@@ -197,15 +197,27 @@ def test_thinking_budget_closes_reasoning_in_every_protocol(agent_server: str) -
             content += ch.delta.content or ""
     assert reasoning == msg.reasoning_content and content == (msg.content or "")
     # Responses: a reasoning Item before the message; Anthropic: a thinking block with its signature
-    resp = c.responses.create(model=MODEL, input="Think about 2+2.", max_output_tokens=120,
+    resp = c.responses.create(model=MODEL, input="Think about 2+2.", max_output_tokens=40,
                               extra_body={"thinking_budget": 6})
     assert [o.type for o in resp.output][:1] == ["reasoning"]
     assert resp.output[0].content[0].text == msg.reasoning_content
     a = anthropic.Anthropic(base_url=agent_server, api_key=KEY, max_retries=0, timeout=300)
-    m = a.messages.create(model="local", max_tokens=2048, messages=[{"role": "user", "content": "Think about 2+2."}],
+    # budget_tokens >= 1024 with a smaller max_tokens is accepted (the output limit ends thinking first)
+    m = a.messages.create(model="local", max_tokens=8, messages=[{"role": "user", "content": "Think about 2+2."}],
                           thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"})
     block = m.content[0]
-    assert block.type == "thinking" and block.thinking == "" and block.signature.startswith("ninfer-reasoning.v1:")
+    assert m.stop_reason == "max_tokens" and [b.type for b in m.content] == ["thinking"]
+    assert block.thinking == "" and block.signature.startswith("ninfer-reasoning.v1:")
+    replay = [{"role": "user", "content": "Think about 2+2."},
+              {"role": "assistant", "content": [block.model_dump(), {"type": "text", "text": "4"}]},
+              {"role": "user", "content": "Thanks"}]
+    shown = [{"role": "user", "content": "Think about 2+2."},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": __import__("base64").b64decode(
+                 block.signature.split(":", 1)[1]).decode(), "signature": "x"}, {"type": "text", "text": "4"}]},
+             {"role": "user", "content": "Thanks"}]
+    count = a.messages.count_tokens(model="local", messages=replay, thinking={"type": "disabled"})
+    assert count.input_tokens == a.messages.count_tokens(model="local", messages=shown,
+                                                          thinking={"type": "disabled"}).input_tokens
 
 
 def test_openai_agents_sdk_runs_a_function_tool(agent_server: str) -> None:
