@@ -304,7 +304,7 @@ async def handle_count_tokens(call: Call) -> None:
     """The prompt's token count as /v1/messages would render it; nothing is generated."""
     try:
         chat = decode_messages(call, call.json(), generate=False)
-        n = len(prepare(call.state, chat, "count").prompt_token_ids)
+        n = len(prepare(call.state, chat, "count", generate=False).prompt_token_ids)
     except CLIENT_ERRORS as e:
         raise _for_anthropic(http_error(e)) from None
     await call.respond(200, {"input_tokens": n})

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 
-from ninfer.engine.chat import render
+from ninfer.engine.chat import Rendered, render
 from ninfer.engine.reasoning import CLOSE, EARLY_CLOSE_GUIDANCE, OPEN, ReasoningSpec
 from ninfer.engine.request import OutputEvent, PreparedRequest
 from ninfer.errors import RequestError
@@ -39,7 +39,8 @@ def template_kwargs(state: ServerState, chat: ChatRequest) -> dict[str, Any]:
                            code="tool_choice_not_supported")
     if state.config.preserve_thinking:
         kwargs.setdefault("preserve_thinking", True)
-    if state.config.no_thinking or chat.response_format is not None or chat.tool_choice.mode == "required":
+    structured = chat.response_format is not None and chat.thinking_budget is None
+    if state.config.no_thinking or structured or chat.tool_choice.mode == "required":
         if chat.tool_choice.mode == "required":
             kwargs.pop("reasoning_effort", None)  # a server default effort yields to a forced call
         kwargs.setdefault("enable_thinking", False)
@@ -69,16 +70,23 @@ def reasoning_spec(state: ServerState, chat: ChatRequest, thinking: bool, opens:
     return spec
 
 
-def prepare(state: ServerState, chat: ChatRequest, request_id: str) -> PreparedRequest:
-    """Render the conversation and build what the engine runs. Raises client errors."""
+def render_chat(state: ServerState, chat: ChatRequest) -> tuple[Rendered, dict[str, Any]]:
+    """The request's prompt (and the template kwargs it was rendered with)."""
+    kwargs = template_kwargs(state, chat)
+    rendered = render(state.loaded.tokenizer, with_instruction(chat.messages, chat.response_format), tools=chat.tools,
+                      kwargs=kwargs, prefill=chat.prefill)
+    return rendered, kwargs
+
+
+def prepare(state: ServerState, chat: ChatRequest, request_id: str, generate: bool = True) -> PreparedRequest:
+    """Render the conversation and build what the engine runs. Raises client errors. A token
+    count (generate=False) builds no grammar."""
     loaded = state.loaded
     assert loaded is not None
-    grammar = constrain(state, chat.response_format)
-    if chat.tool_choice.mode == "required":  # the call always parses and its arguments fit the schema
+    grammar = constrain(state, chat.response_format) if generate else None
+    if chat.tool_choice.mode == "required" and generate:  # the call always parses, its arguments fit the schema
         grammar = forced_grammar(state, chat.tools, chat.tool_choice)
-    kwargs = template_kwargs(state, chat)
-    rendered = render(loaded.tokenizer, with_instruction(chat.messages, chat.response_format), tools=chat.tools,
-                      kwargs=kwargs, prefill=chat.prefill)
+    rendered, kwargs = render_chat(state, chat)
     if not rendered.ids:
         raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
     template = loaded.tokenizer.chat_template or ""

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ninfer.engine.chat import Message, ToolCall, render
+from ninfer.engine.chat import Message, ToolCall
 from ninfer.engine.request import OutputEvent
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
 from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking,
                                        parse_thinking_budget)
-from ninfer.server.chat_run import ChatEncoder, run_chat
+from ninfer.server.chat_run import ChatEncoder, render_chat, run_chat
 from ninfer.server.generate import logprob_records, prompt_progress, slot_extras, usage_dict
 from ninfer.server.http import Call
 from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, join_text_parts, message_role,
@@ -203,11 +203,11 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
 async def handle_apply_template(call: Call) -> None:
     """POST /apply-template: the prompt a chat body renders to, assistant opener included."""
     body = call.json()
-    loaded = call.state.loaded
-    assert loaded is not None
     messages = normalize_messages(body.get("messages"))
-    prompt = render(loaded.tokenizer, messages, kwargs=template_kwargs(body)).text
-    await call.respond(200, {"prompt": prompt})
+    tools = chat_tools(body)
+    chat = ChatRequest(protocol="chat", messages=messages, sampling=call.state.base_sampling, tools=tools,
+                       tool_choice=chat_tool_choice(body, tools), template_kwargs=template_kwargs(body))
+    await call.respond(200, {"prompt": render_chat(call.state, chat)[0].text})
 
 
 async def handle_chat(call: Call) -> None:

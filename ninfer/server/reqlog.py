@@ -83,7 +83,9 @@ class RequestLog:
                  prompt, cached, out, rates, total_seconds)
         self._write("request_done", request_id=n, protocol=protocol,
                     result={"finish_reason": final.finish_reason, "prompt_tokens": prompt, "completion_tokens": out,
-                            "cached_tokens": cached, "computed_prefill_tokens": prompt - cached},
+                            "cached_tokens": cached, "computed_prefill_tokens": prompt - cached,
+                            "reasoning_tokens": u.reasoning_tokens if u else 0,
+                            "post_thinking_sampling": final.post_thinking_sampling},
                     timings_seconds={"ttft": t.prompt_ms / 1e3 if t else None,
                                      "decode": t.predicted_ms / 1e3 if t else None, "total": total_seconds})
 

@@ -29,7 +29,7 @@ from ninfer.server.http import Call
 from ninfer.server.params import (bad, check_model, join_text_parts, opt_bool, opt_int, opt_number, opt_object,
                                   sampling_from, unsupported)
 from ninfer.server.sse import KEEPALIVE
-from ninfer.server.structured import responses_format, with_instruction
+from ninfer.server.structured import responses_format
 from ninfer.server.tools import responses_tool_choice, responses_tools
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -350,12 +350,10 @@ def decode_create(call: Call, body: dict[str, Any], known: set[str] = _KNOWN,
     chat = ChatRequest(protocol="responses", messages=turns_of(history, instructions), sampling=sampling,
                        tools=tools, tool_choice=responses_tool_choice(body, tools),
                        parallel_tool_calls=opt_bool(body, "parallel_tool_calls") is not False,
-                       template_kwargs=kwargs, response_format=fmt if generate else None, max_tokens=max_tokens,
+                       template_kwargs=kwargs, response_format=fmt, max_tokens=max_tokens,
                        stream=opt_bool(body, "stream") or False, logprobs=logprobs, top_logprobs=top_logprobs,
                        thinking_budget=parse_thinking_budget(body) if generate else None,
                        post_thinking=parse_post_thinking(body) if generate else None)
-    if not generate and fmt is not None:  # the count includes the format's instruction, not its grammar
-        chat.messages = with_instruction(chat.messages, fmt)
     store = opt_bool(body, "store")
     parallel = opt_bool(body, "parallel_tool_calls")
     reasoning = body.get("reasoning") or {}
@@ -593,7 +591,7 @@ class ResponseEncoder(ChatEncoder):
 async def handle_input_tokens(call: Call) -> None:
     """The prompt a Create with this body would run, counted; nothing is generated or stored."""
     chat, _ = decode_create(call, call.json(), _COUNT_FIELDS, generate=False)
-    n = len(prepare(call.state, chat, "count").prompt_token_ids)
+    n = len(prepare(call.state, chat, "count", generate=False).prompt_token_ids)
     await call.respond(200, {"object": "response.input_tokens", "input_tokens": n})
 
 
