@@ -191,3 +191,49 @@ def test_reasoning_split_at_every_boundary(text: str, opens: bool, reasoning: st
                 r, c = s.feed(chunk, final=i == len(chunks) - 1)
                 got_r, got_c = got_r + r, got_c + c
             assert (got_r, got_c) == (reasoning, content), (cut, step)
+
+
+# ---- tool definitions and tool_choice per protocol ---------------------------------------------
+
+def test_tool_decoders_and_choices() -> None:
+    from ninfer.errors import RequestError
+    from ninfer.server.tools import (CUSTOM_PARAMETERS, anthropic_tool_choice, anthropic_tools, chat_tool_choice,
+                                     chat_tools, responses_tool_choice, responses_tools)
+
+    body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": WEATHER}},
+                      {"type": "custom", "custom": {"name": "patch", "description": "apply a patch"}}]}
+    tools = chat_tools(body)
+    assert [(t.name, t.custom) for t in tools] == [("f", False), ("patch", True)]
+    assert tools[1].parameters == CUSTOM_PARAMETERS
+    assert chat_tool_choice({"tool_choice": "required"}, tools).names == ("f", "patch")
+    assert chat_tool_choice({"tool_choice": {"type": "function", "function": {"name": "f"}}}, tools).names == ("f",)
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function",
+                                                                                      "function": {"name": "f"}}]}}
+    assert chat_tool_choice({"tool_choice": allowed}, tools).names == ("f",)
+    for bad_choice in ({"type": "function", "function": {"name": "g"}}, "sometimes"):
+        with pytest.raises(RequestError):
+            chat_tool_choice({"tool_choice": bad_choice}, tools)
+    with pytest.raises(RequestError) as e:
+        chat_tool_choice({"tool_choice": "required"}, [])
+    assert e.value.param == "tool_choice"
+    ns = responses_tools({"tools": [{"type": "namespace", "name": "mcp__w", "tools": [
+        {"type": "function", "name": "get"}]}, {"type": "function", "name": "get", "strict": True}]})
+    assert [t.engine_name for t in ns] == ["mcp__w.get", "get"]
+    assert responses_tool_choice({"tool_choice": {"type": "function", "name": "get", "namespace": "mcp__w"}},
+                                 ns).names == ("mcp__w.get",)
+    with pytest.raises(RequestError) as e:
+        responses_tools({"tools": [{"type": "file_search"}]})
+    assert e.value.code == "tools_not_supported"
+    a = anthropic_tools({"tools": [{"name": "f", "input_schema": WEATHER, "input_examples": [{"city": "Oslo"}]}]})
+    assert "Example inputs" in a[0].description
+    choice, parallel = anthropic_tool_choice({"tool_choice": {"type": "any", "disable_parallel_tool_use": True}}, a)
+    assert choice.names == ("f",) and not parallel
+
+
+def test_namespaced_calls_restore_the_namespace() -> None:
+    tools = [Tool("get", {"type": "object", "properties": {}}, namespace="mcp__w")]
+    out = ChatOutput(tools)
+    out.feed(OutputEvent("r", text='<tool_call>{"name": "mcp__w.get", "arguments": {}}</tool_call>',
+                         finish_reason="stop"))
+    call = out.result.tool_calls[0]
+    assert (call.namespace, call.name, call.arguments) == ("mcp__w", "get", "{}")

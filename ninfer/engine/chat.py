@@ -55,6 +55,7 @@ class Tool:
     parameters: dict[str, Any]
     description: str | None = None
     namespace: str | None = None
+    custom: bool = False  # a free-form (Chat custom) tool: one string parameter, "input"
 
     @property
     def engine_name(self) -> str:

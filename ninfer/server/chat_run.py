@@ -90,8 +90,11 @@ def prepare(state: ServerState, chat: ChatRequest, request_id: str, generate: bo
     if not rendered.ids:
         raise RequestError("the rendered prompt is empty", param="messages", code="invalid_prompt")
     template = loaded.tokenizer.chat_template or ""
-    thinking = rendered.opens_reasoning or (kwargs.get("enable_thinking") is not False and OPEN in template
-                                            and chat.prefill is None)
+    if chat.prefill is not None and OPEN in template and kwargs.get("enable_thinking") is not False:
+        raise RequestError("an assistant prefill continues the answer, so thinking must be disabled explicitly "
+                           "(enable_thinking false, thinking disabled or reasoning effort none)", param="messages",
+                           code="assistant_prefill_not_supported")
+    thinking = rendered.opens_reasoning or (kwargs.get("enable_thinking") is not False and OPEN in template)
     # timings_per_token and return_progress shape a stream only: the engine does the work only then
     hints: dict[str, Any] = {"protocol": chat.protocol, "timings_per_token": chat.stream and chat.timings_per_token,
                              "return_progress": chat.stream and chat.return_progress, "thinking": thinking}

@@ -106,6 +106,14 @@ def history_calls(calls: Any, where: str) -> list[ToolCall]:
         raise bad(where, f"{where} must be an array of objects")
     out = []
     for j, c in enumerate(calls):
+        if c.get("type") == "custom":  # a free-form call: its input is the function's one string
+            spec = c.get("custom")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or \
+                    not isinstance(spec.get("input"), str):
+                raise bad(f"{where}[{j}].custom", f"{where}[{j}].custom must have a name and an input string")
+            out.append(ToolCall(id=c.get("id") or "", name=spec["name"],
+                                arguments=json.dumps({"input": spec["input"]}, ensure_ascii=False)))
+            continue
         fn = c.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad(f"{where}[{j}].function.name", f"{where}[{j}].function.name must be a non-empty string")
@@ -239,6 +247,14 @@ class ChatCompletionEncoder(ChatEncoder):
         extras.update(slot_extras(final, list(self.req.prompt_token_ids) + result.token_ids))
         return extras
 
+    def _custom(self, call: ToolCall) -> bool:
+        return any(t.custom and t.name == call.name for t in self.chat.tools)
+
+    def _call(self, call: ToolCall) -> dict[str, Any]:
+        if self._custom(call):
+            return {"id": call.id, "type": "custom", "custom": {"name": call.name, "input": _custom_input(call)}}
+        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
     def _logprobs(self, records: Any) -> dict[str, Any] | None:
         if not self.chat.logprobs:
             return None
@@ -252,9 +268,7 @@ class ChatCompletionEncoder(ChatEncoder):
             message["reasoning_content"] = result.reasoning
         if result.tool_calls:
             message["content"] = result.content or None
-            message["tool_calls"] = [{"id": c.id, "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}}
-                                     for c in result.tool_calls]
+            message["tool_calls"] = [self._call(c) for c in result.tool_calls]
         payload = {
             "id": self._id,
             "object": "chat.completion",
@@ -309,11 +323,18 @@ class ChatCompletionEncoder(ChatEncoder):
             await self.call.write(sse_data(data))
         elif piece.kind == "tool_start":
             call = piece.call
-            await self.call.write(self._chunk({"tool_calls": [{"index": piece.index, "id": call.id, "type": "function",
-                                                               "function": {"name": call.name, "arguments": ""}}]}))
+            if self._custom(call):
+                start = {"index": piece.index, "id": call.id, "type": "custom", "custom": {"name": call.name, "input": ""}}
+            else:
+                start = {"index": piece.index, "id": call.id, "type": "function",
+                         "function": {"name": call.name, "arguments": ""}}
+            await self.call.write(self._chunk({"tool_calls": [start]}))
         elif piece.kind == "tool_args":
-            await self.call.write(self._chunk({"tool_calls": [{"index": piece.index,
-                                                               "function": {"arguments": piece.text}}]}))
+            if self._custom(piece.call):
+                delta = {"index": piece.index, "custom": {"input": _custom_input(piece.call)}}
+            else:
+                delta = {"index": piece.index, "function": {"arguments": piece.text}}
+            await self.call.write(self._chunk({"tool_calls": [delta]}))
 
     async def finish(self, result: ChatResult) -> None:
         await self._open()
@@ -334,3 +355,12 @@ class ChatCompletionEncoder(ChatEncoder):
 
     async def fail(self, err: RequestError) -> None:
         await self.call.write(sse_error(err))
+
+
+def _custom_input(call: ToolCall) -> str:
+    """A custom tool's free-form input: the one string the model passed."""
+    try:
+        value = json.loads(call.arguments).get("input", "")
+    except (ValueError, AttributeError):
+        return call.arguments
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)

@@ -14,6 +14,9 @@ from ninfer.server.params import bad, unsupported
 from ninfer.server.toolcalls import MALFORMED
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+# a free-form custom tool as the model sees it: a function of one string
+CUSTOM_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {"input": {"type": "string"}},
+                                     "required": ["input"]}
 
 
 def _name(value: Any, param: str) -> str:
@@ -67,8 +70,11 @@ def chat_tools(body: dict[str, Any]) -> list[Tool]:
         p = f"tools[{i}]"
         if not isinstance(t, dict):
             raise bad(p, f"{p} must be an object")
+        if t.get("type") == "custom":
+            tools.append(_custom_tool(t, p))
+            continue
         if t.get("type") != "function":
-            raise unsupported("tools", f"{p}.type {t.get('type')!r}: only function tools are supported")
+            raise unsupported("tools", f"{p}.type {t.get('type')!r}: only function and custom tools are supported")
         fn = t.get("function")
         if not isinstance(fn, dict):
             raise bad(f"{p}.function", f"{p}.function must be an object")
@@ -76,6 +82,19 @@ def chat_tools(body: dict[str, Any]) -> list[Tool]:
                           _schema(fn.get("parameters"), f"{p}.function.parameters"),
                           _description(fn.get("description"), f"{p}.function.description")))
     return _unique(tools, "tools")
+
+
+def _custom_tool(t: dict[str, Any], p: str) -> Tool:
+    """A free-form custom tool, served as a single-string-input function under its own name."""
+    spec = t.get("custom")
+    if not isinstance(spec, dict):
+        raise bad(f"{p}.custom", f"{p}.custom must be an object")
+    fmt = spec.get("format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise unsupported("tools", f"{p}.custom.format: only text input can be provided (grammar formats "
+                                   "are not enforced)")
+    return Tool(_name(spec.get("name"), f"{p}.custom.name"), dict(CUSTOM_PARAMETERS),
+                _description(spec.get("description"), f"{p}.custom.description"), custom=True)
 
 
 def chat_tool_choice(body: dict[str, Any], tools: list[Tool]) -> ToolChoice:
@@ -102,7 +121,11 @@ def chat_tool_choice(body: dict[str, Any], tools: list[Tool]) -> ToolChoice:
                                f"tool_choice.allowed_tools.tools[{j}].function.name"))
         return allowed_choice(tools, names, allowed.get("mode"), "tool_choice.allowed_tools")
     if isinstance(choice, dict) and choice.get("type") == "custom":
-        return ToolChoice("auto")  # advisory narrowing
+        spec = choice.get("custom")
+        name = _name(spec.get("name") if isinstance(spec, dict) else None, "tool_choice.custom.name")
+        if name not in {t.engine_name for t in tools}:
+            raise bad("tool_choice.custom.name", f"tool_choice.custom.name: {name!r} is not a declared tool")
+        return ToolChoice("auto", (name,))  # advisory narrowing: only that tool becomes a call
     raise bad("tool_choice", "tool_choice must be none, auto, required, a named function or allowed_tools")
 
 
