@@ -13,9 +13,10 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ninfer.engine.tokenizer import Tokenizer
+if TYPE_CHECKING:  # the server imports this module before the model (and torch) loads
+    from ninfer.engine.tokenizer import Tokenizer
 
 # A quoted special token becomes ESC_OPEN + its index + ESC_CLOSE while the template renders
 # (private-use characters a template passes through unchanged), and its spelling again after.

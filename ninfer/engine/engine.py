@@ -25,8 +25,8 @@ from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnap
                                     QueueEntry)
 from ninfer.engine.kv_cache import PagePool, StatePool
 from ninfer.engine.output import OutputProcessor
-from ninfer.engine.reasoning import ReasoningSplitter, effective_budget, single_token_mask
-from ninfer.engine.sampler import mask_words
+from ninfer.engine.reasoning import ReasoningSplitter, effective_budget
+from ninfer.engine.sampler import mask_words, single_token_mask
 from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
 from ninfer.engine.errors import ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ninfer.engine.request import SamplingParams
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -123,11 +121,3 @@ def _partial_suffix(text: str, marker: str) -> int:
             return k
     return 0
 
-
-def single_token_mask(token: int, words: int) -> torch.Tensor:
-    """A packed token bitmask (XGrammar's int32 layout) that admits only `token`: a forced token
-    is committed through the sampler's mask, whatever the temperature."""
-    mask = torch.zeros((1, words), dtype=torch.int32)
-    bit = token % 32
-    mask[0, token // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)
-    return mask

@@ -83,6 +83,15 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
+def single_token_mask(token: int, words: int) -> torch.Tensor:
+    """A packed token bitmask (XGrammar's int32 layout) that admits only `token`: a forced token
+    (a thinking budget's early close) is committed through the mask, whatever the temperature."""
+    mask = torch.zeros((1, words), dtype=torch.int32)
+    bit = token % 32
+    mask[0, token // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)
+    return mask
+
+
 def fill_mask_row(row: torch.Tensor, mask: torch.Tensor | None) -> None:
     """Write one row of a packed token bitmask (int32 [words], on any device; bit j of word w allows
     id 32w + j, XGrammar's layout): the grammar's `mask` ([1, words'] or [words'] int32), or every
