@@ -214,3 +214,14 @@ def test_unknown_architecture_and_rope_type_name_themselves() -> None:
     with pytest.raises(ConfigError, match="unsupported rope scaling type 'longrope'"):
         ModelConfig.from_hf({**raw, "architectures": ["Qwen2ForCausalLM"],
                              "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}})
+
+
+@pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.6156), ("mistral-7b", 7.2417), ("gemma3-4b", 3.8803)])
+def test_synthetic_shapes_have_the_published_parameter_counts(name: str, billions: float) -> None:
+    import math
+
+    from ninfer.engine.models import expected_weights
+    from ninfer.engine.synthetic import SHAPES
+
+    c = ModelConfig(**SHAPES[name])
+    assert sum(math.prod(s) for s in expected_weights(c).values()) / 1e9 == pytest.approx(billions, abs=1e-4)
