@@ -6,7 +6,7 @@ upper layer (use_sliding_window, max_window_layers) and YaRN; Mistral a window o
 linear RoPE scaling; gemma3 (1 + w) sandwich norms, the scaled embedding, sliding/global layers with
 two RoPE bases (linear scaling on the global one), query_pre_attn_scalar and final logit
 soft-capping (attention-score capping, which transformers' Gemma 3 does not apply, is checked
-against a direct computation in test_attention_ops.py). Windows are a few tokens so the prompts and greedy runs cross them.
+against a direct computation below). Windows are a few tokens so the prompts and greedy runs cross them.
 """
 from __future__ import annotations
 
@@ -205,6 +205,52 @@ def test_gguf_file_matches_transformers(name: str, tiny, tmp_path: Path) -> None
     check_against(TorchModelRunner(art, num_pages=8, page_size=8, dtype=torch.float32), _hf_for_gguf(name, folder, hf))
 
 
+def _with_weights(hf, weights: dict[str, torch.Tensor]):
+    """A copy of transformers model `hf` holding `weights` (an artifact's dequantized tensors)."""
+    model = type(hf)(hf.config).to(torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma3"])
+def test_converted_weight_formats_match_transformers(name: str, weights: str, tiny, tmp_path: Path) -> None:
+    """HF folder converted to bf16 / int8 / int4: transformers on the artifact's dequantized weights."""
+    from ninfer.engine.convert import convert
+
+    folder, _, hf = tiny[name]
+    art = Artifact.open(convert(folder, tmp_path / f"{name}-{weights}.ninfer", weights=weights, progress=False))
+    assert any(f.format == weights for f in art.meta.tensor_formats.values())
+    ref = _with_weights(hf, art.load_dequantized())
+    check_against(TorchModelRunner(art, num_pages=8, page_size=8, dtype=torch.float32), ref, steps=8)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "gemma3"])
+def test_quantized_gguf_kept_as_is_matches_transformers(name: str, qtype: str, tiny, tmp_path: Path) -> None:
+    """A GGUF whose linear weights are Q8_0 / Q4_0 / Q4_1 is kept quantized (int8 / int4 groups of 32):
+    transformers on the values the file holds."""
+    from gguf import GGMLQuantizationType as Q
+    from safetensors.numpy import load_file
+
+    from gguf_arch_synth import write_arch_gguf
+    from ninfer.engine.convert import convert
+
+    folder, _, hf = tiny[name]
+    cfg = json.loads((folder / "config.json").read_text())
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    path = tmp_path / f"tiny-{name}-{qtype}.gguf"
+    write_arch_gguf(path, "llama" if name == "mistral" else name, load_file(str(folder / "model.safetensors")), cfg,
+                    tokenizer, linear_type=getattr(Q, qtype), keys=_gguf_keys(name, cfg))
+    art = Artifact.open(convert(path, tmp_path / f"{name}.ninfer", progress=False))
+    kept = {f.format for n, f in art.meta.tensor_formats.items() if n.endswith("q_proj.weight")}
+    assert kept == {"int8" if qtype == "Q8_0" else "int4"}
+    ref = _with_weights(_hf_for_gguf(name, folder, hf), art.load_dequantized())
+    check_against(TorchModelRunner(art, num_pages=8, page_size=8, dtype=torch.float32), ref, steps=8)
+
+
 def test_unknown_architecture_and_rope_type_name_themselves() -> None:
     from ninfer.errors import ConfigError
 
@@ -225,3 +271,46 @@ def test_synthetic_shapes_have_the_published_parameter_counts(name: str, billion
 
     c = ModelConfig(**SHAPES[name])
     assert sum(math.prod(s) for s in expected_weights(c).values()) / 1e9 == pytest.approx(billions, abs=1e-4)
+
+
+def test_unsupported_gguf_architecture_is_one_line(tmp_path: Path) -> None:
+    import gguf
+
+    from ninfer.engine.convert import convert
+    from ninfer.errors import ArtifactError
+
+    w = gguf.GGUFWriter(str(tmp_path / "phi.gguf"), "phi3")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ArtifactError, match=r"unsupported architecture 'phi3' \(supported: llama, qwen2, qwen3, qwen35, gemma3\)"):
+        convert(tmp_path / "phi.gguf", tmp_path / "phi.ninfer", progress=False)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (3, 0.0), (0, 0.7), (5, 1.3)])
+def test_paged_attention_window_and_softcap_against_direct_math(window: int, softcap: float) -> None:
+    """The torch op over pages (prefill, a chunk after cached tokens, a decode row) against the
+    definition: scores q.k * scale, capped, masked to the causal window, softmax, times v."""
+    from ninfer.engine.ops.torch_ops import AttentionMetadata, paged_attention
+
+    g = torch.Generator().manual_seed(0)
+    H, KV, D, n, ps = 4, 2, 8, 11, 4
+    q, k, v = (torch.randn(n, h, D, generator=g, dtype=torch.float64) * 3 for h in (H, KV, KV))
+    scale = 0.3
+    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(H // KV, 1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(n)
+    mask = pos[None, :] <= pos[:, None]
+    if window:
+        mask &= pos[None, :] > pos[:, None] - window
+    want = torch.einsum("hqk,khd->qhd", s.masked_fill(~mask, float("-inf")).softmax(-1), v.repeat_interleave(H // KV, 1))
+    cache = [torch.zeros(8, ps, KV, D, dtype=torch.float64) for _ in range(2)]
+    table = [5, 2, 7]
+    got = []
+    for start, end in ((0, 6), (6, 10), (10, 11)):  # prefill, a chunk after cached tokens, a decode row
+        meta, _ = AttentionMetadata.build([(start, end - start, table)], ps, torch.device("cpu"))
+        got.append(paged_attention(q[start:end], k[start:end], v[start:end], *cache, meta, window, scale, softcap))
+    assert torch.allclose(torch.cat(got), want.reshape(n, H * D), atol=1e-10, rtol=0)

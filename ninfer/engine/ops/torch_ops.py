@@ -313,7 +313,8 @@ def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores = torch.matmul(q, keys.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))  # at least fp32
+    return torch.matmul(probs.to(q.dtype), values)
 
 
 @dataclass(slots=True)
