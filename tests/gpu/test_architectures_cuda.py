@@ -169,7 +169,8 @@ def greedy(runner, prompt: list[int], steps: int) -> list[int]:
 def check_model(hf, artifact, prompt_len: int = 100, steps: int = 32) -> None:
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
 
-    runner = CudaModelRunner(artifact, num_pages=128, page_size=PAGE, device="cuda", dtype=torch.float32)
+    runner = CudaModelRunner(artifact, num_pages=128, page_size=PAGE, device="cuda", dtype=torch.float32,
+                             num_state_slots=4)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 512, (prompt_len,), generator=g).tolist()
     ours = runner.forward_logits(prompt)
@@ -184,12 +185,14 @@ def check_model(hf, artifact, prompt_len: int = 100, steps: int = 32) -> None:
     assert greedy(runner, prompt, steps) == ref_ids
     assert runner.graphs.captures >= 1
     # chunked prefill past the window and a batch of different lengths equal one-shot
-    pages = list(range(10))
-    for start, end in ((0, 30), (30, 64), (64, 100)):
+    n = len(prompt)
+    per = -(-n // PAGE)
+    pages = list(range(per))
+    for start, end in ((0, n // 3), (n // 3, 2 * n // 3 + 1), (2 * n // 3 + 1, n)):
         logits = runner.batch_logits(ScheduledBatch([work(prompt[start:end], start, pages)]))
     assert torch.allclose(logits[0], ours[-1], atol=2e-4, rtol=0)
     short = prompt[:9]
-    seqs = [work(prompt, 0, list(range(20, 30)), seq_id=0), work(short, 0, list(range(30, 40)), seq_id=1)]
+    seqs = [work(prompt, 0, list(range(per, 2 * per)), seq_id=0), work(short, 0, [2 * per], seq_id=1)]
     logits = runner.batch_logits(ScheduledBatch(seqs))
     assert torch.allclose(logits[0], ours[-1], atol=2e-4, rtol=0)
     assert torch.allclose(logits[1], runner.forward_logits(short)[-1], atol=2e-4, rtol=0)
