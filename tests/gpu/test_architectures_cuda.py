@@ -316,3 +316,33 @@ def test_every_architecture_and_weight_format_matches_torch_backend(arch: str, w
     a, b = ours.forward_logits(prompt), ref.forward_logits(prompt)
     assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item() < 1e-4
     assert greedy(ours, prompt, 16) == greedy(ref, prompt, 16)
+
+
+def test_bf16_window_layers_take_the_warp_route_beside_mma(monkeypatch) -> None:
+    """bf16 with head_dim 64: full-attention layers' prompt rows on the tensor-core kernel, the
+    sliding-window layers' on the warp kernel (the mma route refuses a window): against the fp32
+    torch backend within bf16 noise, and a chunked prefill equal to one shot."""
+    from ninfer.engine.backends.cuda_runner import CudaModelRunner
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.synthetic import SHAPES, SyntheticArtifact
+    from ninfer.kernels.compiler import KernelError
+
+    monkeypatch.setitem(SHAPES, "tiny", dict(SHAPES["qwen2.5-7b"], **TINY, num_hidden_layers=4, sliding_window=24,
+                                             layer_types=["full_attention", "sliding_attention"] * 2))
+    artifact = SyntheticArtifact("tiny", "bf16", seed=9)
+    ours = CudaModelRunner(artifact, num_pages=64, page_size=PAGE, device="cuda", dtype=torch.bfloat16)
+    assert ours.ops.prefill_attention == "mma"
+    prompt = torch.randint(0, 512, (150,), generator=torch.Generator().manual_seed(9)).tolist()
+    a = ours.forward_logits(prompt).float()
+    b = TorchModelRunner(artifact, num_pages=64, page_size=PAGE, device="cuda", dtype=torch.float32).forward_logits(prompt)
+    assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item() < 0.05
+    pages = list(range(10))
+    for start, end in ((0, 64), (64, 128), (128, 150)):
+        logits = ours.batch_logits(ScheduledBatch([work(prompt[start:end], start, pages)]))
+    assert torch.equal(logits[0], ours.forward_logits(prompt)[-1])
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(KernelError, match="no sliding window"):
+        L.paged_attention_prefill(ours.kc, q, ours.k_cache[0], ours.v_cache[0],
+                                  torch.zeros(1, 1, dtype=torch.int32, device="cuda"),
+                                  torch.tensor([0, 4], dtype=torch.int32, device="cuda"),
+                                  torch.zeros(1, dtype=torch.int32, device="cuda"), 4, q.clone(), 0.125, "mma", window=8)
