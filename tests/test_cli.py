@@ -36,6 +36,8 @@ def test_version_prints_version_and_build_id() -> None:
     (("bench", "--synthetic", "nope"), "known shapes"),
     (("serve", "--port", "abc"), "--port"),
     (("serve", "--max-concurrency", "9"), "--max-concurrency"),
+    (("serve", "--rope-yarn-factor", "5"), "--rope-yarn-factor"),
+    (("serve", "--rope-yarn", "--rope-scaling-factor", "2"), "excludes --rope-yarn"),
 ])
 def test_errors_are_one_line_without_traceback(args: tuple[str, ...], message: str) -> None:
     out = ninfer(*args)

@@ -38,6 +38,14 @@ def serve(
                                           help="Required bearer or x-api-key value."),
     model_id: Optional[str] = typer.Option(None, "--model-id", help="Public model alias (default: the artifact's model id)."),
     max_context: int = typer.Option(8192, "--max-context", help="Logical context ceiling of each sequence."),
+    rope_yarn: bool = typer.Option(False, "--rope-yarn",
+                                   help="Past the native window, YaRN at factor --max-context / native."),
+    rope_yarn_factor: float = typer.Option(1.0, "--rope-yarn-factor", help="YaRN at this fixed factor in [1, 4]."),
+    rope_scaling_factor: float = typer.Option(
+        1.0, "--rope-scaling-factor",
+        help="Linear position interpolation past --rope-scaling-original-context, by this factor in [1, 32]."),
+    rope_scaling_original_context: Optional[int] = typer.Option(
+        None, "--rope-scaling-original-context", help="The interpolation threshold (default: the native window)."),
     kv_capacity: Optional[str] = typer.Option(None, "--kv-capacity", help="Shared KV pool in tokens, or auto (default: --max-context)."),
     max_concurrency: int = typer.Option(1, "--max-concurrency", help="Requests running at once (1..8)."),
     max_pending_requests: int = typer.Option(16, "--max-pending-requests", help="Further requests allowed to wait."),
@@ -93,6 +101,7 @@ def serve(
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
+    from ninfer.engine.rope import RopeOverride
     from ninfer.server.config import SamplerOverrides, ServerConfig
     from ninfer.server.runner import serve_forever
 
@@ -106,6 +115,8 @@ def serve(
     if seed is not None and seed < 0:
         seed = None  # negative: a fresh random seed per request, as on the wire
     kv = _kv_capacity(kv_capacity)
+    rope = RopeOverride(yarn=rope_yarn, yarn_factor=rope_yarn_factor, scaling_factor=rope_scaling_factor,
+                        original_context=rope_scaling_original_context)
     scheduler = SchedulerConfig(
         max_concurrency=max_concurrency, max_pending_requests=max_pending_requests,
         pending_timeout_ms=pending_timeout_ms, prefill_chunk=prefill_chunk,
@@ -138,7 +149,7 @@ def serve(
     def load():
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
-                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype)
+                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype, rope=rope)
 
     def announce(line: str) -> None:
         print(line, flush=True)

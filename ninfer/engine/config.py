@@ -5,8 +5,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ninfer.engine.rope import check_scaling
 from ninfer.errors import ConfigError
 
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 def _architectures():  # the registry imports this module, so it is looked up on use
@@ -34,6 +36,13 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     partial_rotary_factor: float = 1.0  # RoPE rotates the first head_dim * this dims of each head
+    # sliding-window attention: layer_types "sliding_attention" layers see the last sliding_window
+    # positions (their own included); their RoPE base is rope_local_theta when set (gemma3), else rope_theta
+    sliding_window: int = 0
+    rope_local_theta: float = 0.0
+    query_pre_attn_scalar: float = 0.0  # attention scores scaled by this ** -0.5 (0: head_dim)
+    attn_logit_softcapping: float = 0.0  # scores -> cap * tanh(score / cap) (0: none)
+    final_logit_softcapping: float = 0.0  # logits -> cap * tanh(logit / cap) (0: none)
     # hybrid models (qwen3_5): per-layer "full_attention" / "linear_attention", and the Gated DeltaNet shape
     layer_types: list[str] | None = None
     linear_num_key_heads: int = 0
@@ -53,18 +62,20 @@ class ModelConfig:
                 raise ConfigError(f"model config field {name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind not in ("llama3", "default", None):
-                raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+        check_scaling(self.rope_scaling)
+        for name in ("sliding_window", "rope_local_theta", "query_pre_attn_scalar", "attn_logit_softcapping",
+                     "final_logit_softcapping"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model config field {name} must be >= 0, got {getattr(self, name)!r}")
         if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even number "
                               f"of rotary dims in 2..{self.head_dim}")
         if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers or any(
-                    t not in ("full_attention", "linear_attention") for t in self.layer_types):
-                raise ConfigError(f"layer_types must list full_attention or linear_attention for each of the "
+            if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ConfigError(f"layer_types must list {', '.join(LAYER_TYPES)} for each of the "
                                   f"{self.num_hidden_layers} layers")
+            if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+                raise ConfigError("sliding_attention layers need a positive sliding_window")
             if "linear_attention" in self.layer_types:
                 for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                              "linear_value_head_dim", "linear_conv_kernel_dim"):
@@ -95,10 +106,10 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` dict."""
         archs = hf.get("architectures") or []
         known = _architectures().values()
-        arch = next((r.name for a in archs for r in known if a in r.hf_architectures), None)
-        if arch is None:
-            arch = next((r.name for r in known if hf.get("model_type") in r.hf_model_types), None)
-        if arch is None:
+        record = next((r for a in archs for r in known if a in r.hf_architectures), None)
+        if record is None:
+            record = next((r for r in known if hf.get("model_type") in r.hf_model_types), None)
+        if record is None:
             raise ConfigError(f"unknown architecture {archs or hf.get('model_type')!r} (supported: "
                               + ", ".join(n for r in known for n in r.hf_architectures) + ")")
         if isinstance(hf.get("text_config"), dict):  # a multimodal checkpoint: its language model
@@ -124,8 +135,16 @@ class ModelConfig:
         partial = (rope_parameters or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
-        return cls(
-            architecture=arch,
+        max_positions = hf.get("max_position_embeddings", 4096)
+        if isinstance(rope_scaling, dict) and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("yarn", "llama3"):
+            # transformers' defaults: the pretraining window is max_position_embeddings unless given;
+            # a yarn factor left out is the ratio of the two windows
+            rope_scaling = {"original_max_position_embeddings": max_positions, **rope_scaling}
+            if rope_scaling.get("factor") is None:
+                rope_scaling["factor"] = max_positions / rope_scaling["original_max_position_embeddings"]
+        extra = record.hf_fields(hf) if record.hf_fields else {}
+        return cls(**{**dict(
+            architecture=record.name,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -136,14 +155,14 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
             partial_rotary_factor=float(partial),
             layer_types=list(layer_types) if layer_types else None,
             **{k: int(hf.get(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                                 "linear_value_head_dim", "linear_conv_kernel_dim")},
-        )
+        ), **extra})
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ninfer.engine.artifact import Artifact, ArtifactMetadata
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.model_store import resolve_model
+from ninfer.engine.rope import RopeOverride
 from ninfer.engine.models import expected_weights
 from ninfer.errors import ConfigError
 from ninfer.formats import TensorFormat
@@ -157,8 +158,9 @@ def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
-                dtype: str = "auto") -> LoadedModel:
-    """Load `model` (None: the default model) and start an Engine over it."""
+                dtype: str = "auto", rope: RopeOverride | None = None) -> LoadedModel:
+    """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
+    options' RoPE scaling, in place of the model's own."""
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
         cache_dir = default_cache_dir()
@@ -170,14 +172,16 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
         artifact.meta = replace(artifact.meta, chat_template=_read_template(chat_template))
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
-                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype)
+                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
+                        rope=rope)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
                  kv_capacity: int | str | None, cuda_graph: bool = True,
-                 kernel_cache_dir: Path | None = None, dtype=None) -> LoadedModel:
+                 kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
-    dtype: None (the backend's default) or a torch dtype from `resolve_dtype`."""
+    dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
+    options (the default context and the KV pool follow the native window whatever they say)."""
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
@@ -188,6 +192,9 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     if max_context < 1:
         raise ConfigError("--max-context must be positive")
     scheduler = replace(scheduler, max_context=max_context)
+    if rope is not None and rope.active:
+        artifact.meta = replace(meta, config=rope.apply(meta.config, max_context))
+        meta = artifact.meta
     tokenizer = Tokenizer.from_metadata(meta)
     tokenizer.token_bytes(0)  # build the byte table now (~0.4 s), not on the first request's first token
     bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype)  # the same for both backends

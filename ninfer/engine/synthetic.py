@@ -44,6 +44,23 @@ SHAPES: dict[str, dict] = {
     "qwen3-8b": dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6),
+    # Qwen2.5-7B (config.json): q/k/v biases, untied, no sliding window (use_sliding_window false)
+    "qwen2.5-7b": dict(architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6, attention_bias=True),
+    # Mistral-7B-v0.1 (config.json): llama blocks, every layer within a 4096-token window
+    "mistral-7b": dict(architecture="llama", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       rope_theta=10000.0, max_position_embeddings=32768, sliding_window=4096,
+                       layer_types=["sliding_attention"] * 32),
+    # Gemma-3-4B's language model (text_config): five 1024-token sliding layers (RoPE base 1e4) to
+    # one global (base 1e6, linear scaling 8), query_pre_attn_scalar 256, tied embeddings
+    "gemma3-4b": dict(architecture="gemma3", vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                      num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                      rope_theta=1000000.0, rope_local_theta=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                      max_position_embeddings=131072, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                      sliding_window=1024, query_pre_attn_scalar=256.0,
+                      layer_types=["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(34)]),
     # Qwen3.5-0.8B's language model. From its model card: hidden 1024, 24 layers as 6 x (3 Gated
     # DeltaNet + 1 gated attention), DeltaNet 16 QK / 16 V heads of 128, attention 8 Q / 2 KV heads of
     # 256, rotary dim 64 (factor 0.25), vocabulary 248320 (padded), context 262144; llama.cpp names
@@ -70,6 +87,8 @@ SHAPES: dict[str, dict] = {
 # transformers initializes them. qwen3_5 scales by 1 + w (w starts at 0) in every RMSNorm but the
 # gated one, and starts the delta rule's decay at A_log = log(U(0.01, 16)) with dt_bias = 1.
 _INIT: dict[str, dict[str, str]] = {
+    "qwen2": {"_proj.bias": "normal"},  # transformers zeroes them; random ones exercise the bias
+    "gemma3": {"norm.weight": "zeros"},  # every gemma3 RMSNorm scales by 1 + w
     "qwen3_5": {"input_layernorm.weight": "zeros", "post_attention_layernorm.weight": "zeros",
                 "model.norm.weight": "zeros", "q_norm.weight": "zeros", "k_norm.weight": "zeros",
                 "linear_attn.A_log": "log_uniform", "linear_attn.dt_bias": "ones"},

@@ -6,7 +6,9 @@
 //   decode  (cu_seqlens == nullptr): token t is sequence t, n_keys = lens[t] (context length)
 //   prefill (cu_seqlens [B+1]):      token t of sequence b sits at position
 //            lens[b] + (t - cu_seqlens[b]) (lens = start_pos) and sees keys 0..that position.
-// Split-K: a token's keys are cut into partitions of `partition` keys (grid z). With one
+// window > 0 (sliding-window layers): a token sees only its last `window` keys (its own
+// included), keys n_keys - window .. n_keys - 1. softcap > 0: each score s -> softcap * tanh(s / softcap).
+// Split-K: a token's keys (from its window's first) are cut into partitions of `partition` keys (grid z). With one
 // partition the block writes `out` itself; otherwise it writes its normalized partial output and
 // (max, sum) and paged_attention_combine merges them in partition order. The cut depends only on
 // the token's own n_keys, and every reduction has a fixed order, so a token's result does not
@@ -39,6 +41,14 @@ __device__ __forceinline__ int token_keys(int t, const i32* cu_seqlens, const i3
   return lens[b] + (t - cu_seqlens[b]) + 1;
 }
 
+// The first key a token sees: 0, or the first of its window.
+__device__ __forceinline__ int first_key(int n_keys, int window) { return window > 0 ? max(0, n_keys - window) : 0; }
+
+// Score soft-capping (Gemma 2 style); softcap <= 0: none.
+__device__ __forceinline__ float cap_score(float s, float softcap) {
+  return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
+}
+
 // Online-softmax update of one head's state with one key's score and value row.
 __device__ __forceinline__ void softmax_update(float s, const float* v, float& m, float& l, float* acc) {
   const float m_new = fmaxf(m, s);
@@ -58,7 +68,7 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__
                 const i32* __restrict__ cu_seqlens, const i32* __restrict__ lens, int num_seqs,
                 act* __restrict__ out, i64 out_stride, float* __restrict__ part_out,
                 float* __restrict__ part_ml, int max_parts, int Hkv, int page_size, int partition,
-                float scale) {
+                float scale, int window, float softcap) {
   __shared__ float sm_acc[NWARPS][GQA][HEAD_DIM];
   __shared__ float sm_m[NWARPS][GQA];
   __shared__ float sm_l[NWARPS][GQA];
@@ -67,7 +77,8 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__
   const int Hq = Hkv * GQA;
   int b;
   const int n_keys = token_keys(t, cu_seqlens, lens, num_seqs, &b);
-  const int nparts = (n_keys + partition - 1) / partition;
+  const int first = first_key(n_keys, window);
+  const int nparts = (n_keys - first + partition - 1) / partition;
   if (n_keys <= 0) {  // an empty context (padding lane): write zeros, not garbage
     if (part == 0)
       for (int i = threadIdx.x; i < GQA * HEAD_DIM; i += blockDim.x)
@@ -75,7 +86,7 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__
     return;
   }
   if (part >= nparts) return;
-  const int k0 = part * partition;
+  const int k0 = first + part * partition;
   const int k1 = min(n_keys, k0 + partition);
 
   float qf[GQA][EPL], acc[GQA][EPL], m[GQA], l[GQA];
@@ -108,7 +119,7 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__
       float d = 0.0f;
 #pragma unroll
       for (int e = 0; e < EPL; ++e) d += qf[g][e] * ka[e];
-      softmax_update(warp_sum(d) * scale, va, m[g], l[g], acc[g]);
+      softmax_update(cap_score(warp_sum(d) * scale, softcap), va, m[g], l[g], acc[g]);
     }
     if (two) {
 #pragma unroll
@@ -116,7 +127,7 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__
         float d = 0.0f;
 #pragma unroll
         for (int e = 0; e < EPL; ++e) d += qf[g][e] * kb[e];
-        softmax_update(warp_sum(d) * scale, vb, m[g], l[g], acc[g]);
+        softmax_update(cap_score(warp_sum(d) * scale, softcap), vb, m[g], l[g], acc[g]);
       }
     }
   }
@@ -163,11 +174,11 @@ extern "C" __global__ void paged_attention_combine(const float* __restrict__ par
                                                    const float* __restrict__ part_ml,
                                                    const i32* __restrict__ cu_seqlens, const i32* __restrict__ lens,
                                                    int num_seqs, act* __restrict__ out, i64 out_stride,
-                                                   int max_parts, int partition) {
+                                                   int max_parts, int partition, int window) {
   const int head = blockIdx.x, t = blockIdx.y, Hq = gridDim.x;
   int b;
   const int n_keys = token_keys(t, cu_seqlens, lens, num_seqs, &b);
-  const int nparts = (n_keys + partition - 1) / partition;
+  const int nparts = (n_keys - first_key(n_keys, window) + partition - 1) / partition;
   if (nparts <= 1) return;  // written by paged_attention directly
   const i64 base = ((i64)t * Hq + head) * max_parts;
   float M = NEG_INF;

@@ -120,3 +120,24 @@ extern "C" __global__ void swiglu(const act* __restrict__ gate_up, act* __restri
     store_act<8>(out + t * out_stride + v * 8, g);
   }
 }
+
+// out [T, I] = gelu_tanh(gate_up[:, :I]) * gate_up[:, I:] (Gemma's MLP; torch's gelu(approximate="tanh")).
+extern "C" __global__ void geglu(const act* __restrict__ gate_up, act* __restrict__ out, int T, int I,
+                                 i64 in_stride, i64 out_stride) {
+  const int nvec = I / 8;
+  const i64 total = (i64)T * nvec;
+  for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
+    const int t = (int)(idx / nvec);
+    const int v = (int)(idx % nvec);
+    const act* row = gate_up + t * in_stride;
+    float g[8], u[8];
+    load_act<8>(row + v * 8, g);
+    load_act<8>(row + I + v * 8, u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float x = g[j];
+      g[j] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[j];
+    }
+    store_act<8>(out + t * out_stride + v * 8, g);
+  }
+}

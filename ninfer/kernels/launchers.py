@@ -143,6 +143,15 @@ def rmsnorm_residual(kc: KernelCompiler, x: torch.Tensor, weight: torch.Tensor, 
 
 def swiglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor) -> None:
     """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; bf16 or fp32 (both the same), I % 8 == 0."""
+    _gated(kc, "swiglu", gate_up, out)
+
+
+def geglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, I] = gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]; bf16 or fp32 (both the same), I % 8 == 0."""
+    _gated(kc, "geglu", gate_up, out)
+
+
+def _gated(kc: KernelCompiler, kernel: str, gate_up: torch.Tensor, out: torch.Tensor) -> None:
     T, I2 = gate_up.shape
     inter = I2 // 2
     defines = _act(gate_up.dtype, "gate_up")
@@ -153,7 +162,7 @@ def swiglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor) -> None
     n = T * inter // 8
     if n:
         blocks = min(math.ceil(n / 256), 132 * 16)
-        kc.kernel("elementwise.cu", "swiglu", defines).launch(
+        kc.kernel("elementwise.cu", kernel, defines).launch(
             (blocks, 1, 1), (256, 1, 1),
             [ptr(gate_up), ptr(out), I32(T), I32(inter), I64(_rows(gate_up, "gate_up", I2)),
              I64(_rows(out, "out", inter))])
@@ -243,13 +252,15 @@ def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor
 def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
                max_context_len: int, out: torch.Tensor, scale: float, partition: int,
-               workspace: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+               workspace: tuple[torch.Tensor, torch.Tensor] | None, window: int = 0, softcap: float = 0.0) -> None:
     defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, lens, out)
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
     if partition <= 0 or max_context_len < 0:
         raise KernelError("partition must be positive and max_context_len non-negative")
+    if window < 0 or softcap < 0:
+        raise KernelError(f"window ({window}) and softcap ({softcap}) must be >= 0 (0: none)")
     if T == 0:
         return
     max_parts = max(1, math.ceil(max_context_len / partition))
@@ -267,17 +278,19 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
         [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
          *seq_args, ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv),
-         I32(page_size), I32(partition), F32(scale)])
+         I32(page_size), I32(partition), F32(scale), I32(window), F32(softcap)])
     if max_parts > 1:
         kc.kernel("attention.cu", "paged_attention_combine", defines).launch(
             (Hq, T, 1), (D, 1, 1),
-            [ptr(part_out), ptr(part_ml), *seq_args, ptr(out), I64(out.stride(0)), I32(max_parts), I32(partition)])
+            [ptr(part_out), ptr(part_ml), *seq_args, ptr(out), I64(out.stride(0)), I32(max_parts), I32(partition),
+             I32(window)])
 
 
 def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            out: torch.Tensor, scale: float, partition: int = 512,
-                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
+                           softcap: float = 0.0) -> None:
     """One query token per sequence attends its whole context (context_lens[b] keys, this token's included).
 
     q, out [B, Hq, D] and caches [pages, page_size, Hkv, D]: all bf16 or all fp32; block_tables [B, max_pages] int32;
@@ -285,9 +298,10 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
     Contexts longer than `partition` keys are split and merged in a fixed order; the split depends
     only on each sequence's own length, so results are batch-invariant. `workspace` (optional,
     reusable, e.g. under CUDA graphs): fp32 [>= B, Hq, ceil(max_context_len/partition), D] and [.., 2].
+    window > 0: each sequence sees only its last `window` keys; softcap > 0: scores soft-capped.
     """
     _attention(kc, q, k_cache, v_cache, block_tables, None, context_lens, max_context_len, out, scale,
-               partition, workspace)
+               partition, workspace, window, softcap)
 
 
 ATTN_PREFILL_ROUTES = ("warp", "mma")  # attention.cu (CUDA cores, any dtype) or attention_mma.cu (tensor cores)
@@ -302,19 +316,23 @@ def attention_prefill_route_ok(route: str, act_dtype: torch.dtype, head_dim: int
 
 def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
-                            max_context_len: int, out: torch.Tensor, scale: float, route: str = "warp") -> None:
+                            max_context_len: int, out: torch.Tensor, scale: float, route: str = "warp",
+                            window: int = 0, softcap: float = 0.0) -> None:
     """Causal attention for new tokens of several sequences whose K/V are already in the cache.
 
     q, out [T, Hq, D]: sequence b's tokens are rows cu_seqlens[b]..cu_seqlens[b+1]-1 at positions
     start_pos[b].. (a prefix hit or an earlier chunk starts past 0); each sees keys 0..its position.
     max_context_len: a host bound on start_pos[b] + its token count. route: ATTN_PREFILL_ROUTES.
+    window, softcap: as for decode (the warp route only).
     """
     if route not in ATTN_PREFILL_ROUTES:
         raise KernelError(f"prefill attention route must be one of {', '.join(ATTN_PREFILL_ROUTES)}, got {route!r}")
     if route == "warp":
         _attention(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, max_context_len, out, scale,
-                   max(1, max_context_len), None)
+                   max(1, max_context_len), None, window, softcap)
         return
+    if window or softcap:
+        raise KernelError("the mma prefill attention has no sliding window or soft-capping: use the warp route")
     defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out)
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape

@@ -1,6 +1,6 @@
 """The cuda backend against Hugging Face transformers, an implementation that shares no code with ours.
 
-Random weights of real shapes (smollm2-135m, llama-8b, qwen3-8b) in bf16, int8 and int4: transformers
+Random weights of real shapes (smollm2-135m, llama-8b, qwen3-8b, qwen2.5-7b, mistral-7b, gemma3-4b) in bf16, int8 and int4: transformers
 runs in fp32 on the dequantized weights, our runner in bf16 activations; both get the same 512-token
 prompt, then 64 teacher-forced decode steps on transformers' greedy picks. Every position's logits
 must be within bf16 tolerance, with the same greedy choice wherever the reference's top-2 margin is
@@ -36,7 +36,9 @@ PROMPT, STEPS = 512, 64
 # 30-layer, 576-wide smollm2 shape, up to ~0.09 on the 32/36-layer, 4096-wide 8B shapes. The bounds
 # leave 3-4x room over that; a real bug (wrong head layout, rope, norm, scale or quantized
 # group) decorrelates the logits and gives errors of order 1 (independent logits of equal norm: 1.4).
-REL_TOL = {"smollm2-135m": 0.08, "llama-8b": 0.25, "qwen3-8b": 0.25}
+REL_TOL = {"smollm2-135m": 0.08, "llama-8b": 0.25, "qwen3-8b": 0.25,
+           # not yet measured on the H200 (added with the architectures); the 8B shapes' bound
+           "qwen2.5-7b": 0.25, "mistral-7b": 0.25, "gemma3-4b": 0.25}
 
 # Greedy agreement on random weights is judged against each row's own measured noise. With random
 # lm_head rows, a hidden-state error dh moves every logit by an independent ~N(0, e^2), e = the row's
@@ -60,7 +62,9 @@ CHAT_QUESTIONS = [
 
 # 8B shapes with bf16 and one quantized format each (both gemv formats at 8B widths), smollm2 with all
 CASES = [("smollm2-135m", "bf16"), ("smollm2-135m", "int8"), ("smollm2-135m", "int4"),
-         ("llama-8b", "bf16"), ("llama-8b", "int4"), ("qwen3-8b", "bf16"), ("qwen3-8b", "int8")]
+         ("llama-8b", "bf16"), ("llama-8b", "int4"), ("qwen3-8b", "bf16"), ("qwen3-8b", "int8"),
+         ("qwen2.5-7b", "bf16"), ("qwen2.5-7b", "int4"), ("mistral-7b", "int8"), ("gemma3-4b", "bf16"),
+         ("gemma3-4b", "int8")]
 
 
 @pytest.fixture

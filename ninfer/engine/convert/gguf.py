@@ -81,6 +81,7 @@ def read_config(src: Path, fields: dict[str, Any], tensor_names: set[str], rope_
     head_dim = int(key("attention.key_length", hidden // heads))
     rotary = int(key("rope.dimension_count", head_dim))  # qwen35: head_dim * partial_rotary_factor
     hybrid = _linear_attention_fields(key, layers) if f"{arch}.ssm.inner_size" in fields else {}
+    own = record.gguf_fields(key, layers) if record.gguf_fields else {}
     try:
         return ModelConfig(
             architecture=record.name,
@@ -99,6 +100,7 @@ def read_config(src: Path, fields: dict[str, Any], tensor_names: set[str], rope_
             attention_bias=any(n.endswith(".attn_q.bias") for n in tensor_names),
             partial_rotary_factor=rotary / head_dim,
             **hybrid,
+            **own,
         )
     except NInferError as e:
         raise ArtifactError(f"{src}: {e}") from None
@@ -124,10 +126,21 @@ def _linear_attention_fields(key: Any, layers: int) -> dict[str, Any]:
 
 def _rope_scaling(src: Path, fields: dict[str, Any], arch: str, context: int,
                   rope_freqs: np.ndarray | None) -> dict[str, Any] | None:
+    """The rope_scaling of the `{arch}.rope.scaling.*` keys (linear, yarn), or of llama3's
+    precomputed `rope_freqs.weight`."""
     kind = fields.get(f"{arch}.rope.scaling.type", "none")
     factor = float(fields.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    if kind not in ("none", None) and factor != 1.0:
-        raise ArtifactError(f"{src}: unsupported rope scaling {kind!r} (factor {factor})")
+    original = int(fields.get(f"{arch}.rope.scaling.original_context_length", 0) or context)
+    if kind == "linear" and factor != 1.0:
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn" and factor != 1.0:
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        for ours, theirs in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if fields.get(f"{arch}.rope.scaling.{theirs}"):
+                scaling[ours] = float(fields[f"{arch}.rope.scaling.{theirs}"])
+        return scaling
+    if kind not in ("none", None, "linear", "yarn") and factor != 1.0:
+        raise ArtifactError(f"{src}: unsupported rope scaling {kind!r} (factor {factor}; supported: linear, yarn)")
     if rope_freqs is None:
         return None
     return _infer_llama3_scaling(src, np.asarray(rope_freqs, dtype=np.float64),
@@ -301,7 +314,7 @@ def _special_tokens(fields: dict[str, Any], vocab: GGUFVocab) -> SpecialTokens:
 
 
 def convert_gguf(src: str | Path, out: str | Path, weights: str = "keep", progress: bool = True) -> Path:
-    """Convert a llama/qwen3/qwen35 GGUF file to a .ninfer artifact at `out`; raises ArtifactError."""
+    """Convert a GGUF file of any architecture of models/ to a .ninfer artifact at `out`; raises ArtifactError."""
     src, out = Path(src), Path(out)
     check_weights_mode(weights)
     gguf = GGUFFile(src)

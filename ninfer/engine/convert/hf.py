@@ -24,8 +24,12 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 # model under `model.language_model.`; its tensors take our `model.` names. The vision tower
 # (`model.visual.*`) and the multi-token-prediction head (`mtp.*`, for speculative decoding) are not
 # part of text generation here and are skipped.
-_PREFIX_RENAMES = (("model.language_model.", "model."),)
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+# Gemma3ForConditionalGeneration has the same nesting (`language_model.model.` in checkpoints saved
+# before transformers 5), its vision tower under `vision_tower.` and `multi_modal_projector.`.
+_PREFIX_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                   ("language_model.lm_head.", "lm_head."))
+_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+                     "multi_modal_projector.")
 _SAMPLER_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -140,7 +144,7 @@ def _sampler_presets(gen_cfg: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 def convert_hf(src: str | Path, out: str | Path, weights: str = "keep", progress: bool = True) -> Path:
-    """Convert a Hugging Face folder (llama, qwen3, qwen3_5 text or multimodal) to a .ninfer artifact
+    """Convert a Hugging Face folder (any architecture of models/, multimodal ones as their language model) to a .ninfer artifact
     at `out`; raises ArtifactError."""
     from safetensors import SafetensorError, safe_open
 

@@ -6,12 +6,14 @@ format the artifact stores them in.
 from __future__ import annotations
 
 from ninfer.engine.config import ModelConfig
+from ninfer.engine.models.gemma3 import GEMMA3
 from ninfer.engine.models.llama import LLAMA
+from ninfer.engine.models.qwen2 import QWEN2
 from ninfer.engine.models.qwen3 import QWEN3
 from ninfer.engine.models.qwen3_5 import QWEN3_5
 from ninfer.engine.models.spec import Architecture, StateSpec
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN3, QWEN3_5)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (LLAMA, QWEN2, QWEN3, QWEN3_5, GEMMA3)}
 
 
 def architecture(config_or_name: ModelConfig | str) -> Architecture:

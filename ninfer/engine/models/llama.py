@@ -1,4 +1,5 @@
-"""Llama (SmolLM2, Llama 3): the record and the one forward, over a flat token batch.
+"""Llama (SmolLM2, Llama 3, and Mistral-style files: llama blocks, every layer within a sliding
+window where the config or GGUF declares one): the record and the one forward, over a flat token batch.
 
 At load q/k/v and gate/up are fused into one projection each; the backend decides how each
 weight is kept (ops.linear_weight)."""
@@ -163,7 +164,25 @@ def attention_only(c: ModelConfig) -> tuple[str, ...]:
     return (ATTENTION,) * c.num_hidden_layers
 
 
+def every_layer_sliding(window: Any, layers: int) -> dict[str, Any]:
+    """ModelConfig fields for a model whose every layer attends within `window` (None/0: none)."""
+    if not window:
+        return {}
+    return {"sliding_window": int(window), "layer_types": ["sliding_attention"] * layers}
+
+
+def _hf_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    # Mistral's config.json: sliding_window (null from v0.2 on) applies to every layer
+    return every_layer_sliding(hf.get("sliding_window"), hf["num_hidden_layers"]) if hf.get("model_type") == "mistral" else {}
+
+
+def _gguf_fields(key: Any, layers: int) -> dict[str, Any]:
+    # llama.cpp writes {arch}.attention.sliding_window when a model declares one
+    return every_layer_sliding(key("attention.sliding_window", 0), layers)
+
+
 LLAMA = Architecture(
-    name="llama", hf_architectures=("LlamaForCausalLM",), hf_model_types=("llama",), gguf_architecture="llama",
-    weights=lambda c: llama_weights(c, qk_norm=False), layer_kinds=attention_only, model=LlamaModel,
-    gguf_layer_names=GGUF_LAYER_NAMES, quantizable=LINEAR_SUFFIXES)
+    name="llama", hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"), hf_model_types=("llama", "mistral"),
+    gguf_architecture="llama", weights=lambda c: llama_weights(c, qk_norm=False), layer_kinds=attention_only,
+    model=LlamaModel, gguf_layer_names=GGUF_LAYER_NAMES, quantizable=LINEAR_SUFFIXES,
+    hf_fields=_hf_fields, gguf_fields=_gguf_fields)

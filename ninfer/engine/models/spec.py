@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from ninfer.engine.rope import Rope
 
 if TYPE_CHECKING:
     from ninfer.engine.config import ModelConfig
@@ -66,6 +68,11 @@ class Architecture:
     quantizable: tuple[str, ...] = ()  # name suffixes of weights that may be stored quantized
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
     gguf_transforms: Mapping[str, Callable] = field(default_factory=dict)
+    # config.json (the text model's dict) -> ModelConfig fields this architecture reads itself
+    # (sliding window layout, per-layer RoPE bases, score scale, soft-capping)
+    hf_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # GGUF fields, `key(name, default)` reading `{arch}.name` -> ModelConfig fields of its own
+    gguf_fields: Callable[[Callable[..., Any], int], dict[str, Any]] | None = None
 
     def is_quantizable(self, name: str) -> bool:
         return name.endswith(self.quantizable)
@@ -82,6 +89,27 @@ class Architecture:
         return RecurrentState(conv_dim=2 * key_dim + value_dim, conv_kernel=c.linear_conv_kernel_dim,
                               value_heads=c.linear_num_value_heads, key_dim=c.linear_key_head_dim,
                               value_dim=c.linear_value_head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """How one attention layer attends: its RoPE, and its window (0: every earlier position; w: the
+    last w positions, its own included, as transformers' sliding-window mask has it)."""
+
+    rope: Rope
+    window: int = 0
+
+
+def attention_layers(c: ModelConfig) -> tuple[LayerAttention, ...]:
+    """Per attention layer (attention layers counted alone, as ops.attention's `layer`): its RoPE
+    and window, from layer_types ("sliding_attention": sliding_window, and the rope_local_theta
+    base when the model has one; its scaling is then none, as gemma3 has it)."""
+    dim = int(c.head_dim * c.partial_rotary_factor)
+    full = Rope.of(dim, c.rope_theta, c.rope_scaling)
+    local = Rope.of(dim, c.rope_local_theta, None) if c.rope_local_theta else full
+    types = c.layer_types or ["full_attention"] * c.num_hidden_layers
+    return tuple(LayerAttention(local, c.sliding_window) if t == "sliding_attention" else LayerAttention(full)
+                 for t in types if t != "linear_attention")
 
 
 @dataclass(frozen=True, slots=True)

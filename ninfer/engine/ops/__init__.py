@@ -11,17 +11,20 @@ Weights (at load, through models.weights.WeightReader, the one loader):
     parameter(t)                    a small float32 tensor kept float32 (A_log, dt_bias)
 Compute (x: [tokens, width] in the backend's compute dtype; `residual` is the backend's residual
 stream, updated in place):
-    embed(ids, w) -> residual       rms_norm(x, w, eps) -> x        add_rms_norm(x, residual, w, eps) -> x
-    linear(x, w) -> [T, N]          silu_mul(gate_up) -> [T, I]     sigmoid_gate(x, gate) -> x * sigmoid(gate)
+    embed(ids, w, scale=1) -> residual   rms_norm(x, w, eps) -> x   add_rms_norm(x, residual, w, eps) -> x
+    linear(x, w) -> [T, N]          silu_mul(gate_up) -> [T, I]     gelu_mul(gate_up) -> [T, I] (tanh gelu)
+    sigmoid_gate(x, gate) -> x * sigmoid(gate)
     attention(layer, qkv, q_norm, k_norm) -> [T, heads * head_dim]
         qkv: q | k | v heads side by side (a view of a fused projection); per-head RMSNorm
-        (optional), RoPE over the first rotary dims, K/V stored in the layer's pages, causal paged
-        attention; `layer` counts attention layers only
+        (optional), the layer's RoPE over the first rotary dims, K/V stored in the layer's pages,
+        causal paged attention within the layer's window (models.spec.attention_layers), scores
+        scaled by query_pre_attn_scalar ** -0.5 (else head_dim) and soft-capped by
+        attn_logit_softcapping when set; `layer` counts attention layers only
     short_conv(layer, x, weight) -> [T, C]
         causal depthwise conv + SiLU over each sequence's conv window, window updated
     gated_delta_rule(layer, q, k, v, a, b, A_log, dt_bias) -> [T, Hv, dv]
         the gated delta rule from each sequence's state (chunked scan for prompts, one step for
         decode rows), state updated; `layer` counts linear-attention layers only
     gated_rms_norm(x, z, w, eps) -> w * rmsnorm(x) * silu(z)     (x, z: [..., d], z may be a strided view)
-    logits(x, w, out=None) -> [T, vocab] float32
+    logits(x, w, out=None) -> [T, vocab] float32       soft_cap(x, cap) -> cap * tanh(x / cap), in place
 """

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from ninfer.engine.config import ModelConfig
+from ninfer.engine.models.spec import attention_layers
 from ninfer.engine.ops.torch_ops import rotary_dim
 from ninfer.engine.quant import TensorFormat, dequantize
+from ninfer.engine.rope import Rope
 from ninfer.kernels import gdn as G
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler
@@ -79,15 +81,17 @@ class CudaOps:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self.scale = config.head_dim ** -0.5
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.rotary_dim = rotary_dim(config)
-        from ninfer.engine.ops.torch_ops import rope_inv_freq
-
-        # RoPE tables [max_positions, rotary_dim / 2] fp32, llama3 scaling included via inv_freq
-        self.cos, self.sin = L.rope_cos_sin(self.rotary_dim, config.max_position_embeddings, config.rope_theta,
-                                            device, inv_freq=rope_inv_freq(config))
+        # per attention layer: its window and its RoPE tables [max_positions, rotary_dim / 2] fp32
+        # (scaled frequencies, interpolated positions and the attention factor folded in)
+        self.layers = attention_layers(config)
+        ropes = list(dict.fromkeys(a.rope for a in self.layers))
+        tables = [rope_tables(r, config.max_position_embeddings, device) for r in ropes]
+        self.layer_rope = [tables[ropes.index(a.rope)] for a in self.layers]
         self.ctx: CudaContext | None = None
-        # tensor cores for prompt attention where they take it (one route for the whole run)
+        # tensor cores for prompt attention where they take it (one route for the whole run; layers
+        # with a window or soft-capping take the warp kernel, which has them)
         self.prefill_attention = "mma" if L.attention_prefill_route_ok("mma", dtype, config.head_dim) else "warp"
 
     def begin(self, ctx: CudaContext) -> None:
@@ -135,13 +139,13 @@ class CudaOps:
     def _empty(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype or self.dtype, device=self.device)
 
-    def embed(self, ids: torch.Tensor, w: Weight) -> torch.Tensor:
+    def embed(self, ids: torch.Tensor, w: Weight, scale: float = 1.0) -> torch.Tensor:
         out = self._empty(ids.shape[0], self.config.hidden_size)
         if w.fmt.quantized:
             L.embedding_quant(self.kc, ids, w.fmt, w.parts, out)
         else:
             L.embedding(self.kc, ids, w.parts[""], out)
-        return out
+        return out.mul_(scale) if scale != 1.0 else out
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x)
@@ -194,6 +198,11 @@ class CudaOps:
         L.swiglu(self.kc, gate_up, out)
         return out
 
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        out = self._empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        L.geglu(self.kc, gate_up, out)
+        return out
+
     def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         G.sigmoid_gate(self.kc, x, gate, x)
         return x
@@ -207,16 +216,20 @@ class CudaOps:
         q = qkv[:, :Hq * D].view(T, Hq, D)
         k = qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D)
         v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
-        L.rope_kv_write(self.kc, q, k, v, self.cos, self.sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
+        cos, sin = self.layer_rope[layer]
+        window, softcap = self.layers[layer].window, c.attn_logit_softcapping
+        L.rope_kv_write(self.kc, q, k, v, cos, sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
                         ctx.v_cache[layer], q_norm, k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
         out = self._empty(T, Hq, D)
         if ctx.decode:
             L.paged_attention_decode(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
-                                     ctx.seq_lens, ctx.max_context, out, self.scale, PARTITION, ctx.workspace)
+                                     ctx.seq_lens, ctx.max_context, out, self.scale, PARTITION, ctx.workspace,
+                                     window=window, softcap=softcap)
         else:
             L.paged_attention_prefill(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
                                       ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale,
-                                      self.prefill_attention)
+                                      self.prefill_attention if not (window or softcap) else "warp",
+                                      window=window, softcap=softcap)
         return out.view(T, -1)
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -243,3 +256,16 @@ class CudaOps:
         for s in range(0, n, L.MAX_GEMV_ROWS):
             L.gemv(self.kc, x[s:s + L.MAX_GEMV_ROWS], w.fmt, w.parts, out[s:s + L.MAX_GEMV_ROWS], w.route)
         return out
+
+    def soft_cap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """x -> cap * tanh(x / cap), in place (final logit soft-capping; fp32 logits)."""
+        return x.div_(cap).tanh_().mul_(cap)
+
+
+def rope_tables(rope: Rope, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [positions, rope.dim / 2] fp32 for rope_kv_write: angles in float64 (scaled inverse
+    frequencies at each position's interpolated position), times the attention factor."""
+    angles = rope.angles(positions, torch.float64)
+    factor = rope.attention_factor()
+    return ((angles.cos() * factor).to(torch.float32).to(device),
+            (angles.sin() * factor).to(torch.float32).to(device))

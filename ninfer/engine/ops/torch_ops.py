@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ninfer.engine.config import ModelConfig
-from ninfer.engine.models.spec import StateSpec
+from ninfer.engine.models.spec import StateSpec, attention_layers
+from ninfer.engine.rope import Rope
 from ninfer.engine.ops import gdn_torch
 from ninfer.engine.quant import TensorFormat, dequantize, unpack_int4
 
@@ -47,52 +48,39 @@ def rotary_dim(config: ModelConfig) -> int:
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[rotary_dim/2] float32 inverse frequencies; `llama3` scaling as transformers computes it."""
-    dim = rotary_dim(config)
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        return inv_freq
-    factor = scaling["factor"]
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    # long wavelengths are divided by `factor`, short ones kept, the band between interpolated
-    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, inv_freq_llama)
+    """[rotary_dim/2] float32 inverse frequencies of the model's (full-attention) RoPE, scaling included."""
+    return Rope.of(rotary_dim(config), config.rope_theta, config.rope_scaling).inv_freq()
 
 
 class RotaryEmbedding:
-    """cos / signed-sin tables [positions, rotary_dim] in the attention dtype, grown by doubling."""
+    """cos / signed-sin tables [positions, rotary_dim] of one Rope in the attention dtype, grown by
+    doubling; the rope's attention factor (yarn) is folded in, as transformers scales cos and sin."""
 
-    __slots__ = ("inv_freq", "dtype", "device", "cos", "sin")
+    __slots__ = ("rope", "dtype", "device", "cos", "sin")
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.inv_freq = rope_inv_freq(config).to(device)
+    def __init__(self, rope: Rope, positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rope = rope
         self.dtype = dtype
         self.device = device
-        self.cos = torch.empty(0, rotary_dim(config), dtype=dtype, device=device)
+        self.cos = torch.empty(0, rope.dim, dtype=dtype, device=device)
         self.sin = self.cos
-        self._build(min(config.max_position_embeddings, 4096))
+        self._build(positions)
 
     def _build(self, n: int) -> None:
         # angles in float32 (position * inv_freq), exactly transformers' product, then cast
-        freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-        self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(self.dtype)
+        freqs = self.rope.angles(n).to(self.device)
+        factor = self.rope.attention_factor()
+        cos, sin = freqs.cos(), freqs.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.cos = torch.cat((cos, cos), dim=-1).to(self.dtype)
         # the sign of rotate_half folded in: rotate_half(x) * sin == roll(x, d/2) * [-sin, sin]
-        sin = freqs.sin()
         self.sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)
 
     def lookup(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, signed sin [T, 1, rotary_dim] (broadcast over heads)."""
         if max_pos >= self.cos.shape[0]:
-            n = self.cos.shape[0]
+            n = max(self.cos.shape[0], 1)
             while n <= max_pos:
                 n *= 2
             self._build(n)
@@ -261,10 +249,13 @@ class RecurrentStates:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0, scale: float | None = None,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Store the batch's K/V in their slots, then attend each sequence over its cached positions.
 
-    q: [T, heads, d]; k, v: [T, kv_heads, d]; caches: [pages, page_size, kv_heads, d].
+    q: [T, heads, d]; k, v: [T, kv_heads, d]; caches: [pages, page_size, kv_heads, d]. window > 0:
+    a query at position p sees positions p - window + 1 .. p only. scale: of the scores (None:
+    1/sqrt(d)); softcap > 0: scores -> softcap * tanh(score / softcap) before the mask.
     Returns [T, heads * d].
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -284,22 +275,46 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             keys = k_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
             values = v_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
         qs = q[s.offset:s.offset + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, d]
-        values = values.transpose(0, 1).unsqueeze(0)
-        if s.num_tokens == 1:  # decode: the one query sees every cached position
-            o = F.scaled_dot_product_attention(qs, keys, values, enable_gqa=True)
+        # a window drops the keys no query of this span sees: keys first..ctx-1
+        first = max(0, s.start_pos + 1 - window) if window else 0
+        keys = keys[first:].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx - first, d]
+        values = values[first:].transpose(0, 1).unsqueeze(0)
+        if window or softcap:
+            o = _masked_attention(qs, keys, values, s.start_pos, first, window, scale, softcap)
+        elif s.num_tokens == 1:  # decode: the one query sees every cached position
+            o = F.scaled_dot_product_attention(qs, keys, values, enable_gqa=True, scale=scale)
         elif s.start_pos == 0:  # fresh prefill: plain causal
-            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True, scale=scale)
         else:  # chunk after cached tokens: query i sees keys 0..start_pos + i
             rows = torch.arange(s.num_tokens, device=q.device)[:, None] + s.start_pos
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
         if out is None:  # one sequence is the whole batch
             return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], num_heads * head_dim)
         out[s.offset:s.offset + s.num_tokens] = o.squeeze(0).transpose(0, 1)
     assert out is not None
     return out.reshape(q.shape[0], num_heads * head_dim)
 
+
+def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int, first: int,
+                      window: int, scale: float | None, softcap: float) -> torch.Tensor:
+    """q [1, heads, n, d] at positions start_pos.., keys/values [1, kv_heads, m, d] at first.. ->
+    [1, heads, n, d]: causal, within `window` when set, scores soft-capped when `softcap`."""
+    n, m = q.shape[2], keys.shape[2]
+    rows = torch.arange(n, device=q.device)[:, None] + start_pos
+    cols = torch.arange(m, device=q.device)[None, :] + first
+    mask = cols <= rows
+    if window:
+        mask &= cols > rows - window
+    if not softcap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32))  # at least fp32
+    return torch.matmul(probs.to(q.dtype), values)
 
 
 @dataclass(slots=True)
@@ -316,8 +331,7 @@ class TorchContext:
     """What one forward's ops read besides their arguments."""
 
     meta: AttentionMetadata
-    cos: torch.Tensor  # [T, 1, rotary_dim]
-    sin: torch.Tensor
+    rotary: list[tuple[torch.Tensor, torch.Tensor]]  # per distinct RoPE: cos, signed sin [T, 1, rotary_dim]
     kv: KVCache
     states: RecurrentStates | None
     seqs: list[SeqRows]
@@ -336,16 +350,22 @@ class TorchOps:
         self.attn_dtype = attn_dtype
         self.device = device
         self.pack = pack
-        self.rope = RotaryEmbedding(config, attn_dtype, device)
+        # per attention layer: its window, and its RoPE among the distinct ones (gemma3 has two)
+        self.layers = attention_layers(config)
+        ropes = list(dict.fromkeys(a.rope for a in self.layers))
+        n = min(config.max_position_embeddings, 4096)
+        self.ropes = [RotaryEmbedding(r, n, attn_dtype, device) for r in ropes]
+        self.layer_rope = [ropes.index(a.rope) for a in self.layers]
+        self.scale = config.query_pre_attn_scalar ** -0.5 if config.query_pre_attn_scalar else None
         self.ctx: TorchContext | None = None
 
     def context(self, seqs: list[tuple[int, int, list[int], int]], kv: KVCache,
                 states: RecurrentStates | None) -> TorchContext:
         """seqs: (start_pos, num_tokens, block_table, state_slot) per sequence, in batch order."""
         meta, positions = AttentionMetadata.build([s[:3] for s in seqs], kv.page_size, self.device)
-        cos, sin = self.rope.lookup(positions, meta.max_pos)
+        rotary = [r.lookup(positions, meta.max_pos) for r in self.ropes]
         rows = [SeqRows(m.offset, m.num_tokens, s[3]) for m, s in zip(meta.seqs, seqs)]
-        return TorchContext(meta, cos, sin, kv, states, rows)
+        return TorchContext(meta, rotary, kv, states, rows)
 
     def begin(self, ctx: TorchContext) -> None:
         self.ctx = ctx
@@ -376,8 +396,9 @@ class TorchOps:
 
     # -- compute ----------------------------------------------------------------------------
 
-    def embed(self, ids: torch.Tensor, w: Linear) -> torch.Tensor:
-        return F.embedding(ids, w.weight).float()  # [T, hidden] float32 residual
+    def embed(self, ids: torch.Tensor, w: Linear, scale: float = 1.0) -> torch.Tensor:
+        h = F.embedding(ids, w.weight).float()  # [T, hidden] float32 residual
+        return h * scale if scale != 1.0 else h
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, w, eps).to(self.dtype)
@@ -392,6 +413,10 @@ class TorchOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(gate)
@@ -410,8 +435,9 @@ class TorchOps:
             qk[:, :heads] *= q_norm
             qk[:, heads:] *= k_norm
             qk = qk.to(adt)
-        qk = apply_rotary(qk, ctx.cos, ctx.sin)
-        return paged_attention(qk[:, :heads], qk[:, heads:], v, ctx.kv.k[layer], ctx.kv.v[layer], ctx.meta).to(self.dtype)
+        qk = apply_rotary(qk, *ctx.rotary[self.layer_rope[layer]])
+        return paged_attention(qk[:, :heads], qk[:, heads:], v, ctx.kv.k[layer], ctx.kv.v[layer], ctx.meta,
+                               self.layers[layer].window, self.scale, c.attn_logit_softcapping).to(self.dtype)
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [T, C] -> causal depthwise conv + SiLU per sequence, from and into its conv window."""
@@ -451,3 +477,7 @@ class TorchOps:
         """x [n, hidden] -> [n, vocab] float32 (into `out` when given)."""
         y = w(x, torch.float32)
         return y if out is None else out.copy_(y)
+
+    def soft_cap(self, x: torch.Tensor, cap: float) -> torch.Tensor:
+        """x -> cap * tanh(x / cap), in place (final logit soft-capping)."""
+        return x.div_(cap).tanh_().mul_(cap)
