@@ -12,6 +12,8 @@ overload answers 529 and a queue timeout 504, as the spec maps them for these en
 """
 from __future__ import annotations
 
+import asyncio
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,7 +164,8 @@ def prepare_messages(call: Call, body: dict[str, Any], request_id: str) -> Messa
                            "output", param="stop_sequences", code="stop_not_supported")
     stream = opt_bool(body, "stream") or False
     sampling = sampling_from({k: body[k] for k in _SAMPLER_FIELDS if k in body}, state.base_sampling,
-                             greedy=state.config.sampler.greedy, negative_temperature_greedy=False)
+                             greedy=state.config.sampler.greedy, negative_temperature_greedy=False,
+                             max_temperature=1.0)
     # return_progress: the admission event, where a stream's message_start gets its exact usage
     req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling, max_tokens=max_tokens,
                           stop=stop, grammar=grammar, hints={"protocol": "anthropic", "return_progress": stream})
@@ -199,7 +202,9 @@ async def handle_messages(call: Call) -> None:
 async def handle_count_tokens(call: Call) -> None:
     """The prompt's token count as /v1/messages would render it; nothing is generated."""
     try:
-        n = len(_prompt_ids(call, call.json(), generate=False)[0])
+        body = call.json()
+        with call.state.counting_tokens():  # rendering runs off the loop, so several run at once
+            n = len((await asyncio.to_thread(_prompt_ids, call, body, False))[0])
     except CLIENT_ERRORS as e:
         raise _for_anthropic(http_error(e)) from None
     await call.respond(200, {"input_tokens": n})

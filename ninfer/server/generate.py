@@ -100,7 +100,10 @@ class Generation:
     async def __aexit__(self, *exc: object) -> None:
         if self._pump is not None and not self._pump.done:  # the client went away first
             self._pump.close()
-            self.call.state.reqlog.request_error(
+            state = self.call.state
+            state.requests_total += 1  # it ended, in an error: 499 client_closed
+            state.requests_failed += 1
+            state.reqlog.request_error(
                 self._n, self.protocol, RequestError("the client disconnected", status=499, code="client_closed"),
                 time.monotonic() - self._t0)
         if self._entered:

@@ -411,7 +411,8 @@ async def _stream(call: Call, gen: Generation, c: CreateRequest) -> None:
 
 async def handle_input_tokens(call: Call) -> None:
     """The prompt a Create with this body would run, counted; nothing is generated or stored."""
-    p = _conversation(call, call.json(), _COUNT_FIELDS, generate=False)
+    with call.state.counting_tokens():
+        p = _conversation(call, call.json(), _COUNT_FIELDS, generate=False)
     await call.respond(200, {"object": "response.input_tokens", "input_tokens": len(p.ids)})
 
 
