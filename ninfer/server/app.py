@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
-from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, ops, responses
+from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, openapi, ops, responses
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, Headers
 from ninfer.server.state import ServerState
@@ -30,6 +30,7 @@ CORS_ALLOW_HEADERS = "authorization, content-type, x-api-key, x-request-id, anth
 # (method, path) -> handler; the /v1/v1/... doubling is folded before the lookup
 ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/health"): ops.handle_health,
+    ("GET", "/openapi.json"): openapi.handle_openapi,
     ("GET", "/v1"): ops.handle_index,
     ("GET", "/v1/models"): ops.handle_models,
     ("GET", "/props"): ops.handle_props,

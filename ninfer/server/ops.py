@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 API_INDEX = (
     ("GET", "/health", "process health and build version"),
+    ("GET", "/openapi.json", "OpenAPI 3.1 description of every route"),
     ("GET", "/v1/load", "serving capacity, current load and monotonic token counters"),
     ("GET", "/metrics", "Prometheus text: llama.cpp's --metrics series plus ninfer's"),
     ("GET", "/stats", "the /v1/load snapshot plus the ingress peak and the engine counters"),
