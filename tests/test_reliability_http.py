@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,15 +38,19 @@ class Server:
     proc: subprocess.Popen
     log: Path
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
 
 @pytest.fixture(scope="module")
 def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
     port = _free_port()
     log = tmp_path_factory.mktemp("rel-serve") / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--port", str(port),
-           "--api-key", KEY, "--model-id", MODEL, "--max-concurrency", "1", "--max-pending-requests", "3",
+           "--api-key", KEY, "--model-id", MODEL, "--max-concurrency", "1", "--max-pending-requests", "5",
            "--pending-timeout-ms", str(int(PENDING_TIMEOUT_S * 1000)), "--structured-output",
-           "--log-stats-interval-ms", "0", "--max-context", "4096"]
+           "--log-stats-interval-ms", "0", "--max-context", "512", "--default-max-tokens", "16"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -293,32 +296,121 @@ def test_client_closed_requests_count_as_failed(server: Server) -> None:
 def test_waiting_cancelled_and_abandoned_seconds_are_counted(server: Server) -> None:
     _idle(server)
     before = _metrics(server)
-    holder = threading.Thread(target=_post, args=(server, "/v1/chat/completions", {**LONG, "max_tokens": 60}),
-                              kwargs={"timeout": 600})
-    holder.start()
-    try:
-        _poll(lambda: httpx.get(server.url + "/v1/load", headers=AUTH).json()["requests"],
-              lambda r: r["running"] == 1)
 
-        async def queued_then_gone() -> None:
-            async with httpx.AsyncClient(timeout=60) as client:
-                task = asyncio.ensure_future(client.post(server.url + "/v1/chat/completions", headers=AUTH,
-                                                         json={**LONG, "max_tokens": 4}))
-                await asyncio.sleep(0)
-                deadline = time.monotonic() + 30
-                while (await client.get(server.url + "/v1/load", headers=AUTH)).json()["requests"]["waiting"] < 1:
-                    assert time.monotonic() < deadline
+    async def queued_then_gone() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=600) as client:
+            holder = asyncio.ensure_future(client.post("/v1/chat/completions", json=LONG))
+            try:
+                while (await client.get("/v1/load")).json()["requests"]["running"] < 1:
+                    await asyncio.sleep(0.05)
+                task = asyncio.ensure_future(client.post("/v1/chat/completions", json={**LONG, "max_tokens": 4}))
+                while (await client.get("/v1/load")).json()["requests"]["waiting"] < 1:
                     await asyncio.sleep(0.05)
                 await asyncio.sleep(0.5)
                 task.cancel()  # closes its connection while it waits
-                with pytest.raises(asyncio.CancelledError):
-                    await task
+                await asyncio.gather(task, return_exceptions=True)
+            finally:
+                holder.cancel()
+                await asyncio.gather(holder, return_exceptions=True)
 
-        asyncio.run(queued_then_gone())
-        after = _poll(lambda: _metrics(server),
-                      lambda m: m["ninfer:waiting_cancelled_requests_total"]
-                      > before["ninfer:waiting_cancelled_requests_total"])
-        assert after["ninfer:waiting_cancelled_requests_total"] == before["ninfer:waiting_cancelled_requests_total"] + 1
-        assert after["ninfer:waiting_abandoned_seconds_total"] >= before["ninfer:waiting_abandoned_seconds_total"] + 0.4
-    finally:
-        holder.join()
+    asyncio.run(queued_then_gone())
+    after = _poll(lambda: _metrics(server),
+                  lambda m: m["ninfer:waiting_cancelled_requests_total"] > before["ninfer:waiting_cancelled_requests_total"])
+    assert after["ninfer:waiting_cancelled_requests_total"] == before["ninfer:waiting_cancelled_requests_total"] + 1
+    assert after["ninfer:waiting_abandoned_seconds_total"] >= before["ninfer:waiting_abandoned_seconds_total"] + 0.4
+
+
+# ---- OpenAPI -----------------------------------------------------------------------------------
+
+def test_openapi_describes_every_route_the_server_answers(server: Server) -> None:
+    from ninfer.server.app import ROUTES
+
+    doc = httpx.get(server.url + "/openapi.json", headers=AUTH).json()
+    assert doc["openapi"].startswith("3.1")
+    for method, path in ROUTES:
+        assert method.lower() in doc["paths"].get(path, {}), (method, path)
+    for path in ("/v1/models/{model_id}", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
+        assert path in doc["paths"]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert chat["properties"]["top_k"]["minimum"] == 0 and chat["properties"]["top_p"]["maximum"] == 1
+    # the document's ranges are the ones enforced: the first value outside each is refused
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    for field in ("top_p", "min_p", "presence_penalty", "top_logprobs"):
+        bounds = chat["properties"][field]
+        over = bounds["maximum"] + 1
+        r = _post(server, "/v1/chat/completions", {**base, field: over, "logprobs": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+
+
+# ---- the harness, a quick run of each (the full runs are recorded in docs/RELIABILITY.md) --------
+
+def _script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"rel_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fuzz_quick_run_finds_no_server_error(server: Server, tmp_path: Path) -> None:
+    _idle(server)
+    report = asyncio.run(_script("fuzz").run(server.url, KEY, n=250, seed=15, out_dir=tmp_path, concurrency=4,
+                                             batch=100, cap_output=4))
+    assert report["cases"] == 250
+    assert report["server_errors"] == 0, report["examples"]
+    assert report["malformed_envelopes"] == 0, report["examples"]
+    assert report["unanswered"] == 0 and report["health_failures"] == 0, report
+    assert sum(report["statuses"].values()) == 250 and 400 in report["statuses"]
+
+
+def test_soak_quick_run_answers_everything_and_leaks_nothing(server: Server) -> None:
+    _idle(server)
+    report = asyncio.run(_script("soak").run(server.url, KEY, minutes=0.25, workers=4, pid=server.pid))
+    assert report["sent"] > 0 and report["unanswered"] == 0, report
+    assert not report["unexpected_5xx"] and report["in_stream_errors"] == 0, report
+    assert report["after"]["leaked_pages"] == 0 and report["after"]["admitted"] == 0, report
+
+
+def test_cancel_leak_quick_run_returns_to_baseline(server: Server) -> None:
+    _idle(server)
+    report = asyncio.run(_script("cancel_leak").run(server.url, KEY, n=24, pid=server.pid, seed=3))
+    assert sum(report["by_stage"].values()) == 24
+    assert report["leaks"] == {}, report
+    assert _metrics(server)["ninfer:requests_admitted"] == 0
+
+
+# ---- queue timeouts on streams -----------------------------------------------------------------
+
+def test_a_queued_stream_that_times_out_gets_the_spec_status(server: Server) -> None:
+    """Behind two long requests a stream waits past --pending-timeout-ms (8 s, beyond the 5 s
+    keep-alive): it is answered 503 request_queue_timeout (504 on Messages), not 200 + an event."""
+    _idle(server)
+    streams = {
+        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 2, "stream": True},
+        "/v1/messages": {"model": "x", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 2, "stream": True, "store": False},
+    }
+
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=600) as client:
+            holders = []
+            for i in range(2):  # one in the lane, one queued ahead of the streams
+                holders.append(asyncio.ensure_future(client.post("/v1/chat/completions", json=LONG)))
+                while (await client.get("/v1/load")).json()["requests"]["admitted"] < i + 1:
+                    await asyncio.sleep(0.05)
+            try:
+                return await asyncio.gather(*(client.post(p, json=b) for p, b in streams.items()))
+            finally:
+                for h in holders:  # their connections close: the engine cancels them
+                    h.cancel()
+                await asyncio.gather(*holders, return_exceptions=True)
+
+    chat, messages, responses = asyncio.run(go())
+    assert chat.status_code == 503, chat.text[:300]
+    assert chat.json()["error"]["code"] == "request_queue_timeout"
+    assert responses.status_code == 503 and responses.json()["error"]["code"] == "request_queue_timeout"
+    assert messages.status_code == 504, messages.text[:300]
+    assert messages.json()["error"]["type"] == "timeout_error"
