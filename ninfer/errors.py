@@ -30,3 +30,14 @@ class RequestError(NInferError):
         self.code = code
         self.status = status
         self.type = type
+
+
+class ExitCode:
+    """The process exit statuses of every command, decided here and nowhere else: 0 after a
+    requested stop or a finished command, 1 when start-up (or the command) fails, 2 when a serving
+    engine fails later, 130 when the user interrupts (Ctrl+C or SIGTERM before serving)."""
+
+    OK = 0
+    FAILED = 1
+    ENGINE_FAILED = 2
+    INTERRUPTED = 130

@@ -1,12 +1,18 @@
 """The `ninfer` command: one Typer app, one module per command."""
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional
 
-import typer
+try:  # a Ctrl+C while the command's modules import ends it like any other interrupt
+    import typer
 
-from ninfer.version import version_string
+    from ninfer.errors import ExitCode
+    from ninfer.version import version_string
+except KeyboardInterrupt:
+    print("ninfer: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 app = typer.Typer(
     name="ninfer",
@@ -56,34 +62,43 @@ def _register() -> None:
         app.command("bench", help="Benchmark prompt processing and generation (llama-bench style).")(bench)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; errors print one line (a traceback only with --debug)."""
+    """Entry point and the one place that turns outcomes into exit statuses (ExitCode): errors
+    print one line (a traceback only with --debug). SIGTERM ends a command as Ctrl+C does until
+    the command installs its own handling (serve does once its event loop runs)."""
     from ninfer.errors import NInferError
 
-    _register()
+    signal.signal(signal.SIGTERM, _interrupt)
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:
-        # without standalone mode click returns a command's exit status instead of exiting with it
+        _register()
+        # without standalone mode click returns a command's exit status (a typer.Exit's, and 130
+        # for an interrupt inside the command) instead of exiting with it
         code = app(args=args, standalone_mode=False, prog_name="ninfer")
-        if isinstance(code, int) and code:
-            sys.exit(code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         print("ninfer: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(ExitCode.INTERRUPTED)
     except Exception as e:  # noqa: BLE001 - the one place that turns errors into exit codes
         if hasattr(e, "show") and hasattr(e, "exit_code"):  # click's (or typer's vendored click's) usage errors
             e.show()  # a bad flag value or usage: exit 1 like every other start-up error
-            sys.exit(1)
+            sys.exit(ExitCode.FAILED)
         if debug:
             raise
         if isinstance(e, NInferError):
             print(f"error: {e}", file=sys.stderr)
         else:
             print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(ExitCode.FAILED)
+    if code == ExitCode.INTERRUPTED:
+        print("ninfer: interrupted", file=sys.stderr)
+    sys.exit(code if isinstance(code, int) else ExitCode.OK)
 
 
 if __name__ == "__main__":

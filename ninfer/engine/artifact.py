@@ -6,6 +6,7 @@ Quantized weights are stored as parts (see quant.py): NAME, NAME.scales, NAME.mi
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ _SAFETENSORS_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I8": torch.int8, "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64,
 }
+_ITEM_SIZES = {dtype: torch.empty((), dtype=dtype).element_size() for dtype in _SAFETENSORS_DTYPES.values()}
 
 
 @dataclass(slots=True)
@@ -94,8 +96,34 @@ class ArtifactMetadata:
             chat_template=d.get("chat_template"),
             special_tokens=SpecialTokens.from_dict(d["special_tokens"]),
             source=d["source"],
-            sampler_presets=d.get("sampler_presets") or {},
+            sampler_presets=check_sampler_presets(d.get("sampler_presets") or {}),
         )
+
+
+# sampler preset field -> (lowest, highest) it may hold
+_PRESET_RANGES = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "top_k": (0, 2**31 - 1), "min_p": (0.0, 1.0),
+                  "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
+
+
+def check_sampler_presets(presets: Any) -> dict[str, dict[str, float]]:
+    """The artifact's sampler presets, returned when they are an object of modes, each an object
+    whose known numeric fields are in range (a bad one would otherwise fail every request)."""
+    if not isinstance(presets, dict):
+        raise ArtifactError("sampler_presets must be an object of modes")
+    for mode, preset in presets.items():
+        if not isinstance(preset, dict):
+            raise ArtifactError(f"sampler preset {mode!r} must be an object")
+        for name, value in preset.items():
+            bounds = _PRESET_RANGES.get(name)
+            if bounds is None:
+                continue  # fields this server does not sample with (repetition_penalty, ...)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if ok and name == "top_k":
+                ok = float(value).is_integer()
+            if not ok or not bounds[0] <= value <= bounds[1]:
+                raise ArtifactError(f"sampler preset {mode}.{name} = {value!r} is not a number in "
+                                    f"[{bounds[0]}, {bounds[1]}]")
+    return presets
 
 
 def write_artifact(path: str | Path, tensors: dict[str, torch.Tensor], meta: ArtifactMetadata) -> Path:
@@ -122,8 +150,13 @@ def _read_header(path: Path) -> dict[str, Any]:
             if len(head) < 8:
                 raise ArtifactError(f"{path}: not a safetensors file (too short)")
             (n,) = struct.unpack("<Q", head)
-            if n <= 0 or n > 100 * 1024 * 1024 or n > path.stat().st_size - 8:
-                raise ArtifactError(f"{path}: not a safetensors file (bad header length)")
+            size = path.stat().st_size
+            if n <= 0 or n > 100 * 1024 * 1024:
+                raise ArtifactError(f"{path}: not a safetensors file (its first 8 bytes give a header "
+                                    f"length of {n})")
+            if n > size - 8:
+                raise ArtifactError(f"{path}: truncated: the header alone needs {8 + n} bytes but the "
+                                    f"file has {size} (an interrupted copy or download?)")
             header = json.loads(f.read(n))
     except FileNotFoundError:
         raise ArtifactError(f"{path}: no such file") from None
@@ -133,6 +166,7 @@ def _read_header(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: not a safetensors file (header is not JSON)") from None
     if not isinstance(header, dict):
         raise ArtifactError(f"{path}: not a safetensors file (header is not an object)")
+    header["__header_bytes__"] = 8 + n
     return header
 
 
@@ -187,16 +221,29 @@ class Artifact:
             raise ArtifactError(f"{path}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(f"{path}: malformed ninfer.metadata ({e})") from None
+        header_bytes = header.pop("__header_bytes__")
         stored = {}
         payload_bytes = 0
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype") if isinstance(info, dict) else None)
             if dtype is None:
-                raise ArtifactError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}")
-            stored[key] = (tuple(info.get("shape", ())), dtype)
-            payload_bytes = max(payload_bytes, int((info.get("data_offsets") or (0, 0))[1]))
+                raise ArtifactError(f"{path}: tensor {key} has unsupported dtype "
+                                    f"{info.get('dtype') if isinstance(info, dict) else info!r}")
+            shape, offsets = info.get("shape", ()), info.get("data_offsets")
+            if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
+                    or not isinstance(offsets, list) or len(offsets) != 2
+                    or not all(isinstance(o, int) for o in offsets)
+                    or not 0 <= offsets[0] <= offsets[1]
+                    or offsets[1] - offsets[0] != math.prod(shape) * _ITEM_SIZES[dtype]):
+                raise ArtifactError(f"{path}: tensor {key} has a corrupt shape or data_offsets entry")
+            stored[key] = (tuple(shape), dtype)
+            payload_bytes = max(payload_bytes, offsets[1])
+        size = path.stat().st_size
+        if header_bytes + payload_bytes > size:
+            raise ArtifactError(f"{path}: truncated: its tensors need {header_bytes + payload_bytes} bytes but the "
+                                f"file has {size} (an interrupted copy or download?)")
         _validate_tensors(path, meta, stored)
         return cls(path, meta, payload_bytes)
 
@@ -204,10 +251,15 @@ class Artifact:
         """name -> {suffix: stored tensor} for every expected weight."""
         from safetensors import safe_open
 
+        from safetensors import SafetensorError
+
         parts: dict[str, dict[str, torch.Tensor]] = {}
-        with safe_open(str(self.path), framework="pt", device=str(device)) as f:
-            for name, fmt in self.meta.tensor_formats.items():
-                parts[name] = {s: f.get_tensor(name + s) for s in fmt.stored_dtypes()}
+        try:
+            with safe_open(str(self.path), framework="pt", device=str(device)) as f:
+                for name, fmt in self.meta.tensor_formats.items():
+                    parts[name] = {s: f.get_tensor(name + s) for s in fmt.stored_dtypes()}
+        except (SafetensorError, OSError) as e:  # changed or damaged since it was opened
+            raise ArtifactError(f"{self.path}: cannot read its tensors ({e})") from None
         return parts
 
     def load_dequantized(self, dtype: torch.dtype = torch.float32,

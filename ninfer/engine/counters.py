@@ -82,6 +82,13 @@ class EngineSnapshot:
     requests_failed: int = 0  # ended with an error (queue timeout included)
     requests_rejected: int = 0  # refused at submit: overload or a prompt over the context
     waiting_expired: int = 0  # reached --pending-timeout-ms before admission
+    waiting_cancelled: int = 0  # cancelled by the client while waiting for admission
+    waiting_abandoned_seconds: float = 0.0  # how long those cancelled and expired requests had waited
+    cancelled_prefills: int = 0  # cancelled while their prompt prefilled
+    cancelled_prefill_computed_tokens: int = 0  # prompt tokens those had computed
+    cancelled_prefills_salvaged: int = 0  # cancelled prefills the context cache kept (none yet: never retained)
+    engine_recoveries: int = 0  # runner failures that failed only the lanes while the engine kept serving
+    context_cache_exhausted: int = 0  # failed for want of a context-cache placement (none: admission waits)
     prefix_cache_hit_tokens: int = 0  # cached tokens of completed requests
     context_selections: dict[str, int] = field(default_factory=dict)  # reuse path -> admissions
     # recurrent-state slots (hybrid models; both 0 for a pure-attention model): working slots of
@@ -109,5 +116,12 @@ class EngineCounters:
     requests_cancelled: int = 0
     requests_failed: int = 0
     waiting_expired: int = 0
+    waiting_cancelled: int = 0
+    waiting_abandoned_seconds: float = 0.0
+    cancelled_prefills: int = 0
+    cancelled_prefill_computed_tokens: int = 0
+    cancelled_prefills_salvaged: int = 0
+    engine_recoveries: int = 0
+    context_cache_exhausted: int = 0
     prefix_cache_hit_tokens: int = 0
     context_selections: dict[str, int] = field(default_factory=dict)

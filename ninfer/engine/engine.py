@@ -337,7 +337,8 @@ class Engine:
                 if work.sample:
                     work.token_mask = self._mask(self._by_seq[work.seq_id])
             output = self.runner.run(batch)
-        except Exception as exc:  # fail the lanes, keep serving the queue
+        except Exception as exc:  # fail the lanes, keep serving the queue: a recovery
+            self._counters.engine_recoveries += 1
             for seq in list(self.scheduler.running):
                 self.scheduler.abort(seq)
                 live = self._by_seq[seq.seq_id]
@@ -460,8 +461,15 @@ class Engine:
         live = self._live.get(request_id)
         if live is None or live.seq.seq_id not in self._by_seq:
             return
-        self.scheduler.abort(live.seq)
-        self._counters.requests_cancelled += 1
+        seq, c = live.seq, self._counters
+        if seq.status is SeqStatus.WAITING:
+            c.waiting_cancelled += 1
+            c.waiting_abandoned_seconds += time.monotonic() - live.submitted_at
+        elif seq.status is SeqStatus.PREFILLING:
+            c.cancelled_prefills += 1
+            c.cancelled_prefill_computed_tokens += max(0, seq.num_computed_tokens - seq.num_cached_tokens)
+        self.scheduler.abort(seq)
+        c.requests_cancelled += 1
         self._finalize(live, "cancelled")
 
     def _expire_waiting(self) -> None:
@@ -472,6 +480,7 @@ class Engine:
                 self.scheduler.abort(seq)
                 self._counters.requests_failed += 1
                 self._counters.waiting_expired += 1
+                self._counters.waiting_abandoned_seconds += now - live.submitted_at
                 self._finalize(live, "error", error="request_queue_timeout")
 
     def _finalize(self, live: _Live, reason: str, *, stop_reason: str | int | None = None, text: str = "",
@@ -562,6 +571,13 @@ class Engine:
             requests_failed=c.requests_failed,
             requests_rejected=self._rejected,
             waiting_expired=c.waiting_expired,
+            waiting_cancelled=c.waiting_cancelled,
+            waiting_abandoned_seconds=c.waiting_abandoned_seconds,
+            cancelled_prefills=c.cancelled_prefills,
+            cancelled_prefill_computed_tokens=c.cancelled_prefill_computed_tokens,
+            cancelled_prefills_salvaged=c.cancelled_prefills_salvaged,
+            engine_recoveries=c.engine_recoveries,
+            context_cache_exhausted=c.context_cache_exhausted,
             prefix_cache_hit_tokens=c.prefix_cache_hit_tokens,
             context_selections=dict(c.context_selections),
             state_slots_total=state.num_slots if state else 0,

@@ -16,6 +16,7 @@ import torch
 import xgrammar as xg
 
 from ninfer.engine.errors import SchemaError
+from ninfer.engine.schema_subset import check_schema
 
 
 class JsonGrammars:
@@ -38,6 +39,7 @@ class JsonGrammars:
         without additionalProperties admit only their declared properties."""
         if not isinstance(schema, dict):
             raise SchemaError(f"{param} must be a JSON Schema object", field=param)
+        check_schema(schema, param)
         try:
             compiled = self._compiler.compile_json_schema(json.dumps(schema), strict_mode=strict)
         except (RuntimeError, ValueError, TypeError) as e:

@@ -170,6 +170,7 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
     artifact = Artifact.open(path)
     if chat_template is not None:
         artifact.meta = replace(artifact.meta, chat_template=_read_template(chat_template))
+    check_start_up_inputs(artifact, chat_template)
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
@@ -215,6 +216,20 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts)
+
+
+def check_start_up_inputs(artifact, chat_template_option: str | None) -> None:
+    """What a request would otherwise find broken, refused before the model loads: the chat
+    template, compiled and rendered once (Artifact.open already checked the rest of the metadata)."""
+    from ninfer.engine.errors import TemplateError
+    from ninfer.engine.tokenizer import Tokenizer
+
+    try:
+        Tokenizer.from_metadata(artifact.meta).check_chat_template()
+    except TemplateError as e:
+        where = (f"--chat-template {chat_template_option!r}" if chat_template_option is not None
+                 else f"{artifact.path}: the model's chat template")
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _read_template(value: str) -> str:

@@ -42,7 +42,7 @@ def _cache_name(src: Path) -> str:
 def resolve_model(model: str | None, cache_dir: Path, *, announce: bool = True) -> Path:
     """Return the path of a valid .ninfer artifact for `model`, converting into `cache_dir` if needed."""
     from ninfer.engine.artifact import Artifact
-    from ninfer.engine.convert import convert
+    from ninfer.engine.convert import check_source, convert
     from ninfer.errors import ArtifactError
 
     if model is None:
@@ -61,6 +61,7 @@ def resolve_model(model: str | None, cache_dir: Path, *, announce: bool = True) 
             return out
         except ArtifactError:
             pass  # stale or partial cache entry: convert again
+    check_source(src)  # a corrupt source is refused before any "converting" line
     if announce:
         print(f"ninfer: converting {src.name} into {out} (once)", file=sys.stderr, flush=True)
     return convert(src, out, weights="keep", progress=announce)

@@ -203,6 +203,32 @@ class Tokenizer:
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
             raise TemplateError(f"chat template failed on these messages: {e}", field="messages") from None
 
+    def check_chat_template(self) -> None:
+        """Compile the chat template and render a one-turn chat with it (then, for templates that
+        need one, a system turn and a user turn): raises TemplateError saying what fails, so a
+        broken template is refused before serving instead of failing every chat request."""
+        if not self.chat_template:
+            return
+        try:
+            _environment().from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"the chat template does not compile: {e} (line {e.lineno})",
+                                field="chat_template") from None
+        tries = ([{"role": "user", "content": "Hello"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}])
+        for i, messages in enumerate(tries):
+            try:
+                self.apply_chat_template(messages, add_generation_prompt=True)
+                return
+            except TemplateError as e:
+                if i == len(tries) - 1:
+                    raise TemplateError(f"the chat template cannot render a one-message chat: {e}",
+                                        field="chat_template") from None
+            except Exception as e:  # noqa: BLE001 - any failure of a template function
+                if i == len(tries) - 1:
+                    raise TemplateError(f"the chat template cannot render a one-message chat: "
+                                        f"{type(e).__name__}: {e}", field="chat_template") from None
+
     def _compiled(self, chat_template: str | None) -> jinja2.Template:
         source = chat_template if chat_template is not None else self.chat_template
         if not source:

@@ -12,6 +12,7 @@ overload answers 529 and a queue timeout 504, as the spec maps them for these en
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
@@ -268,7 +269,8 @@ def decode_messages(call: Call, body: dict[str, Any], generate: bool = True) -> 
                            "output", param="stop_sequences", code="stop_not_supported")
     chat.stream = opt_bool(body, "stream") or False
     chat.sampling = sampling_from({k: body[k] for k in _SAMPLER_FIELDS if k in body}, state.base_sampling,
-                                  greedy=state.config.sampler.greedy, negative_temperature_greedy=False)
+                                  greedy=state.config.sampler.greedy, negative_temperature_greedy=False,
+                                  max_temperature=1.0)
     chat.max_tokens, chat.stop = max_tokens, stop
     chat.return_progress = True  # the admission event, where a stream's message_start gets its exact usage
     chat.post_thinking = parse_post_thinking(body, max_temperature=1.0)
@@ -304,7 +306,8 @@ async def handle_count_tokens(call: Call) -> None:
     """The prompt's token count as /v1/messages would render it; nothing is generated."""
     try:
         chat = decode_messages(call, call.json(), generate=False)
-        n = len(prepare(call.state, chat, "count", generate=False).prompt_token_ids)
+        with call.state.counting_tokens():  # rendering runs off the loop, so several run at once
+            n = len((await asyncio.to_thread(prepare, call.state, chat, "count", False)).prompt_token_ids)
     except CLIENT_ERRORS as e:
         raise _for_anthropic(http_error(e)) from None
     await call.respond(200, {"input_tokens": n})

@@ -7,6 +7,7 @@ request's event pump and so cancels the request and frees its lane.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import re
 import uuid
@@ -14,7 +15,7 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
-from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, ops, responses
+from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, openapi, ops, responses
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, Headers
 from ninfer.server.state import ServerState
@@ -29,6 +30,7 @@ CORS_ALLOW_HEADERS = "authorization, content-type, x-api-key, x-request-id, anth
 # (method, path) -> handler; the /v1/v1/... doubling is folded before the lookup
 ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/health"): ops.handle_health,
+    ("GET", "/openapi.json"): openapi.handle_openapi,
     ("GET", "/v1"): ops.handle_index,
     ("GET", "/v1/models"): ops.handle_models,
     ("GET", "/props"): ops.handle_props,
@@ -109,6 +111,8 @@ class App:
         state = self.state
         cfg = state.config
         method = scope["method"].upper()
+        if method == "HEAD":  # a GET whose body the HTTP layer drops (headers and length kept)
+            method = "GET"
         path = normalize_path(scope["path"])
         headers: dict[str, str] = {}
         for k, v in scope["headers"]:
@@ -168,14 +172,23 @@ class App:
         await call.respond_raw(204, b"", headers)
 
     def _authenticate(self, call: Call) -> None:
+        """The key as an OpenAI bearer token or an Anthropic x-api-key header: either one that
+        matches admits the request (a stale Authorization does not override a right x-api-key).
+        Compared in constant time, every offered value, so timing tells nothing about the key."""
         key = self.state.config.api_key
         if key is None:
             return
-        given = call.headers.get("x-api-key")
+        expected = key.encode()
+        offered = []
+        if "x-api-key" in call.headers:
+            offered.append(call.headers["x-api-key"].strip())
         auth = call.headers.get("authorization", "")
         if auth[:7].lower() == "bearer ":
-            given = auth[7:].strip()
-        if given != key:
+            offered.append(auth[7:].strip())
+        matched = False
+        for given in offered:
+            matched |= hmac.compare_digest(given.encode("latin-1"), expected)
+        if not matched:
             raise RequestError("Invalid API key: send it as Authorization: Bearer <key> or x-api-key",
                                status=401, code="invalid_api_key", type="authentication_error")
 

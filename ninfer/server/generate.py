@@ -100,7 +100,10 @@ class Generation:
     async def __aexit__(self, *exc: object) -> None:
         if self._pump is not None and not self._pump.done:  # the client went away first
             self._pump.close()
-            self.call.state.reqlog.request_error(
+            state = self.call.state
+            state.requests_total += 1  # it ended, in an error: 499 client_closed
+            state.requests_failed += 1
+            state.reqlog.request_error(
                 self._n, self.protocol, RequestError("the client disconnected", status=499, code="client_closed"),
                 time.monotonic() - self._t0)
         if self._entered:
@@ -122,8 +125,15 @@ class Generation:
         self._pump = pump
         self._n = state.reqlog.next_id()
         state.reqlog.request_start(self._n, self.protocol, self.req, self.stream)
+        heard = False  # an engine event arrived: the request was admitted
         while (item := await pump.next(keepalive)) is not None:
+            if item is TIMEOUT and not heard and not self._in_a_lane():
+                # Queued: no keep-alive yet, so the response has not started and a queue timeout is
+                # still answered with its status (503, 504 on Messages), as the spec writes it. A
+                # dead peer meanwhile is found by TCP keepalive (server/runner.py).
+                continue
             if item is not TIMEOUT:
+                heard = True
                 assert isinstance(item, OutputEvent)
                 if item.finish_reason is not None:
                     state.requests_total += 1
@@ -135,6 +145,11 @@ class Generation:
                         raise err
                     state.reqlog.request_done(self._n, self.protocol, item, elapsed)
             yield item
+
+    def _in_a_lane(self) -> bool:
+        """Whether the engine's latest snapshot shows this request admitted to a lane."""
+        snap = self.call.state.loaded.engine.snapshot()
+        return any(lane.request_id == self.req.request_id for lane in snap.lanes)
 
     async def collect(self) -> Outcome:
         """Run to the end without streaming."""

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 API_INDEX = (
     ("GET", "/health", "process health and build version"),
+    ("GET", "/openapi.json", "OpenAPI 3.1 description of every route"),
     ("GET", "/v1/load", "serving capacity, current load and monotonic token counters"),
     ("GET", "/metrics", "Prometheus text: llama.cpp's --metrics series plus ninfer's"),
     ("GET", "/stats", "the /v1/load snapshot plus the ingress peak and the engine counters"),
@@ -251,8 +252,22 @@ def metrics_text(call: Call) -> str:
     _series(L, "ninfer:reused_prompt_tokens_total", "counter",
             "prompt tokens restored from the context cache instead of prefilled", snap.reused_prompt_tokens)
     _series(L, "ninfer:uptime_seconds", "gauge", "seconds since the Engine became ready", state.uptime())
+    _series(L, "ninfer:context_cache_exhausted_requests_total", "counter",
+            "requests failed because the context cache had no placement for them", snap.context_cache_exhausted)
+    _series(L, "ninfer:engine_recoveries_total", "counter",
+            "host-side worker failures the Engine survived instead of latching unavailable", snap.engine_recoveries)
+    _series(L, "ninfer:waiting_cancelled_requests_total", "counter",
+            "requests the client cancelled while they waited for admission", snap.waiting_cancelled)
     _series(L, "ninfer:waiting_expired_requests_total", "counter",
             "requests that reached --pending-timeout-ms before admission", snap.waiting_expired)
+    _series(L, "ninfer:waiting_abandoned_seconds_total", "counter",
+            "time those cancelled and expired requests had waited", snap.waiting_abandoned_seconds)
+    _series(L, "ninfer:cancelled_prefills_total", "counter",
+            "requests cancelled while their prompt prefilled", snap.cancelled_prefills)
+    _series(L, "ninfer:cancelled_prefill_computed_tokens_total", "counter",
+            "prompt tokens those requests had computed", snap.cancelled_prefill_computed_tokens)
+    _series(L, "ninfer:cancelled_prefills_salvaged_total", "counter",
+            "cancelled prefills the context cache kept at the point they reached", snap.cancelled_prefills_salvaged)
     selections = {k: v for k, v in snap.context_selections.items()}
     if selections:
         _series(L, "ninfer:context_selections_total", "counter",

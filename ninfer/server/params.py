@@ -133,8 +133,13 @@ def check_logit_bias(value: Any, param: str = "logit_bias") -> None:
 
 def sampling_from(body: dict[str, Any], base: SamplingParams, *, greedy: bool,
                   logprobs: bool = False, top_logprobs: int = 0,
-                  negative_temperature_greedy: bool = True) -> SamplingParams:
-    """Request sampler fields over the process base (preset + flags); --greedy wins at the end."""
+                  negative_temperature_greedy: bool = True, negative_top_k_widest: bool = False,
+                  max_temperature: float = 100.0) -> SamplingParams:
+    """Request sampler fields over the process base (preset + flags); --greedy wins at the end.
+    The protocols differ only where the spec says so: a negative temperature samples greedily and
+    a top_k of zero or below is the widest set on the raw-prompt routes (llama.cpp's reading); Chat,
+    Responses and Messages take a non-negative top_k, Responses a temperature in [0, 2], Messages
+    one in [0, 1]."""
     temperature = opt_number(body, "temperature", lo=None if negative_temperature_greedy else 0.0)
     top_p = opt_number(body, "top_p", 0.0, 1.0)
     min_p = opt_number(body, "min_p", 0.0, 1.0)
@@ -146,14 +151,16 @@ def sampling_from(body: dict[str, Any], base: SamplingParams, *, greedy: bool,
             top_k = int(top_k)
         if isinstance(top_k, bool) or not isinstance(top_k, int):
             raise bad("top_k", "top_k must be an integer")
+        if top_k < 0 and not negative_top_k_widest:
+            raise bad("top_k", "top_k must be >= 0 (a value above 20 is clamped to 20)")
         top_k = max(min(top_k, 2**31), -1)  # <= 0: the widest set; > 20: clamped by SamplingParams
     seed = opt_int(body, "seed", lo=-MAX_SEED - 1, hi=2**64 - 1)
     if seed is not None and seed > MAX_SEED:
         seed = seed & MAX_SEED  # unsigned 64-bit seeds (llama.cpp's 4294967295 etc.) fold into range
     if temperature is not None and temperature < 0:
         temperature = 0.0
-    if temperature is not None and temperature > 100:
-        raise bad("temperature", "temperature must be <= 100")
+    if temperature is not None and temperature > max_temperature:
+        raise bad("temperature", f"temperature must be <= {max_temperature:g}")
     params = SamplingParams(
         temperature=base.temperature if temperature is None else temperature,
         top_k=base.top_k if top_k is None else top_k,

@@ -87,7 +87,8 @@ def prepare_raw(body: dict[str, Any], state: ServerState, request_id: str, max_t
     if not isinstance(include_usage, bool):
         raise bad("stream_options.include_usage", "stream_options.include_usage must be a boolean")
     cache_prompt = opt_bool(body, "cache_prompt")
-    sampling = sampling_from(body, state.base_sampling, greedy=state.config.sampler.greedy)
+    sampling = sampling_from(body, state.base_sampling, greedy=state.config.sampler.greedy,
+                             negative_top_k_widest=True)
     tpt = bool(opt_bool(body, "timings_per_token")) and stream  # it shapes a stream only
     req = PreparedRequest(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
                           max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, grammar=grammar,

@@ -9,6 +9,8 @@ top-level fields fail with unknown_parameter, as the spec requires.
 """
 from __future__ import annotations
 
+import asyncio
+
 import json
 import time
 import uuid
@@ -591,7 +593,8 @@ class ResponseEncoder(ChatEncoder):
 async def handle_input_tokens(call: Call) -> None:
     """The prompt a Create with this body would run, counted; nothing is generated or stored."""
     chat, _ = decode_create(call, call.json(), _COUNT_FIELDS, generate=False)
-    n = len(prepare(call.state, chat, "count", generate=False).prompt_token_ids)
+    with call.state.counting_tokens():  # rendering runs off the loop, so several run at once
+        n = len((await asyncio.to_thread(prepare, call.state, chat, "count", False)).prompt_token_ids)
     await call.respond(200, {"object": "response.input_tokens", "input_tokens": n})
 
 

@@ -2,7 +2,10 @@
 
 The port is bound before the model loads, so a clash fails in milliseconds; the model loads on
 a background thread while every route answers 503 model_loading; SIGINT/SIGTERM stop cleanly.
-Exit codes: 0 after a requested stop, 1 when start-up fails, 2 when the engine fails later.
+Exit statuses (ninfer.errors.ExitCode): 0 after a requested stop, 1 when start-up fails, 2 when the
+engine fails later, 130 when a signal ends start-up (the loading thread cannot be interrupted, so
+that path leaves with os._exit: a normal interpreter exit under a thread still inside torch or a
+converter aborts natively).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ninfer.errors import ConfigError, NInferError
+from ninfer.errors import ConfigError, ExitCode, NInferError
 from ninfer.server.app import App
 from ninfer.server.config import ServerConfig
 from ninfer.server.reqlog import RequestLog
@@ -64,14 +67,48 @@ def api_base(host: str, port: int) -> str:
     return f"http://{shown}:{port}/v1"
 
 
+# dead-peer detection on every accepted connection (spec: TCP keepalive and a 15 s retransmission
+# limit): an idle peer is probed after 5 s, every 5 s, and dropped after 3 unanswered probes; data
+# unacknowledged for 15 s ends the connection. With the 5 s SSE heartbeat a dead or unacknowledging
+# peer is cancelled within about 20 s, waiting and prefilling requests included.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 5, 3
+USER_TIMEOUT_MS = 15_000
+
+
+def tune_listener(fd: int) -> None:
+    """Set keepalive and TCP_USER_TIMEOUT on a listening socket; Linux copies them to every
+    connection it accepts (nginx's listen so_keepalive relies on the same)."""
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                            ("TCP_KEEPCNT", KEEPALIVE_PROBES), ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+            if hasattr(socket, name):  # Linux; other systems keep their defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    finally:
+        sock.close()
+
+
 def _granian_server(app: App, host: str, port: int, log_level: str) -> Any:
     from granian.constants import Interfaces
     from granian.log import LogLevels
     from granian.server.embed import Server
 
+    class TunedServer(Server):
+        """Granian's embedded server with one listener built here (instead of one per worker
+        inside Granian on Linux), so its socket options can be set before it accepts."""
+
+        def _init_shared_socket(self) -> None:
+            super()._init_shared_socket()
+            if self._ssp is not None:  # Linux: build the one listener the worker will use
+                self._shd = self._ssp.build()
+                self._sfd = self._shd.get_fd()
+                self._ssp = None
+            tune_listener(self._sfd)
+
     level = {"trace": "debug", "off": "critical"}.get(log_level, log_level)
-    return Server(app, address=host, port=port, interface=Interfaces.ASGI, log_enabled=log_level == "debug",
-                  log_level=LogLevels(level), backlog=1024)
+    return TunedServer(app, address=host, port=port, interface=Interfaces.ASGI, log_enabled=log_level == "debug",
+                       log_level=LogLevels(level), backlog=1024)
 
 
 async def _wait_listening(host: str, port: int, deadline: float) -> None:
@@ -124,7 +161,7 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         servers.append(_granian_server(App(state, stats_only=True), config.host, config.stats_port,
                                        config.log_level))
     stop = asyncio.Event()
-    outcome = {"code": 0}
+    outcome = {"code": ExitCode.OK}
 
     def request_stop(code: int = 0) -> None:
         if not stop.is_set():
@@ -137,7 +174,7 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         """Ctrl+C: before ready it ends start-up; serving, a second press within 5 s stops (the
         first only says so); during the stop it exits at once."""
         if stop.is_set():
-            os._exit(130)
+            os._exit(ExitCode.INTERRUPTED)
         now = time.monotonic()
         if state.ready and not (last_press and now - last_press[-1] <= CONFIRM_SECONDS):
             last_press[:] = [now]
@@ -168,17 +205,20 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         stopper = asyncio.ensure_future(stop.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
-            waiter.cancel()
-            announce("stopped during start-up")
-            return outcome["code"] or 130
+            _abandon_start_up(state, announce)
         stopper.cancel()
         if "error" in loaded_box:
             e = loaded_box["error"]
             msg = str(e) if isinstance(e, NInferError) else f"{type(e).__name__}: {e}"
             print(f"error: {msg}", file=sys.stderr)
-            return 1
+            return ExitCode.FAILED
         loaded = loaded_box["model"]
-        state.set_ready(loaded)
+        try:
+            state.set_ready(loaded)
+        except NInferError as e:  # a start-up input only the loaded model can check (sampler presets)
+            print(f"error: {e}", file=sys.stderr)
+            await asyncio.to_thread(loaded.engine.shutdown)
+            return ExitCode.FAILED
         snap = loaded.engine.snapshot()
         state.reqlog.server_start(artifact=loaded.facts.path, model=state.model_id, backend=loaded.backend,
                                   device=loaded.device, max_context=loaded.max_context,
@@ -201,6 +241,17 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         for s in servers:
             s.stop()
         await asyncio.gather(*serving, return_exceptions=True)
+
+
+def _abandon_start_up(state: ServerState, announce: Callable[[str], None]) -> None:
+    """A stop before ready: say so and leave at once with 130. The loading thread may be deep in
+    torch or a converter and cannot be stopped; exiting the interpreter around it would abort
+    natively ("terminate called without an active exception"), so the process ends here."""
+    announce("stopped during start-up")
+    state.reqlog.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(ExitCode.INTERRUPTED)
 
 
 def _panel(state: ServerState) -> contextlib.AbstractContextManager:
@@ -238,5 +289,5 @@ async def _watch_engine(loaded: LoadedModel, request_stop: Callable[[int], None]
         failed = getattr(loaded.engine, "failed", None)
         if failed:
             print(f"error: the engine failed: {failed}", file=sys.stderr)
-            request_stop(2)
+            request_stop(ExitCode.ENGINE_FAILED)
             return

@@ -5,7 +5,9 @@ as snapshots), so plain ints need no lock.
 """
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ class ServerState:
     requests_total: int = 0  # completed with an outcome
     requests_failed: int = 0  # accepted, then ended in an error
     requests_rejected: int = 0  # rejected during preparation
+    token_counts: int = 0  # token-count requests (count_tokens, input_tokens) running now
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored OpenAI Responses
     grammars: Any = None  # grammar.JsonGrammars with --structured-output
     _tool_grammars: Any = None  # grammar.JsonGrammars for forced tool calls, built on first use
@@ -96,6 +99,20 @@ class ServerState:
 
     def leave(self) -> None:
         self.admitted -= 1
+
+    @contextlib.contextmanager
+    def counting_tokens(self) -> Iterator[None]:
+        """One place of the token-count capacity (the same size as the generation ingress, kept
+        apart from it), or 429 server_overloaded. Token counts are not measurement requests, so
+        a refusal is not counted as a rejected generation request."""
+        if self.token_counts >= self.max_admitted:
+            raise RequestError("the server is at capacity for token counts; retry later", status=429,
+                               code="server_overloaded", type="server_error")
+        self.token_counts += 1
+        try:
+            yield
+        finally:
+            self.token_counts -= 1
 
 
 def base_sampling(loaded: LoadedModel, config: ServerConfig) -> SamplingParams:

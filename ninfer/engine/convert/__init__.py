@@ -5,11 +5,26 @@ from pathlib import Path
 
 from ninfer.engine.convert.common import WEIGHT_MODES
 from ninfer.engine.convert.gguf import convert_gguf
-from ninfer.engine.convert.gguf_reader import GGUF_MAGIC
+from ninfer.engine.convert.gguf_reader import GGUF_MAGIC, GGUFFile
 from ninfer.engine.convert.hf import convert_hf
 from ninfer.errors import ArtifactError
 
-__all__ = ["WEIGHT_MODES", "convert", "convert_gguf", "convert_hf"]
+__all__ = ["WEIGHT_MODES", "check_source", "convert", "convert_gguf", "convert_hf"]
+
+
+def check_source(src: str | Path) -> None:
+    """Raise ArtifactError (naming the file and the problem) for a source `convert` cannot read:
+    a GGUF's header is parsed, a folder needs config.json. Cheap: checked before announcing work."""
+    src = Path(src)
+    if not src.exists():
+        raise ArtifactError(f"{src}: no such file or folder")
+    if src.is_dir():
+        if not (src / "config.json").is_file():
+            raise ArtifactError(f"{src}: not a Hugging Face model folder (no config.json)")
+    elif _is_gguf(src):
+        GGUFFile(src)
+    else:
+        raise ArtifactError(f"{src}: not a GGUF file or a Hugging Face model folder")
 
 
 def convert(src: str | Path, out: str | Path, weights: str = "keep", progress: bool = True) -> Path:

@@ -44,6 +44,8 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.unpack("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"a string of {n} bytes runs past the end of the file")
         raw = self.buf[self.pos:self.pos + n]
         self.pos += n
         return bytes(raw).decode("utf-8", errors="replace")
@@ -78,13 +80,18 @@ class GGUFFile:
             raise ArtifactError(f"{self.path}: no such file") from None
         except (OSError, ValueError) as e:
             raise ArtifactError(f"{self.path}: cannot read ({e})") from None
+        self._cursor = _Cursor(self._map, self.path)
         try:
             self.fields, self.tensors = self._parse()
-        except (struct.error, ValueError, OverflowError, MemoryError, UnicodeDecodeError) as e:
-            raise ArtifactError(f"{self.path}: corrupt or truncated GGUF file ({type(e).__name__})") from None
+        except (struct.error, ValueError, OverflowError, MemoryError, UnicodeDecodeError, IndexError) as e:
+            size = len(self._map)
+            where = (f"the header ends at byte {size} in the middle of an entry" if self._cursor.pos >= size - 8
+                     else f"a malformed header entry near byte {self._cursor.pos}")
+            raise ArtifactError(f"{self.path}: corrupt or truncated GGUF file: {where} "
+                                f"({type(e).__name__}: {e})") from None
 
     def _parse(self) -> tuple[dict[str, Any], list[GGUFTensor]]:
-        c = _Cursor(self._map, self.path)
+        c = self._cursor
         if bytes(self._map[:4]) != GGUF_MAGIC:
             raise ArtifactError(f"{self.path}: not a GGUF file (bad magic)")
         c.pos = 4

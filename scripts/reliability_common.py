@@ -1,0 +1,98 @@
+"""Shared pieces of the reliability harness (scripts/fuzz.py, soak.py, cancel_leak.py): valid seed
+bodies per route, the error-envelope check, and the server's idle resource baseline."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+def seed_bodies(model: str) -> dict[str, dict[str, Any]]:
+    """route -> a valid body (small outputs: the harness measures the server, not the model)."""
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    return {
+        "/v1/chat/completions": {"model": model, "messages": chat, "max_tokens": 4, "temperature": 0},
+        "/v1/completions": {"model": model, "prompt": "The sky is", "max_tokens": 4},
+        "/completion": {"prompt": "The sky is", "n_predict": 4, "temperature": 0},
+        "/completions": {"prompt": [1, 2, 3], "n_predict": 3},
+        "/tokenize": {"content": "Hello world", "with_pieces": True},
+        "/detokenize": {"tokens": [1, 2, 3]},
+        "/apply-template": {"messages": chat},
+        "/v1/messages": {"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+        "/v1/messages/count_tokens": {"model": "claude-x", "messages": [{"role": "user", "content": "Hi"}]},
+        "/v1/responses": {"model": model, "input": "Name a colour.", "max_output_tokens": 4, "store": False},
+        "/v1/responses/input_tokens": {"model": model, "input": "Count this."},
+        "/v1/responses/compact": {"model": model, "input": "x"},
+    }
+
+
+GET_ROUTES = ("/health", "/v1", "/v1/models", "/props", "/v1/load", "/stats", "/metrics", "/slots",
+              "/openapi.json", "/v1/models/{model}", "/v1/responses/resp_missing",
+              "/v1/responses/resp_missing/input_items")
+
+
+def served_model(client: httpx.Client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"]
+
+
+def envelope_problem(path: str, status: int, body: bytes, content_type: str) -> str | None:
+    """Why an error response is not in its protocol's envelope (None when it is)."""
+    if status < 400 or path == "/metrics":
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return "error body is not JSON"
+    if not isinstance(doc, dict):
+        return "error body is not an object"
+    if path.startswith("/v1/messages"):
+        err = doc.get("error")
+        if doc.get("type") != "error" or not isinstance(err, dict) or not isinstance(err.get("message"), str) \
+                or not isinstance(err.get("type"), str) or not isinstance(doc.get("request_id"), str):
+            return "not Anthropic's {type: error, error: {type, message}, request_id}"
+        return None
+    err = doc.get("error")
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str) or not isinstance(err.get("type"), str) \
+            or "code" not in err or "param" not in err:
+        return "not OpenAI's {error: {message, type, param, code}}"
+    return None
+
+
+def resources(client: httpx.Client, pid: int | None = None) -> dict[str, Any]:
+    """The engine's held resources as the ops routes publish them, and the process's RSS and open
+    files when its pid is known. leaked_pages: pages in use beyond what retained sessions hold."""
+    load = client.get("/v1/load").json()
+    slots = client.get("/slots").json()
+    retained = sum(s.get("n_pages", 0) for s in slots if s.get("retained"))
+    out = {
+        "admitted": load["requests"]["admitted"], "running": load["requests"]["running"],
+        "waiting": load["requests"]["waiting"], "pages_used": load["occupancy"]["device_main_kv_pages"],
+        "retained_pages": retained, "processing_slots": sum(1 for s in slots if s.get("is_processing")),
+        "state_slots": load["occupancy"].get("device_state_slots", 0),
+    }
+    out["leaked_pages"] = out["pages_used"] - retained
+    if pid is not None:
+        out["rss_mib"] = rss_mib(pid)
+        out["open_files"] = len(os.listdir(f"/proc/{pid}/fd"))
+    return out
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def wait_idle(client: httpx.Client, timeout: float = 120.0) -> dict[str, Any]:
+    """Poll until no request is admitted, running or waiting; the last reading."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        r = resources(client)
+        if (r["admitted"] == 0 and r["running"] == 0 and r["waiting"] == 0) or time.monotonic() > deadline:
+            return r
+        time.sleep(0.1)
