@@ -201,3 +201,23 @@ def test_real_q4_k_m_matches_transformers(smollm2_q4_k_m: Path, tmp_path: Path) 
     outs = ours_greedy(f32, prompts, 16, [[0, 1, 2], [3, 4, 5]])
     for ids, ours in zip(prompts, outs):
         assert_greedy_agrees(ours, hf_greedy(hf, ids, 16), hf, ids, 2e-3)
+
+
+def test_cuda_backend_keeps_block_formats_as_stored(tiny_kquant) -> None:
+    """The cuda ops' weights (built without a GPU): block formats kept byte for byte, a fused
+    projection of mixed formats as runs of one format each (q4_k q|k, q6_k v), no dense copy."""
+    from ninfer.engine.models import architecture
+    from ninfer.engine.models.weights import WeightReader
+    from ninfer.engine.ops.cuda_ops import CudaOps
+
+    _, artifact, _ = tiny_kquant("q4_k_m")
+    c = artifact.meta.config
+    ops = CudaOps(None, c, torch.bfloat16, torch.device("cpu"))
+    model = architecture(c).model.load(WeightReader(artifact, ops, torch.device("cpu")), c)
+    parts = artifact.load_parts()
+    qkv = model.layers[0].attn.qkv
+    assert [(s.fmt.format, s.rows) for s in qkv.segments] == [("q4_k", 384), ("q6_k", 128)]
+    assert torch.equal(qkv.segments[1].parts[""], parts["model.layers.0.self_attn.v_proj.weight"][""])
+    assert [s.fmt.format for s in model.layers[1].attn.qkv.segments] == ["q4_k", "q5_0", "q6_k"]
+    assert model.layers[0].mlp.gate_up.fmt.format == "q4_k" and model.layers[0].mlp.down.fmt.format == "q6_k"
+    assert model.embed.fmt.format == "q6_k" and model.lm_head.fmt.format == "q6_k"
