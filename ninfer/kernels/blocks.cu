@@ -7,7 +7,8 @@
 //   gemv_blocks:    y[M, N] = x[M, K] @ W^T for M = 1..8 (decode). One warp per output column n;
 //                   lane l takes chunks l, l + 32, ... of row n (a warp streams 32 consecutive chunks),
 //                   sums s * (q . x) + o * sum(x) per half in fp32 in chunk order, then a fixed
-//                   butterfly: row m's result does not depend on M (batch invariance).
+//                   butterfly: row m's result does not depend on M (batch invariance). x is staged
+//                   in shared memory as fp32 with per-half sums (computed once per block, not per column).
 //   dequant_blocks: out[r, :] = W[rows[r], :] (rows null: r) as activations, one thread per chunk
 //                   (prefill: expand, then cuBLAS; the embedding gather).
 // Format codes (compile-time -DBLK_FMT=..., one module per format): 0 q4_k, 1 q5_k, 2 q6_k, 3 q2_k,
@@ -96,24 +97,29 @@ __device__ __forceinline__ u32 byte_of(u32 w, int i) { return (w >> (8 * i)) & 0
 // A small non-negative integer as a float without an int-to-float conversion: 2^23 + v, minus 2^23.
 __device__ __forceinline__ float small_u(u32 v) { return __uint_as_float(0x4B000000u | v) - 8388608.0f; }
 
-__constant__ float KVALUES[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
-                                  1.f, 13.f, 25.f, 38.f, 53.f, 69.f, 89.f, 113.f};
+// The four bytes of v (codes 0..255) as floats minus `bias`: one byte permute builds the float
+// 2^23 + byte, one add takes 2^23 + bias off (exact: everything stays below 2^24).
+__device__ __forceinline__ void bytes4(u32 v, float bias, float* q) {
+  const float off = 8388608.0f + bias;
+  q[0] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7540)) - off;
+  q[1] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7541)) - off;
+  q[2] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7542)) - off;
+  q[3] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7543)) - off;
+}
+
+// Bits 0..3 of b spread to bit `at` of bytes 0..3 (at <= 4).
+__device__ __forceinline__ u32 spread4(u32 b, int at) { return ((b & 15u) * (0x00204081u << at)) & (0x01010101u << at); }
+
+// The iq4 code book, looked up per byte in shared memory (16 floats in 16 banks: no conflicts).
+__device__ __forceinline__ void table4(u32 v, const float* kv, float* q) {
+  q[0] = kv[v & 15u]; q[1] = kv[(v >> 8) & 15u]; q[2] = kv[(v >> 16) & 15u]; q[3] = kv[v >> 24];
+}
 
 struct Chunk {
   float q[32];
   float s[2];  // scale of elements 0..15, 16..31
   float o[2];  // offset of each half (0 where the format has none)
 };
-
-// 16-element nibbles of 4 words: element j of 32 is byte (j % 16)'s low (j < 16) or high nibble.
-__device__ __forceinline__ void nibbles_lohi(const u32* w, float* q, float bias) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const u32 b = byte_of(w[j >> 2], j & 3);
-    q[j] = small_u(b & 15u) - bias;
-    q[j + 16] = small_u(b >> 4) - bias;
-  }
-}
 
 // q4_k / q5_k's 6-bit scale and min of sub-block j from the 12 scale bytes (words s0, s1, s2).
 __device__ __forceinline__ void k_scale_min(u32 s0, u32 s1, u32 s2, int j, float& sc, float& m) {
@@ -126,14 +132,16 @@ __device__ __forceinline__ void k_scale_min(u32 s0, u32 s1, u32 s2, int j, float
   }
 }
 
-// Chunk c (0 .. K/32 - 1) of a row starting at `row`.
-__device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Chunk& ch) {
+// Chunk c (0 .. K/32 - 1) of a row starting at `row`; kv: the iq4 code book (iq4 formats only).
+__device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Chunk& ch, const float* kv) {
   constexpr int CPB = QK / 32;  // chunks per block
   const u8* blk = row + (i64)(c / CPB) * BLK_BYTES;
   const int j = c % CPB;
   (void)j;  // unused where a block is one chunk
+  (void)kv;
   ch.o[0] = ch.o[1] = 0.0f;
 #if BLK_FMT == 0 || BLK_FMT == 1
+  // element l: byte l of the 32 at qs + 32 (j / 2), nibble j % 2 (q5_k: bit j of qh[l] on top)
   const u32 dd = ld32(blk);
   float sc, m;
   k_scale_min(ld32(blk + 4), ld32(blk + 8), ld32(blk + 12), j, sc, m);
@@ -145,12 +153,12 @@ __device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Ch
   ld256(blk + 16, h);
 #endif
 #pragma unroll
-  for (int l = 0; l < 32; ++l) {
-    u32 v = (byte_of(w[l >> 2], l & 3) >> shift) & 15u;
+  for (int i = 0; i < 8; ++i) {
+    u32 v = (w[i] >> shift) & 0x0F0F0F0Fu;
 #if BLK_FMT == 1
-    v |= ((byte_of(h[l >> 2], l & 3) >> j) & 1u) << 4;
+    v |= ((h[i] >> j) & 0x01010101u) << 4;
 #endif
-    ch.q[l] = small_u(v);
+    bytes4(v, 0.0f, ch.q + 4 * i);
   }
   ch.s[0] = ch.s[1] = f16_lo(dd) * sc;
   ch.o[0] = ch.o[1] = -(f16_hi(dd) * m);
@@ -162,10 +170,8 @@ __device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Ch
   ld256(blk + 128 + 32 * h, wh);
   const int sl = 4 * (t >> 1), sh = 2 * t;
 #pragma unroll
-  for (int l = 0; l < 32; ++l) {
-    const u32 v = ((byte_of(wl[l >> 2], l & 3) >> sl) & 15u) | (((byte_of(wh[l >> 2], l & 3) >> sh) & 3u) << 4);
-    ch.q[l] = small_u(v) - 32.0f;
-  }
+  for (int i = 0; i < 8; ++i)
+    bytes4(((wl[i] >> sl) & 0x0F0F0F0Fu) | (((wh[i] >> sh) & 0x03030303u) << 4), 32.0f, ch.q + 4 * i);
   const float d = f16_lo((u32)(*(const u16*)(blk + 208)));
   const int si = 8 * h + 2 * t;
   ch.s[0] = d * (float)(i8)blk[192 + si];
@@ -176,29 +182,26 @@ __device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Ch
   u32 w[8];
   ld256(blk + 16 + 32 * h, w);
 #pragma unroll
-  for (int l = 0; l < 32; ++l) ch.q[l] = small_u((byte_of(w[l >> 2], l & 3) >> (2 * t)) & 3u);
+  for (int i = 0; i < 8; ++i) bytes4((w[i] >> (2 * t)) & 0x03030303u, 0.0f, ch.q + 4 * i);
   const u32 dd = ld32(blk + 80);
   const float d = f16_lo(dd), dmin = f16_hi(dd);
   const u32 sw = ld32(blk + 8 * h + 2 * t - ((2 * t) & 3));  // the word holding scale bytes 8h+2t, +1
   const int sb = (2 * t) & 3;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    const u32 s = byte_of(sw, sb + k);
-    ch.s[k] = d * small_u(s & 15u);
-    ch.o[k] = -(dmin * small_u(s >> 4));
+    const u32 sv = byte_of(sw, sb + k);
+    ch.s[k] = d * small_u(sv & 15u);
+    ch.o[k] = -(dmin * small_u(sv >> 4));
   }
 #elif BLK_FMT == 4
-  // q3_k: h = j / 4, t = j % 4: ql = qs[32h + l] >> 2t & 3, high bit hmask[l] >> j; sc3(8h + 2t (+1))
+  // q3_k: h = j / 4, t = j % 4: ql = qs[32h + l] >> 2t & 3, high bit hmask[l] >> j; q = ql + 4 hb - 4
   const int h = j >> 2, t = j & 3;
   u32 w[8], hm[8];
   ld256(blk + 32 + 32 * h, w);
   ld256(blk, hm);
 #pragma unroll
-  for (int l = 0; l < 32; ++l) {
-    const u32 lo = (byte_of(w[l >> 2], l & 3) >> (2 * t)) & 3u;
-    const u32 hb = (byte_of(hm[l >> 2], l & 3) >> j) & 1u;
-    ch.q[l] = small_u(lo) - (hb ? 0.0f : 4.0f);
-  }
+  for (int i = 0; i < 8; ++i)
+    bytes4(((w[i] >> (2 * t)) & 0x03030303u) | (((hm[i] >> j) & 0x01010101u) << 2), 4.0f, ch.q + 4 * i);
   const float d = f16_lo((u32)(*(const u16*)(blk + 108)));
   const u32 a0 = ld32(blk + 96), a1 = ld32(blk + 100), a2 = ld32(blk + 104);
 #pragma unroll
@@ -210,88 +213,112 @@ __device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Ch
     ch.s[k] = d * (small_u(low | (high << 4)) - 32.0f);
   }
 #elif BLK_FMT == 5 || BLK_FMT == 6
-  // q5_0: d@0 qh@2 qs@6; q5_1: d@0 m@2 qh@4 qs@8
+  // q5_0: d@0 qh@2 qs@6; q5_1: d@0 m@2 qh@4 qs@8. Element l < 16: low nibble of byte l, l >= 16:
+  // high nibble of byte l - 16; bit l of qh on top.
   constexpr int OFF = BLK_FMT == 6 ? 4 : 2;
   const u32 qh = ld32(blk + OFF);
-  u32 w[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = ld32(blk + OFF + 4 + 4 * i);
-#pragma unroll
-  for (int l = 0; l < 16; ++l) {
-    const u32 b = byte_of(w[l >> 2], l & 3);
-    ch.q[l] = small_u((b & 15u) | (((qh >> l) & 1u) << 4));
-    ch.q[l + 16] = small_u((b >> 4) | (((qh >> (l + 16)) & 1u) << 4));
+  for (int i = 0; i < 4; ++i) {
+    const u32 w = ld32(blk + OFF + 4 + 4 * i);
+    const float bias = BLK_FMT == 5 ? 16.0f : 0.0f;
+    bytes4((w & 0x0F0F0F0Fu) | spread4(qh >> (4 * i), 4), bias, ch.q + 4 * i);
+    bytes4(((w >> 4) & 0x0F0F0F0Fu) | spread4(qh >> (16 + 4 * i), 4), bias, ch.q + 16 + 4 * i);
   }
   const u32 dd = ld32(blk);
-#if BLK_FMT == 5
-#pragma unroll
-  for (int l = 0; l < 32; ++l) ch.q[l] -= 16.0f;
   ch.s[0] = ch.s[1] = f16_lo(dd);
-#else
-  ch.s[0] = ch.s[1] = f16_lo(dd);
+#if BLK_FMT == 6
   ch.o[0] = ch.o[1] = f16_hi(dd);
 #endif
-#elif BLK_FMT == 7
-  // iq4_nl: d@0 qs@2
-  u32 w[4];
+#elif BLK_FMT == 7 || BLK_FMT == 8
+  // iq4_nl: d@0 qs@2 (one block, one chunk); iq4_xs: d@0 scales_h@2 scales_l@4, sub-block j's
+  // 16 bytes at 8 + 16j. Element l < 16: low nibble of byte l, l >= 16: high nibble of byte l - 16.
+  const u8* qs = blk + (BLK_FMT == 7 ? 2 : 8 + 16 * j);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = ld32(blk + 2 + 4 * i);
-#pragma unroll
-  for (int l = 0; l < 16; ++l) {
-    const u32 b = byte_of(w[l >> 2], l & 3);
-    ch.q[l] = KVALUES[b & 15u];
-    ch.q[l + 16] = KVALUES[b >> 4];
+  for (int i = 0; i < 4; ++i) {
+    const u32 w = ld32(qs + 4 * i);
+    table4(w & 0x0F0F0F0Fu, kv, ch.q + 4 * i);
+    table4((w >> 4) & 0x0F0F0F0Fu, kv, ch.q + 16 + 4 * i);
   }
+#if BLK_FMT == 7
   ch.s[0] = ch.s[1] = f16_lo((u32)(*(const u16*)blk));
-#elif BLK_FMT == 8
-  // iq4_xs: d@0 scales_h@2 scales_l@4 qs@8; sub-block j's 16 bytes at 8 + 16j
+#else
   const u32 w0 = ld32(blk), sl = ld32(blk + 4);
-  u32 w[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = ld32(blk + 8 + 16 * j + 4 * i);
-#pragma unroll
-  for (int l = 0; l < 16; ++l) {
-    const u32 b = byte_of(w[l >> 2], l & 3);
-    ch.q[l] = KVALUES[b & 15u];
-    ch.q[l + 16] = KVALUES[b >> 4];
-  }
   const u32 ls = ((byte_of(sl, j >> 1) >> (4 * (j & 1))) & 15u) | (((w0 >> (16 + 2 * j)) & 3u) << 4);
   ch.s[0] = ch.s[1] = f16_lo(w0) * (small_u(ls) - 32.0f);
 #endif
+#endif
 }
+
+#define IQ4 (BLK_FMT == 7 || BLK_FMT == 8)
+__constant__ float KVALUES[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
+                                  1.f, 13.f, 25.f, 38.f, 53.f, 69.f, 89.f, 113.f};
+__device__ __forceinline__ void init_code_book(float* kv) {
+  if (IQ4 && threadIdx.x < 16) kv[threadIdx.x] = KVALUES[threadIdx.x];
+}
+
+// The gemv stages x in shared memory as fp32, TILE chunks (of 32) at a time for all M rows, with
+// each 16-element half's sum: a lane then reads its chunk's activations with four 16-byte loads
+// per half (rows padded to XPAD floats: conflict-free) and the offsets need no sums of their own.
+#define TILE 32
+#define XPAD 36
 
 template <int M>
 __device__ __forceinline__ void gemv_blocks_impl(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w,
-                                                 void* __restrict__ y, i64 y_stride, int N, int K, int y_f32) {
+                                                 void* __restrict__ y, i64 y_stride, int N, int K, int y_f32,
+                                                 float* xs, float* xsum, const float* kv) {
   const int lane = threadIdx.x & 31;
   const int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-  if (n >= N) return;
-  const u8* row = w + (i64)n * (K / QK) * BLK_BYTES;
+  const bool active = n < N;
+  const u8* row = w + (i64)(active ? n : 0) * (K / QK) * BLK_BYTES;
   float acc[M];
 #pragma unroll
   for (int m = 0; m < M; ++m) acc[m] = 0.0f;
   const int chunks = K / 32;
-  for (int c = lane; c < chunks; c += 32) {
-    Chunk ch;
-    load_chunk(row, c, ch);
+  for (int c0 = 0; c0 < chunks; c0 += TILE) {
+    // stage: task = (row m, half h of the tile's 2 * TILE halves): 16 activations, their sum
+    __syncthreads();  // the previous tile is read
+    for (int task = threadIdx.x; task < M * 2 * TILE; task += GEMV_WARPS * 32) {
+      const int m = task / (2 * TILE), h = task % (2 * TILE);
+      const int k = (c0 * 32) + h * 16;
+      if (k < K) {
+        float f[16];
+        load_act<8>(x + m * x_stride + k, f);
+        load_act<8>(x + m * x_stride + k + 8, f + 8);
+        float sum = 0.0f;
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
+        for (int i = 0; i < 16; ++i) sum += f[i];
+        float* dst = xs + (m * TILE + (h >> 1)) * XPAD + (h & 1) * 16;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float xf[16];
-        load_act<8>(x + m * x_stride + c * 32 + half * 16, xf);
-        load_act<8>(x + m * x_stride + c * 32 + half * 16 + 8, xf + 8);
-        float dot = 0.0f, xsum = 0.0f;
+        for (int i = 0; i < 16; i += 4) *(float4*)(dst + i) = make_float4(f[i], f[i + 1], f[i + 2], f[i + 3]);
+        xsum[m * 2 * TILE + h] = sum;
+      }
+    }
+    __syncthreads();
+    const int c = c0 + lane;
+    if (active && c < chunks) {
+      Chunk ch;
+      load_chunk(row, c, ch, kv);
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          dot = fmaf(ch.q[half * 16 + j], xf[j], dot);
-          if (HAS_OFFSET) xsum += xf[j];
+      for (int m = 0; m < M; ++m) {
+        const float* xr = xs + (m * TILE + lane) * XPAD;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 16; i += 4) {
+            const float4 v = *(const float4*)(xr + half * 16 + i);
+            dot = fmaf(ch.q[half * 16 + i], v.x, dot);
+            dot = fmaf(ch.q[half * 16 + i + 1], v.y, dot);
+            dot = fmaf(ch.q[half * 16 + i + 2], v.z, dot);
+            dot = fmaf(ch.q[half * 16 + i + 3], v.w, dot);
+          }
+          acc[m] = fmaf(dot, ch.s[half], acc[m]);
+          if (HAS_OFFSET) acc[m] = fmaf(xsum[m * 2 * TILE + 2 * lane + half], ch.o[half], acc[m]);
         }
-        acc[m] = fmaf(dot, ch.s[half], acc[m]);
-        if (HAS_OFFSET) acc[m] = fmaf(xsum, ch.o[half], acc[m]);
       }
     }
   }
+  if (!active) return;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     const float r = warp_sum(acc[m]);
@@ -302,13 +329,19 @@ __device__ __forceinline__ void gemv_blocks_impl(const act* __restrict__ x, i64 
   }
 }
 
-// Grid: ceil(N / GEMV_WARPS) blocks of GEMV_WARPS * 32 threads.
+// Grid: ceil(N / GEMV_WARPS) blocks of GEMV_WARPS * 32 threads; dynamic shared memory
+// (M * TILE * XPAD + M * 2 * TILE + 16) floats (M = 1: 4.9 KB, M = 8: 39 KB).
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_blocks(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y, i64 y_stride,
             int M, int N, int K, int y_f32) {
+  extern __shared__ __align__(16) float smem[];
+  float* xs = smem;
+  float* xsum = xs + M * TILE * XPAD;
+  float* kv = xsum + M * 2 * TILE;
+  init_code_book(kv);  // made visible by the first tile's barrier
   switch (M) {
 #define GEMV_CASE(MM) \
-    case MM: gemv_blocks_impl<MM>(x, x_stride, w, y, y_stride, N, K, y_f32); break;
+    case MM: gemv_blocks_impl<MM>(x, x_stride, w, y, y_stride, N, K, y_f32, xs, xsum, kv); break;
     GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8)
 #undef GEMV_CASE
     default: break;
@@ -321,6 +354,9 @@ gemv_blocks(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, v
 extern "C" __global__ void __launch_bounds__(256)
 dequant_blocks(const u8* __restrict__ w, const i32* __restrict__ rows, act* __restrict__ out, i64 out_stride,
                int R, int N, int K) {
+  __shared__ float kv[16];
+  init_code_book(kv);
+  if (IQ4) __syncthreads();
   const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   const int chunks = K / 32;
   if (idx >= (i64)R * chunks) return;
@@ -328,7 +364,7 @@ dequant_blocks(const u8* __restrict__ w, const i32* __restrict__ rows, act* __re
   int src = rows ? rows[r] : r;
   if (src < 0 || src >= N) src = 0;  // out-of-range ids read row 0 rather than stray memory
   Chunk ch;
-  load_chunk(w + (i64)src * (K / QK) * BLK_BYTES, c, ch);
+  load_chunk(w + (i64)src * (K / QK) * BLK_BYTES, c, ch, kv);
   float f[32];
 #pragma unroll
   for (int l = 0; l < 32; ++l) f[l] = fmaf(ch.s[l >> 4], ch.q[l], ch.o[l >> 4]);

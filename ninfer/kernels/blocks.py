@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 BLOCK_CODES = {"q4_k": 0, "q5_k": 1, "q6_k": 2, "q2_k": 3, "q3_k": 4, "q5_0": 5, "q5_1": 6, "iq4_nl": 7, "iq4_xs": 8}
 GEMV_WARPS = 8  # blocks.cu
+TILE, XPAD = 32, 36  # blocks.cu: chunks of x staged at a time, floats per staged chunk
 DEQUANT_THREADS = 256
 
 
@@ -53,10 +54,11 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
     out_stride = out.stride(0) if M > 1 else N
     if M > 1 and out_stride < N:
         raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
+    shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
     kc.kernel("blocks.cu", "gemv_blocks", defines).launch(
         (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1),
         [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
-         I32(1 if out.dtype == F32_DT else 0)])
+         I32(1 if out.dtype == F32_DT else 0)], shared_mem=shared)
 
 
 def dequant_blocks(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
