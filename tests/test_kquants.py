@@ -221,3 +221,20 @@ def test_cuda_backend_keeps_block_formats_as_stored(tiny_kquant) -> None:
     assert [s.fmt.format for s in model.layers[1].attn.qkv.segments] == ["q4_k", "q5_0", "q6_k"]
     assert model.layers[0].mlp.gate_up.fmt.format == "q4_k" and model.layers[0].mlp.down.fmt.format == "q6_k"
     assert model.embed.fmt.format == "q6_k" and model.lm_head.fmt.format == "q6_k"
+
+
+def test_run_a_k_quant_gguf_without_convert(tmp_path: Path) -> None:
+    """`ninfer run x.Q4_K_M.gguf` converts it once into the cache, keeping its blocks, and generates."""
+    import json
+    import sys
+
+    src = write_tiny_gguf(tmp_path / "tiny.Q4_K_M.gguf", **TINY, **MIXES["q4_k_m"])
+    cache = tmp_path / "cache"
+    env = dict(os.environ, NINFER_CACHE=str(cache))
+    out = subprocess.run([sys.executable, "-m", "ninfer.cli.main", "run", str(src.path), "--raw", "--json",
+                          "--max-tokens", "4", "--temperature", "0", "hello world"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 4
+    (artifact,) = cache.rglob("*.ninfer")
+    assert {"q4_k", "q6_k", "q5_0"} <= {f.format for f in Artifact.open(artifact).meta.tensor_formats.values()}
