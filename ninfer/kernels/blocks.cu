@@ -132,124 +132,115 @@ __device__ __forceinline__ void k_scale_min(u32 s0, u32 s1, u32 s2, int j, float
   }
 }
 
-// Chunk c (0 .. K/32 - 1) of a row starting at `row`; kv: the iq4 code book (iq4 formats only).
-__device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Chunk& ch, const float* kv) {
+// Codes are bytes: element value = s * (byte - BIAS) + o (iq4: s * KVALUES[byte] + o).
+#if BLK_FMT == 2
+#define BIAS 32
+#elif BLK_FMT == 4
+#define BIAS 4
+#elif BLK_FMT == 5
+#define BIAS 16
+#else
+#define BIAS 0
+#endif
+#define IQ4 (BLK_FMT == 7 || BLK_FMT == 8)
+
+// Four consecutive elements e0 .. e0 + 3 (e0 % 4 == 0) of chunk c of a row: their codes as the
+// bytes of `v`, and the scale and offset of their half (e0 / 16) of the chunk.
+struct Quad {
+  u32 v;
+  float s, o;
+};
+
+__device__ __forceinline__ Quad load_quad(const u8* __restrict__ row, int c, int e0) {
   constexpr int CPB = QK / 32;  // chunks per block
   const u8* blk = row + (i64)(c / CPB) * BLK_BYTES;
   const int j = c % CPB;
   (void)j;  // unused where a block is one chunk
-  (void)kv;
-  ch.o[0] = ch.o[1] = 0.0f;
+  const int half = e0 >> 4;
+  (void)half;
+  Quad r;
+  r.o = 0.0f;
 #if BLK_FMT == 0 || BLK_FMT == 1
   // element l: byte l of the 32 at qs + 32 (j / 2), nibble j % 2 (q5_k: bit j of qh[l] on top)
   const u32 dd = ld32(blk);
   float sc, m;
   k_scale_min(ld32(blk + 4), ld32(blk + 8), ld32(blk + 12), j, sc, m);
-  u32 w[8];
-  ld256(blk + (BLK_FMT == 1 ? 48 : 16) + 32 * (j >> 1), w);
-  const int shift = 4 * (j & 1);
+  r.v = (ld32(blk + (BLK_FMT == 1 ? 48 : 16) + 32 * (j >> 1) + e0) >> (4 * (j & 1))) & 0x0F0F0F0Fu;
 #if BLK_FMT == 1
-  u32 h[8];
-  ld256(blk + 16, h);
+  r.v |= ((ld32(blk + 16 + e0) >> j) & 0x01010101u) << 4;
 #endif
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    u32 v = (w[i] >> shift) & 0x0F0F0F0Fu;
-#if BLK_FMT == 1
-    v |= ((h[i] >> j) & 0x01010101u) << 4;
-#endif
-    bytes4(v, 0.0f, ch.q + 4 * i);
-  }
-  ch.s[0] = ch.s[1] = f16_lo(dd) * sc;
-  ch.o[0] = ch.o[1] = -(f16_hi(dd) * m);
+  r.s = f16_lo(dd) * sc;
+  r.o = -(f16_hi(dd) * m);
 #elif BLK_FMT == 2
-  // q6_k: h = j / 4, quarter t = j % 4: ql[64h + 32(t%2) + l] >> 4(t/2), qh[32h + l] >> 2t
+  // q6_k: h = j / 4, quarter t = j % 4: ql[64h + 32(t%2) + l] >> 4(t/2), qh[32h + l] >> 2t; scale 8h + 2t + half
   const int h = j >> 2, t = j & 3;
-  u32 wl[8], wh[8];
-  ld256(blk + 64 * h + 32 * (t & 1), wl);
-  ld256(blk + 128 + 32 * h, wh);
-  const int sl = 4 * (t >> 1), sh = 2 * t;
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    bytes4(((wl[i] >> sl) & 0x0F0F0F0Fu) | (((wh[i] >> sh) & 0x03030303u) << 4), 32.0f, ch.q + 4 * i);
-  const float d = f16_lo((u32)(*(const u16*)(blk + 208)));
-  const int si = 8 * h + 2 * t;
-  ch.s[0] = d * (float)(i8)blk[192 + si];
-  ch.s[1] = d * (float)(i8)blk[192 + si + 1];
+  const u32 lo = (ld32(blk + 64 * h + 32 * (t & 1) + e0) >> (4 * (t >> 1))) & 0x0F0F0F0Fu;
+  const u32 hi = (ld32(blk + 128 + 32 * h + e0) >> (2 * t)) & 0x03030303u;
+  r.v = lo | (hi << 4);
+  r.s = f16_lo((u32)(*(const u16*)(blk + 208))) * (float)(i8)blk[192 + 8 * h + 2 * t + half];
 #elif BLK_FMT == 3
-  // q2_k: h = j / 4, t = j % 4: qs[32h + l] >> 2t; scale bytes 8h + 2t (+1)
+  // q2_k: h = j / 4, t = j % 4: qs[32h + l] >> 2t; scale byte 8h + 2t + half (low: scale, high: min)
   const int h = j >> 2, t = j & 3;
-  u32 w[8];
-  ld256(blk + 16 + 32 * h, w);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) bytes4((w[i] >> (2 * t)) & 0x03030303u, 0.0f, ch.q + 4 * i);
+  r.v = (ld32(blk + 16 + 32 * h + e0) >> (2 * t)) & 0x03030303u;
   const u32 dd = ld32(blk + 80);
-  const float d = f16_lo(dd), dmin = f16_hi(dd);
-  const u32 sw = ld32(blk + 8 * h + 2 * t - ((2 * t) & 3));  // the word holding scale bytes 8h+2t, +1
-  const int sb = (2 * t) & 3;
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const u32 sv = byte_of(sw, sb + k);
-    ch.s[k] = d * small_u(sv & 15u);
-    ch.o[k] = -(dmin * small_u(sv >> 4));
-  }
+  const u32 sv = blk[8 * h + 2 * t + half];
+  r.s = f16_lo(dd) * small_u(sv & 15u);
+  r.o = -(f16_hi(dd) * small_u(sv >> 4));
 #elif BLK_FMT == 4
-  // q3_k: h = j / 4, t = j % 4: ql = qs[32h + l] >> 2t & 3, high bit hmask[l] >> j; q = ql + 4 hb - 4
+  // q3_k: h = j / 4, t = j % 4: ql = qs[32h + l] >> 2t & 3, high bit hmask[l] >> j; code ql + 4 hb
+  // (value code - 4); scale sc3(8h + 2t + half)
   const int h = j >> 2, t = j & 3;
-  u32 w[8], hm[8];
-  ld256(blk + 32 + 32 * h, w);
-  ld256(blk, hm);
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    bytes4(((w[i] >> (2 * t)) & 0x03030303u) | (((hm[i] >> j) & 0x01010101u) << 2), 4.0f, ch.q + 4 * i);
-  const float d = f16_lo((u32)(*(const u16*)(blk + 108)));
-  const u32 a0 = ld32(blk + 96), a1 = ld32(blk + 100), a2 = ld32(blk + 104);
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int i = 8 * h + 2 * t + k;
-    const u32 lowb = byte_of((i & 7) < 4 ? a0 : a1, i & 3);
-    const u32 low = (lowb >> (4 * (i >> 3))) & 15u;
-    const u32 high = (byte_of(a2, i & 3) >> (2 * (i >> 2))) & 3u;
-    ch.s[k] = d * (small_u(low | (high << 4)) - 32.0f);
-  }
+  r.v = ((ld32(blk + 32 + 32 * h + e0) >> (2 * t)) & 0x03030303u) | (((ld32(blk + e0) >> j) & 0x01010101u) << 2);
+  const int i = 8 * h + 2 * t + half;
+  const u32 low = (blk[96 + (i & 7)] >> (4 * (i >> 3))) & 15u;
+  const u32 high = (blk[104 + (i & 3)] >> (2 * (i >> 2))) & 3u;
+  r.s = f16_lo((u32)(*(const u16*)(blk + 108))) * (small_u(low | (high << 4)) - 32.0f);
 #elif BLK_FMT == 5 || BLK_FMT == 6
   // q5_0: d@0 qh@2 qs@6; q5_1: d@0 m@2 qh@4 qs@8. Element l < 16: low nibble of byte l, l >= 16:
   // high nibble of byte l - 16; bit l of qh on top.
   constexpr int OFF = BLK_FMT == 6 ? 4 : 2;
-  const u32 qh = ld32(blk + OFF);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 w = ld32(blk + OFF + 4 + 4 * i);
-    const float bias = BLK_FMT == 5 ? 16.0f : 0.0f;
-    bytes4((w & 0x0F0F0F0Fu) | spread4(qh >> (4 * i), 4), bias, ch.q + 4 * i);
-    bytes4(((w >> 4) & 0x0F0F0F0Fu) | spread4(qh >> (16 + 4 * i), 4), bias, ch.q + 16 + 4 * i);
-  }
+  r.v = ((ld32(blk + OFF + 4 + (e0 & 15)) >> (4 * half)) & 0x0F0F0F0Fu) | spread4(ld32(blk + OFF) >> e0, 4);
   const u32 dd = ld32(blk);
-  ch.s[0] = ch.s[1] = f16_lo(dd);
+  r.s = f16_lo(dd);
 #if BLK_FMT == 6
-  ch.o[0] = ch.o[1] = f16_hi(dd);
+  r.o = f16_hi(dd);
 #endif
 #elif BLK_FMT == 7 || BLK_FMT == 8
   // iq4_nl: d@0 qs@2 (one block, one chunk); iq4_xs: d@0 scales_h@2 scales_l@4, sub-block j's
   // 16 bytes at 8 + 16j. Element l < 16: low nibble of byte l, l >= 16: high nibble of byte l - 16.
   const u8* qs = blk + (BLK_FMT == 7 ? 2 : 8 + 16 * j);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 w = ld32(qs + 4 * i);
-    table4(w & 0x0F0F0F0Fu, kv, ch.q + 4 * i);
-    table4((w >> 4) & 0x0F0F0F0Fu, kv, ch.q + 16 + 4 * i);
-  }
+  r.v = (ld32(qs + (e0 & 15)) >> (4 * half)) & 0x0F0F0F0Fu;
 #if BLK_FMT == 7
-  ch.s[0] = ch.s[1] = f16_lo((u32)(*(const u16*)blk));
+  r.s = f16_lo((u32)(*(const u16*)blk));
 #else
   const u32 w0 = ld32(blk), sl = ld32(blk + 4);
   const u32 ls = ((byte_of(sl, j >> 1) >> (4 * (j & 1))) & 15u) | (((w0 >> (16 + 2 * j)) & 3u) << 4);
-  ch.s[0] = ch.s[1] = f16_lo(w0) * (small_u(ls) - 32.0f);
+  r.s = f16_lo(w0) * (small_u(ls) - 32.0f);
 #endif
+#endif
+  return r;
+}
+
+// A quad's codes as floats (code - BIAS, or the iq4 code book's value; kv: the code book).
+__device__ __forceinline__ void quad_floats(u32 v, const float* kv, float* q) {
+#if IQ4
+  table4(v, kv, q);
+#else
+  bytes4(v, (float)BIAS, q);
 #endif
 }
 
-#define IQ4 (BLK_FMT == 7 || BLK_FMT == 8)
+// Chunk c (0 .. K/32 - 1) of a row starting at `row`, as 32 floats and a scale and offset per half.
+__device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Chunk& ch, const float* kv) {
+#pragma unroll
+  for (int e0 = 0; e0 < 32; e0 += 4) {
+    const Quad qd = load_quad(row, c, e0);
+    quad_floats(qd.v, kv, ch.q + e0);
+    ch.s[e0 >> 4] = qd.s;
+    ch.o[e0 >> 4] = qd.o;
+  }
+}
+
 __constant__ float KVALUES[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
                                   1.f, 13.f, 25.f, 38.f, 53.f, 69.f, 89.f, 113.f};
 __device__ __forceinline__ void init_code_book(float* kv) {
