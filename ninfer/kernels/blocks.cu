@@ -363,3 +363,105 @@ dequant_blocks(const u8* __restrict__ w, const i32* __restrict__ rows, act* __re
 #pragma unroll
   for (int l = 0; l < 32; l += 8) store_act<8>(o + l, f + l);
 }
+
+#if !ACT_F32
+// ---- gemv_blocks_mma: the same product on tensor cores (bf16 activations) ----------------------------
+// One block of MMA_WARPS warps owns 16 output columns n0 .. n0 + 15; its warps split the chunks of K
+// (warp v takes chunks v, v + MMA_WARPS, ...). Per chunk and half, one mma.m16n8k16: A = 16 weight
+// rows x the half's 16 codes (bf16, exact: codes are small integers), B = those 16 k x 8 activation
+// rows (rows past M are zero). Lane (g = lane / 4, t = lane % 4) decodes elements 16 half + 4t .. +3
+// of weight rows g and g + 8 (one load_quad each) and loads the same 4 activations of row g, so the
+// mma's k slots 2t, 2t+1, 2t+8, 2t+9 are those elements in order for A and B alike. The half's scale
+// multiplies the mma result; offsets take sum(x) over the half from a second mma with A = ones. fp32
+// accumulation; column m depends only on x row m, and the warps' sums are added in warp order: batch
+// invariant, like gemv_blocks.
+#define MMA_WARPS 8
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A quad's codes as bf16 pairs (code 0, code 1) and (code 2, code 3), values exact: a code byte
+// (< 128) under 0x4300 is the bf16 128 + code, and one bf16x2 fma takes 128 + BIAS off; iq4 codes
+// index the code book (bf16 bits in shared memory).
+__device__ __forceinline__ void quad_bf16(u32 v, const u16* kv16, u32 off2, u32& p01, u32& p23) {
+#if IQ4
+  (void)off2;
+  p01 = (u32)kv16[v & 15u] | ((u32)kv16[(v >> 8) & 15u] << 16);
+  p23 = (u32)kv16[(v >> 16) & 15u] | ((u32)kv16[v >> 24] << 16);
+#else
+  (void)kv16;
+  constexpr u32 ONE2 = 0x3F803F80u;  // (1, 1)
+  const u32 a = __byte_perm(v, 0u, 0x4140) | 0x43004300u, b = __byte_perm(v, 0u, 0x4342) | 0x43004300u;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p01) : "r"(a), "r"(ONE2), "r"(off2));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p23) : "r"(b), "r"(ONE2), "r"(off2));
+#endif
+}
+
+// Grid: ceil(N / 16) blocks of MMA_WARPS * 32 threads.
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
+gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
+                i64 y_stride, int M, int N, int K, int y_f32) {
+  __shared__ u16 kv16[16];
+  __shared__ float part[MMA_WARPS][32][4];
+  if (IQ4 && threadIdx.x < 16) kv16[threadIdx.x] = f32_to_bf16(KVALUES[threadIdx.x]);
+  if (IQ4) __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const i64 row_bytes = (i64)(K / QK) * BLK_BYTES;
+  const u8* w0 = w + (i64)min(n0 + g, N - 1) * row_bytes;  // rows past N: read, never stored
+  const u8* w1 = w + (i64)min(n0 + g + 8, N - 1) * row_bytes;
+  const bool has_x = g < M;
+  const act* xr = x + (has_x ? g : 0) * x_stride;
+  const u16 off = f32_to_bf16(-(128.0f + (float)BIAS));
+  const u32 off2 = (u32)off | ((u32)off << 16);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int chunks = K / 32;
+  for (int c = warp; c < chunks; c += MMA_WARPS) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int e0 = 16 * half + 4 * t;
+      const Quad qa = load_quad(w0, c, e0), qb = load_quad(w1, c, e0);
+      u32 a0, a1, a2, a3;
+      quad_bf16(qa.v, kv16, off2, a0, a2);
+      quad_bf16(qb.v, kv16, off2, a1, a3);
+      const uint2 xv = has_x ? *(const uint2*)(xr + c * 32 + e0) : make_uint2(0u, 0u);
+      float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(cc, a0, a1, a2, a3, xv.x, xv.y);
+      acc[0] = fmaf(cc[0], qa.s, acc[0]);
+      acc[1] = fmaf(cc[1], qa.s, acc[1]);
+      acc[2] = fmaf(cc[2], qb.s, acc[2]);
+      acc[3] = fmaf(cc[3], qb.s, acc[3]);
+      if (HAS_OFFSET) {
+        constexpr u32 ONES = 0x3F803F80u;
+        float cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum of the half's x per column (the same for every row)
+        mma16816(cx, ONES, ONES, ONES, ONES, xv.x, xv.y);
+        acc[0] = fmaf(cx[0], qa.o, acc[0]);
+        acc[1] = fmaf(cx[1], qa.o, acc[1]);
+        acc[2] = fmaf(cx[2], qb.o, acc[2]);
+        acc[3] = fmaf(cx[3], qb.o, acc[3]);
+      }
+    }
+  }
+  // the warps' partial sums, added in warp order
+#pragma unroll
+  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
+  __syncthreads();
+  if (warp) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float r = part[0][lane][j];
+#pragma unroll
+    for (int v = 1; v < MMA_WARPS; ++v) r += part[v][lane][j];
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (n < N && m < M) {
+      if (y_f32) ((float*)y)[m * y_stride + n] = r;
+      else ((act*)y)[m * y_stride + n] = to_act(r);
+    }
+  }
+}
+#endif

@@ -38,12 +38,21 @@ def _weight(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, K: int) -> t
     return N, BLOCK_CODES[fmt.format]
 
 
-def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor) -> None:
+ROUTES = ("warp", "mma")  # gemv_blocks (fp32 math, any activation dtype), gemv_blocks_mma (bf16, tensor cores)
+MMA_WARPS = 8  # blocks.cu
+
+
+def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
+                route: str = "warp") -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8, W in block format `fmt` (its stored uint8 part).
-    x bf16 or fp32 (the activation dtype); out in x's dtype or fp32. Row strides of x and out may
-    exceed their widths (x's: a 16-byte multiple)."""
+    x bf16 or fp32 (the activation dtype; route "mma": bf16 only); out in x's dtype or fp32. Row
+    strides of x and out may exceed their widths (x's: a 16-byte multiple)."""
     M, K = x.shape
     N, code = _weight(kc, fmt, w, K)
+    if route not in ROUTES:
+        raise KernelError(f"unknown block gemv route {route!r} (one of {', '.join(ROUTES)})")
+    if route == "mma" and x.dtype != torch.bfloat16:
+        raise KernelError(f"the mma route takes bfloat16 activations, got {x.dtype}")
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use dequant_blocks + matmul for more")
     defines = {"BLK_FMT": code, **_act(x.dtype, "x")}
@@ -54,11 +63,14 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
     out_stride = out.stride(0) if M > 1 else N
     if M > 1 and out_stride < N:
         raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
+    args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
+            I32(1 if out.dtype == F32_DT else 0)]
+    if route == "mma":
+        kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
+        return
     shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
     kc.kernel("blocks.cu", "gemv_blocks", defines).launch(
-        (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1),
-        [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
-         I32(1 if out.dtype == F32_DT else 0)], shared_mem=shared)
+        (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1), args, shared_mem=shared)
 
 
 def dequant_blocks(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,

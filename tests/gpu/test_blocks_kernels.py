@@ -1,6 +1,6 @@
 """blocks.cu (llama.cpp block formats read in place) against the torch dequantize reference on fresh
-random blocks: gemv for 1..8 rows (bf16 and fp32 activations, bf16 and fp32 outputs), batch
-invariance, dequant_blocks (prefill expansion and the embedding gather), and the cuda runner against
+random blocks: gemv for 1..8 rows on both routes (warp: fp32 math, bf16 and fp32 activations; mma:
+tensor cores, bf16), bf16 and fp32 outputs, batch invariance, dequant_blocks (prefill expansion and the embedding gather), and the cuda runner against
 the torch runner on a tiny GGUF of every block type and on synthetic llama-8b Q4_K / Q4_K_M weights."""
 from __future__ import annotations
 
@@ -42,22 +42,28 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
 
 
+CASES = [("warp", BF, BF), ("warp", BF, F32), ("warp", F32, F32), ("mma", BF, BF), ("mma", BF, F32)]
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("act,out_dtype", [(BF, BF), (BF, F32), (F32, F32)], ids=["bf16", "bf16-f32out", "f32"])
-def test_gemv_blocks(kc: KernelCompiler, name: str, M: int, act: torch.dtype, out_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("route,act,out_dtype", CASES, ids=[f"{r}-{a}-{o}".replace("torch.", "") for r, a, o in CASES])
+def test_gemv_blocks(kc: KernelCompiler, name: str, M: int, route: str, act: torch.dtype,
+                     out_dtype: torch.dtype) -> None:
+    """N = 1000 (not a multiple of 16: the mma route's last tile is partial), K = 2048 + 256."""
     fmt = TensorFormat(name)
-    N, K = 1000, 2048
+    N, K = 1000, 2304
     w = blocks(name, N, K, seed=M)
     x = (torch.randn(M, K, generator=torch.Generator(DEV).manual_seed(M), device=DEV)).to(act)
     out = poisoned((M, N), out_dtype)
-    B.gemv_blocks(kc, x, fmt, w, out)
+    B.gemv_blocks(kc, x, fmt, w, out, route)
     ref = x.double() @ dequantize(fmt, {"": w}, torch.float64).T
     assert rel(out, ref) < TOL[out_dtype]
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str) -> None:
+@pytest.mark.parametrize("route", ["warp", "mma"])
+def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str, route: str) -> None:
     """Row 0 bit-equal whatever M is; x and out may be row-strided views (a fused projection's slice)."""
     fmt = TensorFormat(name)
     N, K = 576, 1536
@@ -65,8 +71,8 @@ def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str) 
     x = torch.randn(8, K + 256, device=DEV).to(BF)[:, :K]
     out8 = poisoned((8, N + 64), F32)[:, 32:32 + N]
     out1 = poisoned((1, N), F32)
-    B.gemv_blocks(kc, x, fmt, w, out8)
-    B.gemv_blocks(kc, x[:1], fmt, w, out1)
+    B.gemv_blocks(kc, x, fmt, w, out8, route)
+    B.gemv_blocks(kc, x[:1], fmt, w, out1, route)
     assert torch.equal(out1[0], out8[0])
     assert rel(out8, x.double() @ dequantize(fmt, {"": w}, torch.float64).T) < 1e-5
 
@@ -102,6 +108,8 @@ def test_block_launchers_check_arguments(kc: KernelCompiler) -> None:
         B.gemv_blocks(kc, torch.randn(9, 512, device=DEV).to(BF), TensorFormat("q4_k"), w, poisoned((9, 64), BF))
     with pytest.raises(KernelError, match="no block kernel"):
         B.gemv_blocks(kc, x, TensorFormat("int8", 32), w, poisoned((1, 64), BF))
+    with pytest.raises(KernelError, match="bfloat16 activations"):
+        B.gemv_blocks(kc, x.float(), TensorFormat("q4_k"), w, poisoned((1, 64), F32), "mma")
 
 
 # ---- whole models: the cuda runner against the torch runner -----------------------------------------

@@ -3,8 +3,9 @@ kernels/gdn.py), cuBLAS through torch.mm for prompt-sized matmuls.
 
 Two routes, chosen by the step context, not by row count:
 - decode (one new token per sequence, at most 8 rows, replayed from a CUDA graph): gemv over the
-  stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: route
-  "blocks"), split-K paged decode attention, one delta-rule step per sequence.
+  stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: on tensor
+  cores with bf16 activations, route "blocks_mma", else "blocks"), split-K paged decode attention,
+  one delta-rule step per sequence.
 - prompt (prefill, chunks, prefix-hit suffixes): torch.mm on dense weights (quantized weights
   expanded per projection on the fly; block formats by the dequant_blocks kernel) in blocks of
   exactly PROMPT_ROWS rows (padded), paged prefill attention, the delta rule over each sequence's tokens.
@@ -48,7 +49,7 @@ class Weight:
     fmt: TensorFormat
     parts: dict[str, torch.Tensor]
     bias: torch.Tensor | None = None  # [N], activation dtype
-    route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES, or "blocks": blocks.cu)
+    route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES; blocks.cu's: "blocks", "blocks_mma")
     segments: list[Weight] | None = None  # row blocks in their own formats (then fmt/parts unused)
 
     @property
@@ -124,7 +125,8 @@ class CudaOps:
         k = in_features(first_fmt, first[""])
         b = bias.to(self.device, self.dtype).contiguous() if bias is not None else None
         if all(f == first_fmt for f in fmts) and blocks_ok(first_fmt, k):  # kept as stored
-            return Weight(first_fmt, {"": torch.cat([parts[""] for _, parts in items]).contiguous()}, b, "blocks")
+            return Weight(first_fmt, {"": torch.cat([parts[""] for _, parts in items]).contiguous()}, b,
+                          self.blocks_route)
         if any(f.blocks for f in fmts) and all(blocks_ok(f, k) or gemv_ok(f, k) for f in fmts):
             # mixed formats around a block format: each run of one format kept as it is, one gemv per run
             runs: list[list[tuple[TensorFormat, dict[str, torch.Tensor]]]] = []
@@ -143,6 +145,11 @@ class CudaOps:
         return Weight(DTYPES[self.dtype],
                       {"": torch.cat([dequantize(f, p, self.dtype) for f, p in items]).contiguous()}, b)
 
+    @property
+    def blocks_route(self) -> str:
+        """blocks.cu's decode gemv: on tensor cores with bf16 activations, fp32 math otherwise."""
+        return "blocks_mma" if self.dtype == torch.bfloat16 else "blocks"
+
     def gemv_route(self, fmt: TensorFormat, k: int) -> str:
         """The decode gemv kernel for weights of `fmt` and input width k (one route per weight, never
         per batch: rows must not depend on their batch), DEFAULT_ROUTES where it takes them."""
@@ -152,7 +159,7 @@ class CudaOps:
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
         if blocks_ok(fmt, H):  # gathered by dequant_blocks
-            return Weight(fmt, {"": parts[""].contiguous()}, route="blocks")
+            return Weight(fmt, {"": parts[""].contiguous()}, route=self.blocks_route)
         if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and gemv_ok(fmt, H):
             return Weight(fmt, dict(parts))  # the embedding kernel reads quant.py's layout: the warp route
         # the embedding kernel copies rows of the activation dtype
@@ -172,7 +179,7 @@ class CudaOps:
 
     def embed(self, ids: torch.Tensor, w: Weight) -> torch.Tensor:
         out = self._empty(ids.shape[0], self.config.hidden_size)
-        if w.route == "blocks":
+        if w.fmt.blocks:
             B.dequant_blocks(self.kc, w.fmt, w.parts[""], out, rows=ids)
         elif w.fmt.quantized:
             L.embedding_quant(self.kc, ids, w.fmt, w.parts, out)
@@ -208,8 +215,8 @@ class CudaOps:
             for seg in w.segments:
                 self._gemv(x, seg, out[:, r0:r0 + seg.rows])
                 r0 += seg.rows
-        elif w.route == "blocks":
-            B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out)
+        elif w.fmt.blocks:
+            B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out, "mma" if w.route == "blocks_mma" else "warp")
         else:
             L.gemv(self.kc, x, w.fmt, w.parts, out, w.route)
 
@@ -224,7 +231,7 @@ class CudaOps:
                 self.dense(seg, out[r0:r0 + seg.rows])
                 r0 += seg.rows
             return out
-        if w.route == "blocks":
+        if w.fmt.blocks:
             out = out if out is not None else self._empty(w.rows, in_features(w.fmt, w.parts[""]))
             B.dequant_blocks(self.kc, w.fmt, w.parts[""], out)
             return out
