@@ -194,8 +194,9 @@ def test_real_q4_k_m_matches_transformers(smollm2_q4_k_m: Path, tmp_path: Path) 
     hf = hf_from_gguf(smollm2_q4_k_m)
     f32 = TorchModelRunner(artifact, num_pages=16, page_size=16, dtype=torch.float32)
     fast = TorchModelRunner(artifact, num_pages=16, page_size=16)
-    # measured (2026-12-03, llama-cpp-python 0.3.36 sdist (ggml 0c1e570) llama-quantize from the Q4_1 file: 166 Q5_0, 16 Q4_K, 15 Q8_0,
-    # 14 Q6_K): f32 max |Δlogit| 0.0 on both prompts; bf16 1.34 and 0.44 (logits span ~±30), same argmax
+    # measured 2026-12-03 on a file from llama-quantize (llama-cpp-python 0.3.36's llama.cpp, ggml 0c1e570)
+    # run on the Q4_1 file (166 Q5_0, 16 Q4_K, 15 Q8_0, 14 Q6_K tensors): f32 max |Δlogit| 0.0 on both
+    # prompts; bf16 1.34 and 0.44 (logits span ~±30), the same argmax at every position
     for ids in prompts:
         ref = hf_logits(hf, ids)
         assert (f32.forward_logits(ids) - ref).abs().max().item() < 1e-4
