@@ -1,7 +1,8 @@
 """blocks.cu (llama.cpp block formats read in place) against the torch dequantize reference on fresh
 random blocks: gemv for 1..8 rows on both routes (warp: fp32 math, bf16 and fp32 activations; mma:
-tensor cores, bf16), bf16 and fp32 outputs, batch invariance, dequant_blocks (prefill expansion and the embedding gather), and the cuda runner against
-the torch runner on a tiny GGUF of every block type and on synthetic llama-8b Q4_K / Q4_K_M weights."""
+tensor cores, bf16), bf16 and fp32 outputs, batch invariance, dequant_blocks (prefill expansion and
+the embedding gather), and the cuda runner against the torch runner on a tiny GGUF of every block
+type and on synthetic llama-8b Q4_K / Q4_K_M weights."""
 from __future__ import annotations
 
 import gc
