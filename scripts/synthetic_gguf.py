@@ -7,8 +7,10 @@ Q4_K_M mix, or all in one block type, so that ninfer and llama.cpp benchmark the
 
 Blocks are random bits with their f16 scales set so that weights are of size ~0.02 (finite; the
 model's output is noise, its speed is a real model's). Q4_K_M: as llama.cpp's quantize tool
-assigns types (Q6_K for output.weight and for attn_v / ffn_down of its `use_more_bits` layers,
-Q4_K elsewhere; where an input width is not a multiple of 256, Q5_0 for Q4_K and Q8_0 for Q6_K).
+assigns types (Q6_K for output.weight, or token_embd when tied, and for attn_v / ffn_down of its
+`use_more_bits` layers, Q4_K elsewhere; where an input width is not a multiple of 256, Q5_0 for
+Q4_K and Q8_0 for Q6_K): for smollm2-135m the same type counts as llama-quantize's Q4_K_M of the
+real model (166 Q5_0, 16 Q4_K, 15 Q8_0, 14 Q6_K).
 Tensors stream to the file one at a time (memory: one tensor). Tokenizer: a byte-level BPE
 vocabulary padded with placeholder tokens to the shape's vocabulary size.
 """
@@ -37,10 +39,10 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def tensor_type(gname: str, cols: int, layers: int, kind: str) -> Q:
+def tensor_type(gname: str, cols: int, layers: int, kind: str, tied: bool) -> Q:
     if kind == "q4_k_m":
         qtype = Q.Q4_K
-        if gname == "output.weight":
+        if gname == "output.weight" or (tied and gname == "token_embd.weight"):  # tied: the output's type
             qtype = Q.Q6_K
         elif gname.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(gname.split(".")[1]), layers):
             qtype = Q.Q6_K
@@ -122,7 +124,7 @@ def main() -> None:
             plan.append((name, shape, None))
             w.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
         else:
-            qtype = tensor_type(name, shape[1], layers, args.type)
+            qtype = tensor_type(name, shape[1], layers, args.type, "output.weight" not in shapes)
             elements, nbytes = gguf.GGML_QUANT_SIZES[qtype]
             byte_shape = (shape[0], shape[1] // elements * nbytes)
             plan.append((name, shape, qtype))
