@@ -89,10 +89,11 @@ def _word_level_tokenizer(vocab_size: int) -> str:
 WEIGHTS = ("bf16", "f32", "int8", "int4", "q4_k", "q6_k", "q4_k_m")
 
 
-def _q4_k_m(name: str, layers: int) -> str:
+def _q4_k_m(name: str, layers: int, tied: bool) -> str:
     """The block format llama.cpp's quantize tool gives weight `name` in a Q4_K_M file: q6_k for the
-    lm_head and for v_proj / down_proj of its `use_more_bits` layers, q4_k for the rest."""
-    if name == "lm_head.weight":
+    lm_head (the embedding when tied) and for v_proj / down_proj of its `use_more_bits` layers, q4_k
+    for the rest."""
+    if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
         return "q6_k"
     if name.endswith(("v_proj.weight", "down_proj.weight")):
         i = int(name.split(".")[2])
@@ -122,7 +123,8 @@ class SyntheticArtifact:
                 formats[wname] = TensorFormat(weights, DEFAULT_GROUP_SIZE, symmetric=False)
             elif len(shape) == 2 and is_quantizable(wname, config) and weights in ("q4_k", "q6_k", "q4_k_m") \
                     and shape[1] % 256 == 0:
-                kind = _q4_k_m(wname, config.num_hidden_layers) if weights == "q4_k_m" else weights
+                kind = (_q4_k_m(wname, config.num_hidden_layers, config.tie_word_embeddings) if weights == "q4_k_m"
+                        else weights)
                 formats[wname] = TensorFormat(kind)
             elif len(shape) == 2:
                 formats[wname] = TensorFormat("f32" if weights == "f32" else "bf16")
