@@ -27,6 +27,7 @@ static inline u32 __byte_perm(u32 x, u32 y, u32 s) {
 struct Dim { int x; }; static Dim threadIdx, blockIdx, blockDim;
 static inline float __uint_as_float(u32 u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float f16_to_f32(u16 h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
+#define ACT_F32 1  // activations as floats: blocks.cu's bf16-only tensor-core kernel is left out
 typedef float act;
 static inline act to_act(float f) { return f; }
 template <int N> void load_act(const act* p, float* f) { for (int i = 0; i < N; ++i) f[i] = p[i]; }
