@@ -67,6 +67,26 @@ def main() -> None:
                         w = parts[""]
                         line += f" | torch.matmul {bench(lambda: x @ w.T) * 1e3:7.1f} us"
                     print(line)
+    from ninfer.kernels import blocks as BK
+
+    for N, K in ((6144, 4096), (28672, 4096), (4096, 14336)):  # llama.cpp blocks, both routes, and the prefill expand
+        for name in ("q4_k", "q6_k", "q5_0"):
+            fmt = TensorFormat(name)
+            w = quantize(torch.randn(N, K, device=DEV) * 0.02, fmt)[""] if name != "q5_0" else \
+                torch.randint(0, 256, (N, K // 32 * 22), dtype=torch.uint8, device=DEV)
+            if name == "q5_0":
+                w.view(N, K // 32, 22)[..., :2] = torch.tensor([0x00, 0x1c], dtype=torch.uint8, device=DEV)  # d = 2^-8
+            ref_w = dequantize(fmt, {"": w}, torch.float64)
+            for M in (1, 2, 4, 8):
+                x = torch.randn(M, K, device=DEV).bfloat16()
+                out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
+                for route in BK.ROUTES:
+                    ms = bench(lambda: BK.gemv_blocks(kc, x, fmt, w, out, route))
+                    print(f"gemv_blocks {route:4s} {name:6s} M={M} N={N:6d} K={K:6d}: {ms * 1e3:7.1f} us "
+                          f"{w.numel() / ms / 1e6:6.0f} GB/s rel {rel(out, x.double() @ ref_w.T):.1e}")
+            dense = torch.empty(N, K, device=DEV, dtype=torch.bfloat16)
+            ms = bench(lambda: BK.dequant_blocks(kc, fmt, w, dense))
+            print(f"dequant_blocks {name:6s} N={N:6d} K={K:6d}: {ms * 1e3:7.1f} us ({(w.numel() + dense.numel() * 2) / ms / 1e6:6.0f} GB/s)")
     B, Hq, Hkv, D, ps = 8, 32, 8, 128, 16
     for ctx_len in (512, 4096, 32768):
         pages = B * ctx_len // ps

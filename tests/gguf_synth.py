@@ -3,6 +3,7 @@
 Face Qwen3.5 model with convert_hf_to_gguf.py's tensor changes and keys)."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,19 +59,50 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# llama.cpp block types gguf-py cannot quantize, for random_blocks: (offset of the f16 d, mean |code
+# product| per unit of d, offset of the f16 min field or None, min / d that centres the weights).
+BLOCK_FIELDS = {
+    Q.Q4_K: (0, 256.0, 2, 7.5), Q.Q5_K: (0, 512.0, 2, 15.5), Q.Q6_K: (208, 1024.0, None, 0.0),
+    Q.Q2_K: (80, 12.0, 82, 1.5), Q.Q3_K: (108, 32.0, None, 0.0), Q.IQ4_NL: (0, 60.0, None, 0.0),
+    Q.IQ4_XS: (0, 960.0, None, 0.0), Q.Q5_0: (0, 8.0, None, 0.0), Q.Q5_1: (0, 8.0, 2, -15.5),
+}
+
+
+def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scale: float = 0.5) -> np.ndarray:
+    """[rows, cols / QK * bytes] uint8 blocks of `qtype`: random bits, the f16 fields (d, and dmin or
+    m) set so that weights are of size ~`scale` and roughly centred (always finite)."""
+    elements, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // elements, nbytes), dtype=np.uint8)
+    d_at, unit, min_at, ratio = BLOCK_FIELDS.get(qtype, (0, 1.0, None, 0.0))  # others: d first, as most
+    d = scale / unit * rng.uniform(0.5, 1.5, size=(blocks.shape[0], 1))
+    blocks[:, d_at:d_at + 2] = d.astype(np.float16).view(np.uint8)
+    if min_at is not None:
+        blocks[:, min_at:min_at + 2] = (d * ratio * rng.uniform(0.8, 1.2, size=d.shape)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def _quantized(w: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
     """(bytes to write, the values the file then holds)."""
     if qtype == Q.F32:
         return w.astype(np.float32), w.astype(np.float32)
     if qtype == Q.F16:
         return w.astype(np.float16), w.astype(np.float16).astype(np.float32)
-    data = gguf.quants.quantize(w.astype(np.float32), qtype)
+    try:
+        data = gguf.quants.quantize(w.astype(np.float32), qtype)
+    except NotImplementedError:  # K-quants, IQ4: random blocks of w's size (w's values are random anyway)
+        data = random_blocks(np.random.default_rng(zlib.crc32(w.tobytes())), qtype, *w.shape,
+                             scale=float(np.abs(w).mean()))
     return data, gguf.quants.dequantize(data, qtype).reshape(w.shape)
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", *, tokenizer: str = "spm", tied: bool = True,
                     linear_type: Q = Q.Q4_1, embed_type: Q = Q.Q8_0, type_overrides: dict[str, Q] | None = None,
-                    rope_freqs: np.ndarray | None = None, skip: tuple[str, ...] = (), seed: int = 0) -> TinyGGUF:
+                    rope_freqs: np.ndarray | None = None, skip: tuple[str, ...] = (), seed: int = 0,
+                    hidden: int = HIDDEN, ffn: int = FFN, head_dim: int = HEAD_DIM,
+                    weight_scale: float = 0.5) -> TinyGGUF:
+    """type_overrides: GGUF tensor name, or a per-layer name without `blk.N.` (e.g. "attn_v.weight"),
+    -> its GGUF type. K-quant types need hidden, ffn and HEADS * head_dim multiples of 256."""
+    HIDDEN, FFN, HEAD_DIM = hidden, ffn, head_dim  # noqa: N806 - the module defaults, overridden
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny test model")
@@ -132,13 +164,13 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, tokenizer: str = "spm", 
     for gname, (hname, shape) in shapes.items():
         if gname in skip:
             continue
-        value = rng.standard_normal(shape).astype(np.float32) * 0.5
+        value = rng.standard_normal(shape).astype(np.float32) * weight_scale
         if len(shape) == 1:
             qtype = Q.F32
             value = 1.0 + 0.1 * value
         else:
             qtype = embed_type if gname in ("token_embd.weight", "output.weight") else linear_type
-        qtype = overrides.get(gname, qtype)
+        qtype = overrides.get(gname, overrides.get(gname.split(".", 2)[-1] if gname.startswith("blk.") else gname, qtype))
         data, held = _quantized(value, qtype)
         if arch == "llama" and ".attn_q." in gname:
             data = llama_permute(data, HEADS)

@@ -178,8 +178,8 @@ def test_unknown_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
-    g = write_tiny_gguf(tmp_path / "q5.gguf", "llama", type_overrides={"blk.1.ffn_gate.weight": Q.Q5_0})
-    _fails(g.path, tmp_path / "o.ninfer", "blk.1.ffn_gate.weight", "Q5_0")
+    g = write_tiny_gguf(tmp_path / "mx.gguf", "llama", type_overrides={"blk.1.ffn_gate.weight": Q.MXFP4})
+    _fails(g.path, tmp_path / "o.ninfer", "blk.1.ffn_gate.weight", "MXFP4")
     # other weight modes dequantize it through gguf
     art = Artifact.open(convert(g.path, tmp_path / "ok.ninfer", weights="int8", progress=False))
     got = art.load_dequantized()["model.layers.1.mlp.gate_proj.weight"]

@@ -92,7 +92,7 @@ def bench(
     concurrency: List[str] = typer.Option(["1"], "--concurrency", "-c", help="Concurrent requests for tg tests (1..8)."),
     output: str = typer.Option("md", "-o", "--output", help="md, json or jsonl."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic", help="Random weights of a named shape (e.g. smollm2-135m, llama-8b, qwen3-8b)."),
-    weights: str = typer.Option("bf16", "--weights", help="Synthetic weight format: bf16, f32, int8, int4."),
+    weights: str = typer.Option("bf16", "--weights", help="Synthetic weight format: bf16, f32, int8, int4, q4_k, q6_k, q4_k_m (llama.cpp blocks)."),
     backend: str = BACKEND,
     device: int = DEVICE,
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),

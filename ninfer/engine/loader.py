@@ -73,8 +73,9 @@ def model_facts(artifact, tokenizer: Tokenizer, max_context: int) -> ModelFacts:
 
 
 def weight_format_name(fmt: TensorFormat) -> str:
-    """A format's short name: f32, bf16, int8g32, int4g32 (symmetric) or int4ag32 (asymmetric)."""
-    if not fmt.quantized:
+    """A format's short name: f32, bf16, int8g32, int4g32 (symmetric), int4ag32 (asymmetric) or a
+    llama.cpp block format's (q4_k, q6_k, ...)."""
+    if not fmt.quantized or fmt.blocks:
         return fmt.format
     kind = fmt.format if fmt.format == "int8" or fmt.symmetric else "int4a"
     return f"{kind}g{fmt.group_size}"

@@ -6,6 +6,8 @@ Storage of a weight NAME with logical shape [out, in] and group size g:
   int4 symmetric:  NAME [out, in/2] uint8,   NAME.scales [out, in/g] f16;   w = (q - 8) * s     (GGUF Q4_0)
   int4 asymmetric: NAME [out, in/2] uint8,   NAME.scales, NAME.mins f16;    w = q * s + m       (GGUF Q4_1)
 int4 packs element 2j in the low nibble and 2j+1 in the high nibble of byte j.
+llama.cpp's block formats (q4_k, q6_k, q5_0, iq4_xs, ...) are one uint8 part NAME of raw GGUF blocks;
+quant_blocks.py holds their layouts and dequantization.
 """
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ def dequantize(fmt: TensorFormat, parts: dict[str, torch.Tensor], dtype: torch.d
     main = parts[""]
     if not fmt.quantized:
         return main.to(dtype)
+    if fmt.blocks:
+        from ninfer.engine.quant_blocks import dequantize_blocks
+
+        return dequantize_blocks(fmt, main, dtype)
     g = fmt.group_size
     scales = parts[".scales"].to(torch.float32)
     if fmt.format == "int8":
@@ -53,6 +59,10 @@ def quantize(w: torch.Tensor, fmt: TensorFormat) -> dict[str, torch.Tensor]:
     """Quantize a logical [out, in] float tensor into stored parts (round to nearest)."""
     if not fmt.quantized:
         return {"": w.to(FLOAT_FORMATS[fmt.format]).contiguous()}
+    if fmt.blocks:
+        from ninfer.engine.quant_blocks import quantize_blocks
+
+        return {"": quantize_blocks(fmt, w)}
     g = fmt.group_size
     out, inp = w.shape
     x = w.to(torch.float32).reshape(out, inp // g, g)

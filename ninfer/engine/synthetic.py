@@ -105,15 +105,32 @@ def _word_level_tokenizer(vocab_size: int) -> str:
     })
 
 
+WEIGHTS = ("bf16", "f32", "int8", "int4", "q4_k", "q6_k", "q4_k_m")
+
+
+def _q4_k_m(name: str, layers: int, tied: bool) -> str:
+    """The block format llama.cpp's quantize tool gives weight `name` in a Q4_K_M file: q6_k for the
+    lm_head (the embedding when tied) and for v_proj / down_proj of its `use_more_bits` layers, q4_k
+    for the rest."""
+    if name == "lm_head.weight" or (tied and name == "model.embed_tokens.weight"):
+        return "q6_k"
+    if name.endswith(("v_proj.weight", "down_proj.weight")):
+        i = int(name.split(".")[2])
+        if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+            return "q6_k"
+    return "q4_k"
+
+
 class SyntheticArtifact:
     """Random weights (normal, std 0.02; norms 1; as _INIT says otherwise) of a named shape, in
-    `weights` format."""
+    `weights` format: bf16, f32, int8 / int4 (group 32), q4_k / q6_k (llama.cpp blocks, round to
+    nearest), or q4_k_m (q4_k with q6_k where a Q4_K_M file has it)."""
 
     def __init__(self, name: str, weights: str = "bf16", seed: int = 0) -> None:
         if name not in SHAPES:
             raise ConfigError(f"--synthetic {name!r}: known shapes are {', '.join(SHAPES)}")
-        if weights not in ("bf16", "f32", "int8", "int4"):
-            raise ConfigError(f"synthetic weights must be bf16, f32, int8 or int4, got {weights!r}")
+        if weights not in WEIGHTS:
+            raise ConfigError(f"synthetic weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         config = ModelConfig(**SHAPES[name])
         self.path = Path(f"synthetic:{name}")
         self.seed = seed
@@ -123,6 +140,11 @@ class SyntheticArtifact:
         for wname, shape in shapes.items():
             if len(shape) == 2 and is_quantizable(wname, config) and weights in ("int8", "int4"):
                 formats[wname] = TensorFormat(weights, DEFAULT_GROUP_SIZE, symmetric=False)
+            elif len(shape) == 2 and is_quantizable(wname, config) and weights in ("q4_k", "q6_k", "q4_k_m") \
+                    and shape[1] % 256 == 0:
+                kind = (_q4_k_m(wname, config.num_hidden_layers, config.tie_word_embeddings) if weights == "q4_k_m"
+                        else weights)
+                formats[wname] = TensorFormat(kind)
             elif len(shape) == 2:
                 formats[wname] = TensorFormat("f32" if weights == "f32" else "bf16")
             else:

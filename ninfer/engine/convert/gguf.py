@@ -6,7 +6,8 @@ GGUF blocks of 32 elements (row-major along the input dimension):
   Q4_0: f16 d, 16 bytes: byte j = q[j] | q[j+16]<<4  w = (q - 8) * d
   Q4_1: f16 d, f16 m, 16 bytes as Q4_0               w = q * d + m
 They map onto quant.py's int8 / int4 symmetric / int4 asymmetric group-32 layouts; only the nibble
-order differs (ours: byte j = q[2j] | q[2j+1]<<4).
+order differs (ours: byte j = q[2j] | q[2j+1]<<4). The other block formats ninfer keeps (Q4_K, Q5_K,
+Q6_K, Q2_K, Q3_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS: quant_blocks.py) are stored byte for byte.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ninfer.engine.convert.gguf_reader import GGUFFile, GGUFTensor
 from ninfer.engine.convert.gguf_tokenizer import GGUFVocab, build_tokenizer_json
 from ninfer.engine.models import ARCHITECTURES, Architecture, expected_weights
 from ninfer.engine.quant import DEFAULT_GROUP_SIZE, TensorFormat, dequantize
+from ninfer.engine.quant_blocks import GGUF_BLOCK_TYPES
 from ninfer.errors import ArtifactError, NInferError
 
 _GLOBAL_NAMES = {
@@ -218,9 +220,13 @@ def read_tensor(src: Path, tensor: GGUFTensor, weights: str) -> tuple[TensorForm
     if type_name in ("Q8_0", "Q4_0", "Q4_1") and len(shape) == 2:
         fmt, parts = _quant_parts(tensor.data, type_name, shape)
         return fmt, parts, shape
+    if type_name in GGUF_BLOCK_TYPES and len(shape) == 2:
+        raw = torch.from_numpy(np.array(tensor.data).reshape(shape[0], -1))
+        return TensorFormat(GGUF_BLOCK_TYPES[type_name]), {"": raw}, shape
     if weights == "keep":
+        kept = ", ".join(["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", *GGUF_BLOCK_TYPES])
         raise ArtifactError(f"{src}: tensor {tensor.name} has type {type_name}, which cannot be kept as is "
-                            "(convert with weights bf16, int8 or int4)")
+                            f"(kept: {kept}; convert with weights bf16, int8 or int4)")
     from gguf.quants import dequantize as gguf_dequantize
 
     try:

@@ -3,10 +3,14 @@ kernels/gdn.py), cuBLAS through torch.mm for prompt-sized matmuls.
 
 Two routes, chosen by the step context, not by row count:
 - decode (one new token per sequence, at most 8 rows, replayed from a CUDA graph): gemv over the
-  stored weight format, split-K paged decode attention, one delta-rule step per sequence.
+  stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: on tensor
+  cores with bf16 activations, route "blocks_mma", else "blocks"), split-K paged decode attention,
+  one delta-rule step per sequence.
 - prompt (prefill, chunks, prefix-hit suffixes): torch.mm on dense weights (quantized weights
-  expanded per projection on the fly) in blocks of exactly PROMPT_ROWS rows (padded), paged
-  prefill attention, the delta rule over each sequence's tokens.
+  expanded per projection on the fly; block formats by the dequant_blocks kernel) in blocks of
+  exactly PROMPT_ROWS rows (padded), paged prefill attention, the delta rule over each sequence's tokens.
+A fused projection whose parts differ in format (a Q4_K_M file's q/k in q4_k and v in q6_k) keeps
+each run of one format as it is, as segments of one weight.
 Every kernel computes a row from that row alone and cuBLAS always sees PROMPT_ROWS-row blocks, so
 a row's bits do not depend on the other rows of its batch or on where a prefix hit starts.
 
@@ -25,6 +29,8 @@ from ninfer.engine.models.spec import attention_layers
 from ninfer.engine.ops.torch_ops import rotary_dim
 from ninfer.engine.quant import TensorFormat, dequantize
 from ninfer.engine.rope import Rope
+from ninfer.formats import BLOCK_FORMATS
+from ninfer.kernels import blocks as B
 from ninfer.kernels import gdn as G
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler
@@ -45,13 +51,30 @@ class Weight:
     fmt: TensorFormat
     parts: dict[str, torch.Tensor]
     bias: torch.Tensor | None = None  # [N], activation dtype
-    route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES)
+    route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES; blocks.cu's: "blocks", "blocks_mma")
+    segments: list[Weight] | None = None  # row blocks in their own formats (then fmt/parts unused)
 
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.segments) if self.segments else self.parts[""].shape[0]
 
 
 def gemv_ok(fmt: TensorFormat, k: int) -> bool:
     """Whether the gemv kernel takes this format at input width k (launchers.gemv's checks)."""
     return L.gemv_route_ok("warp", fmt, k, torch.float32)
+
+
+def blocks_ok(fmt: TensorFormat, k: int) -> bool:
+    """Whether blocks.cu reads this format at input width k."""
+    return fmt.format in B.BLOCK_CODES and k % fmt.group_size == 0
+
+
+def in_features(fmt: TensorFormat, part: torch.Tensor) -> int:
+    """K of a stored weight's main part."""
+    if fmt.blocks:
+        elements, nbytes = BLOCK_FORMATS[fmt.format]
+        return part.shape[1] // nbytes * elements
+    return part.shape[1] * (2 if fmt.format == "int4" else 1)
 
 
 @dataclass(slots=True)
@@ -103,8 +126,20 @@ class CudaOps:
                       bias: torch.Tensor | None = None) -> Weight:
         fmts = [fmt for fmt, _ in items]
         first_fmt, first = items[0]
-        k = first[""].shape[1] * (2 if first_fmt.format == "int4" else 1)
+        k = in_features(first_fmt, first[""])
         b = bias.to(self.device, self.dtype).contiguous() if bias is not None else None
+        if all(f == first_fmt for f in fmts) and blocks_ok(first_fmt, k):  # kept as stored
+            return Weight(first_fmt, {"": torch.cat([parts[""] for _, parts in items]).contiguous()}, b,
+                          self.blocks_route)
+        if any(f.blocks for f in fmts) and all(blocks_ok(f, k) or gemv_ok(f, k) for f in fmts):
+            # mixed formats around a block format: each run of one format kept as it is, one gemv per run
+            runs: list[list[tuple[TensorFormat, dict[str, torch.Tensor]]]] = []
+            for item in items:
+                if runs and runs[-1][-1][0] == item[0]:
+                    runs[-1].append(item)
+                else:
+                    runs.append([item])
+            return Weight(DTYPES[self.dtype], {}, b, segments=[self.linear_weight(run) for run in runs])
         if all(f == first_fmt for f in fmts) and gemv_ok(first_fmt, k) and (
                 first_fmt.quantized or first_fmt.format == "bf16"):  # bf16 is exact in either dtype
             route = self.gemv_route(first_fmt, k)
@@ -114,6 +149,11 @@ class CudaOps:
         return Weight(DTYPES[self.dtype],
                       {"": torch.cat([dequantize(f, p, self.dtype) for f, p in items]).contiguous()}, b)
 
+    @property
+    def blocks_route(self) -> str:
+        """blocks.cu's decode gemv: on tensor cores with bf16 activations, fp32 math otherwise."""
+        return "blocks_mma" if self.dtype == torch.bfloat16 else "blocks"
+
     def gemv_route(self, fmt: TensorFormat, k: int) -> str:
         """The decode gemv kernel for weights of `fmt` and input width k (one route per weight, never
         per batch: rows must not depend on their batch), DEFAULT_ROUTES where it takes them."""
@@ -122,6 +162,8 @@ class CudaOps:
 
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
+        if blocks_ok(fmt, H):  # gathered by dequant_blocks
+            return Weight(fmt, {"": parts[""].contiguous()}, route=self.blocks_route)
         if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and gemv_ok(fmt, H):
             return Weight(fmt, dict(parts))  # the embedding kernel reads quant.py's layout: the warp route
         # the embedding kernel copies rows of the activation dtype
@@ -141,7 +183,9 @@ class CudaOps:
 
     def embed(self, ids: torch.Tensor, w: Weight, scale: float = 1.0) -> torch.Tensor:
         out = self._empty(ids.shape[0], self.config.hidden_size)
-        if w.fmt.quantized:
+        if w.fmt.blocks:
+            B.dequant_blocks(self.kc, w.fmt, w.parts[""], out, rows=ids)
+        elif w.fmt.quantized:
             L.embedding_quant(self.kc, ids, w.fmt, w.parts, out)
         else:
             L.embedding(self.kc, ids, w.parts[""], out)
@@ -158,19 +202,45 @@ class CudaOps:
         return out
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        n, N = x.shape[0], w.parts[""].shape[0]
+        n, N = x.shape[0], w.rows
         if self.ctx.decode:
             y = self._empty(n, N)
-            L.gemv(self.kc, x, w.fmt, w.parts, y, w.route)
+            self._gemv(x, w, y)
         else:
             y = self._mm(x, self.dense(w).t())
         if w.bias is not None:
             y.add_(w.bias)
         return y
 
-    def dense(self, w: Weight) -> torch.Tensor:
+    def _gemv(self, x: torch.Tensor, w: Weight, out: torch.Tensor) -> None:
+        """out [M, N] = x @ W^T (M <= 8) by each segment's route."""
+        if w.segments:
+            r0 = 0
+            for seg in w.segments:
+                self._gemv(x, seg, out[:, r0:r0 + seg.rows])
+                r0 += seg.rows
+        elif w.fmt.blocks:
+            B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out, "mma" if w.route == "blocks_mma" else "warp")
+        else:
+            L.gemv(self.kc, x, w.fmt, w.parts, out, w.route)
+
+    def dense(self, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
         """w as [N, K] in the activation dtype: the stored tensor where it is one, else a fresh copy
-        expanded by the dequantize kernel (torch where the kernel does not take the format)."""
+        (or `out`) expanded by the dequantize kernels (torch where no kernel takes the format)."""
+        if w.segments:
+            K = in_features(w.segments[0].fmt, w.segments[0].parts[""])
+            out = out if out is not None else self._empty(w.rows, K)
+            r0 = 0
+            for seg in w.segments:
+                self.dense(seg, out[r0:r0 + seg.rows])
+                r0 += seg.rows
+            return out
+        if w.fmt.blocks:
+            out = out if out is not None else self._empty(w.rows, in_features(w.fmt, w.parts[""]))
+            B.dequant_blocks(self.kc, w.fmt, w.parts[""], out)
+            return out
+        if out is not None:
+            return out.copy_(self.dense(w))
         t = w.parts[""]
         if t.dtype == self.dtype and not w.fmt.quantized:
             return t
@@ -252,9 +322,9 @@ class CudaOps:
     def logits(self, x: torch.Tensor, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [n, hidden] -> [n, vocab] float32, by the gemv kernel in groups of its row limit."""
         n = x.shape[0]
-        out = out if out is not None else self._empty(n, w.parts[""].shape[0], dtype=torch.float32)
+        out = out if out is not None else self._empty(n, w.rows, dtype=torch.float32)
         for s in range(0, n, L.MAX_GEMV_ROWS):
-            L.gemv(self.kc, x[s:s + L.MAX_GEMV_ROWS], w.fmt, w.parts, out[s:s + L.MAX_GEMV_ROWS], w.route)
+            self._gemv(x[s:s + L.MAX_GEMV_ROWS], w, out[s:s + L.MAX_GEMV_ROWS])
         return out
 
     def soft_cap(self, x: torch.Tensor, cap: float) -> torch.Tensor:

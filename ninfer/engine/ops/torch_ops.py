@@ -19,6 +19,7 @@ from ninfer.engine.models.spec import StateSpec, attention_layers
 from ninfer.engine.rope import Rope
 from ninfer.engine.ops import gdn_torch
 from ninfer.engine.quant import TensorFormat, dequantize, unpack_int4
+from ninfer.engine.quant_blocks import INT4_CODED, int4_codes
 
 # At most this many rows take the packed int4 kernel (decode); more rows (prefill) take the
 # dense matmul, which is ~4x faster than the packed kernel at 128 rows on CPU.
@@ -29,7 +30,9 @@ PACKED_GROUP_SIZES = (32, 64, 128, 256)
 def packable(fmt: TensorFormat, shape: tuple[int, ...]) -> bool:
     """Whether a weight of this stored format and logical [out, in] shape can take the packed CPU
     kernel (it wants out % 16 == 0 and one of its group sizes)."""
-    if not fmt.quantized or fmt.group_size not in PACKED_GROUP_SIZES or len(shape) != 2:
+    if fmt.format in INT4_CODED:  # llama.cpp blocks that are int4 codes in groups of 32
+        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % fmt.group_size == 0
+    if fmt.format not in ("int8", "int4") or fmt.group_size not in PACKED_GROUP_SIZES or len(shape) != 2:
         return False
     if fmt.format == "int8" and not fmt.symmetric:
         return False
@@ -140,13 +143,22 @@ class Linear:
             zeros = mins + 8.0 * scales  # w = q * s + m = (q - 8) * s + (m + 8 s)
         self._attach(q, scales, zeros, fmt.group_size)
 
+    def attach_blocks(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
+        """Keep a packed copy of llama.cpp blocks that are int4 codes (q4_k: one packed weight;
+        q5_0/q5_1: two, high bit and low nibble; quant_blocks.int4_codes). Exact up to bf16
+        rounding of scales and zeros, and each half's bf16 output."""
+        halves = [int4_codes(fmt, p[""]) for p in parts_list]
+        for i in range(len(halves[0])):
+            q, scales, zeros = (torch.cat(t) for t in zip(*(h[i] for h in halves)))
+            self._attach(q, scales, zeros, 32)
+
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [rows, in] -> [rows, out] in out_dtype (default x's dtype)."""
         if self.packed and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
             mm = torch.ops.aten._weight_int4pack_mm_for_cpu
             if len(self.packed) == 1:
                 y = mm(x, self.packed[0], self.group_size, self.scales_zeros[0])
-            else:  # int8 as two int4 halves, summed in float32
+            else:  # int8 (or q5_0/q5_1) as two int4 halves, summed in float32
                 y = (mm(x, self.packed[0], self.group_size, self.scales_zeros[0]).float()
                      + mm(x, self.packed[1], self.group_size, self.scales_zeros[1]).float())
         else:
@@ -381,7 +393,8 @@ class TorchOps:
         if self.pack and len(fmts) == 1:
             fmt = next(iter(fmts))
             if packable(fmt, tuple(weight.shape)):
-                attach = lin.attach_int4 if fmt.format == "int4" else lin.attach_int8
+                attach = (lin.attach_int4 if fmt.format == "int4" else lin.attach_int8 if fmt.format == "int8"
+                          else lin.attach_blocks)
                 attach(fmt, [parts for _, parts in items])
         return lin
 

@@ -1,0 +1,467 @@
+// llama.cpp block formats read as stored (ninfer/engine/quant_blocks.py documents every layout):
+// a weight [N, K] is N rows of K/QK blocks of BLK_BYTES bytes, read in place. Every format splits
+// into chunks of 32 consecutive elements (one Q4_K/Q5_K/IQ4_XS sub-block, a Q5_0/Q5_1/IQ4_NL block,
+// two 16-element sub-blocks of Q6_K/Q2_K/Q3_K); a chunk decodes into 32 codes q and, per half of 16,
+// a scale s and an offset o with w = s * q + o, the same products as gguf-py's reference.
+//
+//   gemv_blocks:    y[M, N] = x[M, K] @ W^T for M = 1..8 (decode). One warp per output column n;
+//                   lane l takes chunks l, l + 32, ... of row n (a warp streams 32 consecutive chunks),
+//                   sums s * (q . x) + o * sum(x) per half in fp32 in chunk order, then a fixed
+//                   butterfly: row m's result does not depend on M (batch invariance). x is staged
+//                   in shared memory as fp32 with per-half sums (computed once per block, not per column).
+//   dequant_blocks: out[r, :] = W[rows[r], :] (rows null: r) as activations, one thread per chunk
+//                   (prefill: expand, then cuBLAS; the embedding gather).
+// Format codes (compile-time -DBLK_FMT=..., one module per format): 0 q4_k, 1 q5_k, 2 q6_k, 3 q2_k,
+// 4 q3_k, 5 q5_0, 6 q5_1, 7 iq4_nl, 8 iq4_xs. Blocks are only as aligned as their size allows
+// (q6_k, q3_k, q5_0, iq4_nl: 2 bytes; q2_k: 4; q5_1, iq4_xs: 8; q4_k, q5_k: 16): loads are that wide.
+#include "common.cuh"
+
+#ifndef BLK_FMT
+#error "compile with -DBLK_FMT=0..8"
+#endif
+
+#define GEMV_WARPS 8
+
+#if BLK_FMT == 0
+#define QK 256
+#define BLK_BYTES 144
+#define BLK_ALIGN 16
+#elif BLK_FMT == 1
+#define QK 256
+#define BLK_BYTES 176
+#define BLK_ALIGN 16
+#elif BLK_FMT == 2
+#define QK 256
+#define BLK_BYTES 210
+#define BLK_ALIGN 2
+#elif BLK_FMT == 3
+#define QK 256
+#define BLK_BYTES 84
+#define BLK_ALIGN 4
+#elif BLK_FMT == 4
+#define QK 256
+#define BLK_BYTES 110
+#define BLK_ALIGN 2
+#elif BLK_FMT == 5
+#define QK 32
+#define BLK_BYTES 22
+#define BLK_ALIGN 2
+#elif BLK_FMT == 6
+#define QK 32
+#define BLK_BYTES 24
+#define BLK_ALIGN 8
+#elif BLK_FMT == 7
+#define QK 32
+#define BLK_BYTES 18
+#define BLK_ALIGN 2
+#elif BLK_FMT == 8
+#define QK 256
+#define BLK_BYTES 136
+#define BLK_ALIGN 8
+#else
+#error "unknown BLK_FMT"
+#endif
+
+// Formats whose halves carry an offset (a min) besides the scale.
+#define HAS_OFFSET (BLK_FMT == 0 || BLK_FMT == 1 || BLK_FMT == 3 || BLK_FMT == 6)
+
+// A little-endian 32-bit word at p (p aligned to BLK_ALIGN, and offsets within a block keep it so).
+__device__ __forceinline__ u32 ld32(const u8* p) {
+#if BLK_ALIGN >= 4
+  return *(const u32*)p;
+#else
+  return (u32)(*(const u16*)p) | ((u32)(*(const u16*)(p + 2)) << 16);
+#endif
+}
+
+// 8 consecutive words (32 bytes) at p.
+__device__ __forceinline__ void ld256(const u8* p, u32* w) {
+#if BLK_ALIGN >= 16
+  const uint4 a = *(const uint4*)p, b = *(const uint4*)(p + 16);
+  w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+#elif BLK_ALIGN >= 8
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint2 v = *(const uint2*)(p + 8 * i);
+    w[2 * i] = v.x; w[2 * i + 1] = v.y;
+  }
+#else
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w[i] = ld32(p + 4 * i);
+#endif
+}
+
+__device__ __forceinline__ float f16_lo(u32 w) { return f16_to_f32((u16)(w & 0xffffu)); }
+__device__ __forceinline__ float f16_hi(u32 w) { return f16_to_f32((u16)(w >> 16)); }
+__device__ __forceinline__ u32 byte_of(u32 w, int i) { return (w >> (8 * i)) & 0xffu; }
+// A small non-negative integer as a float without an int-to-float conversion: 2^23 + v, minus 2^23.
+__device__ __forceinline__ float small_u(u32 v) { return __uint_as_float(0x4B000000u | v) - 8388608.0f; }
+
+// The four bytes of v (codes 0..255) as floats minus `bias`: one byte permute builds the float
+// 2^23 + byte, one add takes 2^23 + bias off (exact: everything stays below 2^24).
+__device__ __forceinline__ void bytes4(u32 v, float bias, float* q) {
+  const float off = 8388608.0f + bias;
+  q[0] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7540)) - off;
+  q[1] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7541)) - off;
+  q[2] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7542)) - off;
+  q[3] = __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7543)) - off;
+}
+
+// Bits 0..3 of b spread to bit `at` of bytes 0..3 (at <= 4).
+__device__ __forceinline__ u32 spread4(u32 b, int at) { return ((b & 15u) * (0x00204081u << at)) & (0x01010101u << at); }
+
+// The iq4 code book, looked up per byte in shared memory (16 floats in 16 banks: no conflicts).
+__device__ __forceinline__ void table4(u32 v, const float* kv, float* q) {
+  q[0] = kv[v & 15u]; q[1] = kv[(v >> 8) & 15u]; q[2] = kv[(v >> 16) & 15u]; q[3] = kv[v >> 24];
+}
+
+struct Chunk {
+  float q[32];
+  float s[2];  // scale of elements 0..15, 16..31
+  float o[2];  // offset of each half (0 where the format has none)
+};
+
+// q4_k / q5_k's 6-bit scale and min of sub-block j from the 12 scale bytes (words s0, s1, s2).
+__device__ __forceinline__ void k_scale_min(u32 s0, u32 s1, u32 s2, int j, float& sc, float& m) {
+  if (j < 4) {
+    sc = small_u(byte_of(s0, j) & 63u);
+    m = small_u(byte_of(s1, j) & 63u);
+  } else {
+    sc = small_u((byte_of(s2, j - 4) & 15u) | ((byte_of(s0, j - 4) >> 6) << 4));
+    m = small_u((byte_of(s2, j - 4) >> 4) | ((byte_of(s1, j - 4) >> 6) << 4));
+  }
+}
+
+// Codes are bytes: element value = s * (byte - BIAS) + o (iq4: s * KVALUES[byte] + o).
+#if BLK_FMT == 2
+#define BIAS 32
+#elif BLK_FMT == 4
+#define BIAS 4
+#elif BLK_FMT == 5
+#define BIAS 16
+#else
+#define BIAS 0
+#endif
+#define IQ4 (BLK_FMT == 7 || BLK_FMT == 8)
+
+// Four consecutive elements e0 .. e0 + 3 (e0 % 4 == 0) of chunk c of a row: their codes as the
+// bytes of `v`, and the scale and offset of their half (e0 / 16) of the chunk.
+struct Quad {
+  u32 v;
+  float s, o;
+};
+
+__device__ __forceinline__ Quad load_quad(const u8* __restrict__ row, int c, int e0) {
+  constexpr int CPB = QK / 32;  // chunks per block
+  const u8* blk = row + (i64)(c / CPB) * BLK_BYTES;
+  const int j = c % CPB;
+  (void)j;  // unused where a block is one chunk
+  const int half = e0 >> 4;
+  (void)half;
+  Quad r;
+  r.o = 0.0f;
+#if BLK_FMT == 0 || BLK_FMT == 1
+  // element l: byte l of the 32 at qs + 32 (j / 2), nibble j % 2 (q5_k: bit j of qh[l] on top)
+  const u32 dd = ld32(blk);
+  float sc, m;
+  k_scale_min(ld32(blk + 4), ld32(blk + 8), ld32(blk + 12), j, sc, m);
+  r.v = (ld32(blk + (BLK_FMT == 1 ? 48 : 16) + 32 * (j >> 1) + e0) >> (4 * (j & 1))) & 0x0F0F0F0Fu;
+#if BLK_FMT == 1
+  r.v |= ((ld32(blk + 16 + e0) >> j) & 0x01010101u) << 4;
+#endif
+  r.s = f16_lo(dd) * sc;
+  r.o = -(f16_hi(dd) * m);
+#elif BLK_FMT == 2
+  // q6_k: h = j / 4, quarter t = j % 4: ql[64h + 32(t%2) + l] >> 4(t/2), qh[32h + l] >> 2t; scale 8h + 2t + half
+  const int h = j >> 2, t = j & 3;
+  const u32 lo = (ld32(blk + 64 * h + 32 * (t & 1) + e0) >> (4 * (t >> 1))) & 0x0F0F0F0Fu;
+  const u32 hi = (ld32(blk + 128 + 32 * h + e0) >> (2 * t)) & 0x03030303u;
+  r.v = lo | (hi << 4);
+  r.s = f16_lo((u32)(*(const u16*)(blk + 208))) * (float)(i8)blk[192 + 8 * h + 2 * t + half];
+#elif BLK_FMT == 3
+  // q2_k: h = j / 4, t = j % 4: qs[32h + l] >> 2t; scale byte 8h + 2t + half (low: scale, high: min)
+  const int h = j >> 2, t = j & 3;
+  r.v = (ld32(blk + 16 + 32 * h + e0) >> (2 * t)) & 0x03030303u;
+  const u32 dd = ld32(blk + 80);
+  const u32 sv = blk[8 * h + 2 * t + half];
+  r.s = f16_lo(dd) * small_u(sv & 15u);
+  r.o = -(f16_hi(dd) * small_u(sv >> 4));
+#elif BLK_FMT == 4
+  // q3_k: h = j / 4, t = j % 4: ql = qs[32h + l] >> 2t & 3, high bit hmask[l] >> j; code ql + 4 hb
+  // (value code - 4); scale sc3(8h + 2t + half)
+  const int h = j >> 2, t = j & 3;
+  r.v = ((ld32(blk + 32 + 32 * h + e0) >> (2 * t)) & 0x03030303u) | (((ld32(blk + e0) >> j) & 0x01010101u) << 2);
+  const int i = 8 * h + 2 * t + half;
+  const u32 low = (blk[96 + (i & 7)] >> (4 * (i >> 3))) & 15u;
+  const u32 high = (blk[104 + (i & 3)] >> (2 * (i >> 2))) & 3u;
+  r.s = f16_lo((u32)(*(const u16*)(blk + 108))) * (small_u(low | (high << 4)) - 32.0f);
+#elif BLK_FMT == 5 || BLK_FMT == 6
+  // q5_0: d@0 qh@2 qs@6; q5_1: d@0 m@2 qh@4 qs@8. Element l < 16: low nibble of byte l, l >= 16:
+  // high nibble of byte l - 16; bit l of qh on top.
+  constexpr int OFF = BLK_FMT == 6 ? 4 : 2;
+  r.v = ((ld32(blk + OFF + 4 + (e0 & 15)) >> (4 * half)) & 0x0F0F0F0Fu) | spread4(ld32(blk + OFF) >> e0, 4);
+  const u32 dd = ld32(blk);
+  r.s = f16_lo(dd);
+#if BLK_FMT == 6
+  r.o = f16_hi(dd);
+#endif
+#elif BLK_FMT == 7 || BLK_FMT == 8
+  // iq4_nl: d@0 qs@2 (one block, one chunk); iq4_xs: d@0 scales_h@2 scales_l@4, sub-block j's
+  // 16 bytes at 8 + 16j. Element l < 16: low nibble of byte l, l >= 16: high nibble of byte l - 16.
+  const u8* qs = blk + (BLK_FMT == 7 ? 2 : 8 + 16 * j);
+  r.v = (ld32(qs + (e0 & 15)) >> (4 * half)) & 0x0F0F0F0Fu;
+#if BLK_FMT == 7
+  r.s = f16_lo((u32)(*(const u16*)blk));
+#else
+  const u32 w0 = ld32(blk), sl = ld32(blk + 4);
+  const u32 ls = ((byte_of(sl, j >> 1) >> (4 * (j & 1))) & 15u) | (((w0 >> (16 + 2 * j)) & 3u) << 4);
+  r.s = f16_lo(w0) * (small_u(ls) - 32.0f);
+#endif
+#endif
+  return r;
+}
+
+// A quad's codes as floats (code - BIAS, or the iq4 code book's value; kv: the code book).
+__device__ __forceinline__ void quad_floats(u32 v, const float* kv, float* q) {
+#if IQ4
+  table4(v, kv, q);
+#else
+  bytes4(v, (float)BIAS, q);
+#endif
+}
+
+// Chunk c (0 .. K/32 - 1) of a row starting at `row`, as 32 floats and a scale and offset per half.
+__device__ __forceinline__ void load_chunk(const u8* __restrict__ row, int c, Chunk& ch, const float* kv) {
+#pragma unroll
+  for (int e0 = 0; e0 < 32; e0 += 4) {
+    const Quad qd = load_quad(row, c, e0);
+    quad_floats(qd.v, kv, ch.q + e0);
+    ch.s[e0 >> 4] = qd.s;
+    ch.o[e0 >> 4] = qd.o;
+  }
+}
+
+__constant__ float KVALUES[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
+                                  1.f, 13.f, 25.f, 38.f, 53.f, 69.f, 89.f, 113.f};
+__device__ __forceinline__ void init_code_book(float* kv) {
+  if (IQ4 && threadIdx.x < 16) kv[threadIdx.x] = KVALUES[threadIdx.x];
+}
+
+// The gemv stages x in shared memory as fp32, TILE chunks (of 32) at a time for all M rows, with
+// each 16-element half's sum: a lane then reads its chunk's activations with four 16-byte loads
+// per half (rows padded to XPAD floats: conflict-free) and the offsets need no sums of their own.
+#define TILE 32
+#define XPAD 36
+
+template <int M>
+__device__ __forceinline__ void gemv_blocks_impl(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w,
+                                                 void* __restrict__ y, i64 y_stride, int N, int K, int y_f32,
+                                                 float* xs, float* xsum, const float* kv) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+  const bool active = n < N;
+  const u8* row = w + (i64)(active ? n : 0) * (K / QK) * BLK_BYTES;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+  const int chunks = K / 32;
+  for (int c0 = 0; c0 < chunks; c0 += TILE) {
+    // stage: task = (row m, half h of the tile's 2 * TILE halves): 16 activations, their sum
+    __syncthreads();  // the previous tile is read
+    for (int task = threadIdx.x; task < M * 2 * TILE; task += GEMV_WARPS * 32) {
+      const int m = task / (2 * TILE), h = task % (2 * TILE);
+      const int k = (c0 * 32) + h * 16;
+      if (k < K) {
+        float f[16];
+        load_act<8>(x + m * x_stride + k, f);
+        load_act<8>(x + m * x_stride + k + 8, f + 8);
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) sum += f[i];
+        float* dst = xs + (m * TILE + (h >> 1)) * XPAD + (h & 1) * 16;
+#pragma unroll
+        for (int i = 0; i < 16; i += 4) *(float4*)(dst + i) = make_float4(f[i], f[i + 1], f[i + 2], f[i + 3]);
+        xsum[m * 2 * TILE + h] = sum;
+      }
+    }
+    __syncthreads();
+    const int c = c0 + lane;
+    if (active && c < chunks) {
+      Chunk ch;
+      load_chunk(row, c, ch, kv);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float* xr = xs + (m * TILE + lane) * XPAD;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int i = 0; i < 16; i += 4) {
+            const float4 v = *(const float4*)(xr + half * 16 + i);
+            dot = fmaf(ch.q[half * 16 + i], v.x, dot);
+            dot = fmaf(ch.q[half * 16 + i + 1], v.y, dot);
+            dot = fmaf(ch.q[half * 16 + i + 2], v.z, dot);
+            dot = fmaf(ch.q[half * 16 + i + 3], v.w, dot);
+          }
+          acc[m] = fmaf(dot, ch.s[half], acc[m]);
+          if (HAS_OFFSET) acc[m] = fmaf(xsum[m * 2 * TILE + 2 * lane + half], ch.o[half], acc[m]);
+        }
+      }
+    }
+  }
+  if (!active) return;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float r = warp_sum(acc[m]);
+    if (lane == 0) {
+      if (y_f32) ((float*)y)[m * y_stride + n] = r;
+      else ((act*)y)[m * y_stride + n] = to_act(r);
+    }
+  }
+}
+
+// Grid: ceil(N / GEMV_WARPS) blocks of GEMV_WARPS * 32 threads; dynamic shared memory
+// (M * TILE * XPAD + M * 2 * TILE + 16) floats (M = 1: 4.9 KB, M = 8: 39 KB).
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+gemv_blocks(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y, i64 y_stride,
+            int M, int N, int K, int y_f32) {
+  extern __shared__ __align__(16) float smem[];
+  float* xs = smem;
+  float* xsum = xs + M * TILE * XPAD;
+  float* kv = xsum + M * 2 * TILE;
+  init_code_book(kv);  // made visible by the first tile's barrier
+  switch (M) {
+#define GEMV_CASE(MM) \
+    case MM: gemv_blocks_impl<MM>(x, x_stride, w, y, y_stride, N, K, y_f32, xs, xsum, kv); break;
+    GEMV_CASE(1) GEMV_CASE(2) GEMV_CASE(3) GEMV_CASE(4) GEMV_CASE(5) GEMV_CASE(6) GEMV_CASE(7) GEMV_CASE(8)
+#undef GEMV_CASE
+    default: break;
+  }
+}
+
+// out [R, K] (row stride out_stride) = rows of W; rows [R] int32 or null (row r = W row r). One
+// thread per chunk: grid ceil(R * K / 32 / 256) blocks of 256 threads. w = fmaf(s, q, o), rounded
+// once to the activation dtype.
+extern "C" __global__ void __launch_bounds__(256)
+dequant_blocks(const u8* __restrict__ w, const i32* __restrict__ rows, act* __restrict__ out, i64 out_stride,
+               int R, int N, int K) {
+  __shared__ float kv[16];
+  init_code_book(kv);
+  if (IQ4) __syncthreads();
+  const i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const int chunks = K / 32;
+  if (idx >= (i64)R * chunks) return;
+  const int r = (int)(idx / chunks), c = (int)(idx % chunks);
+  int src = rows ? rows[r] : r;
+  if (src < 0 || src >= N) src = 0;  // out-of-range ids read row 0 rather than stray memory
+  Chunk ch;
+  load_chunk(w + (i64)src * (K / QK) * BLK_BYTES, c, ch, kv);
+  float f[32];
+#pragma unroll
+  for (int l = 0; l < 32; ++l) f[l] = fmaf(ch.s[l >> 4], ch.q[l], ch.o[l >> 4]);
+  act* o = out + (i64)r * out_stride + c * 32;
+#pragma unroll
+  for (int l = 0; l < 32; l += 8) store_act<8>(o + l, f + l);
+}
+
+#if !ACT_F32
+// ---- gemv_blocks_mma: the same product on tensor cores (bf16 activations) ----------------------------
+// One block of MMA_WARPS warps owns 16 output columns n0 .. n0 + 15; its warps split the chunks of K
+// (warp v takes chunks v, v + MMA_WARPS, ...). Per chunk and half, one mma.m16n8k16: A = 16 weight
+// rows x the half's 16 codes (bf16, exact: codes are small integers), B = those 16 k x 8 activation
+// rows (rows past M are zero). Lane (g = lane / 4, t = lane % 4) decodes elements 16 half + 4t .. +3
+// of weight rows g and g + 8 (one load_quad each) and loads the same 4 activations of row g, so the
+// mma's k slots 2t, 2t+1, 2t+8, 2t+9 are those elements in order for A and B alike. The half's scale
+// multiplies the mma result; offsets take sum(x) over the half from a second mma with A = ones. fp32
+// accumulation; column m depends only on x row m, and the warps' sums are added in warp order: batch
+// invariant, like gemv_blocks.
+#define MMA_WARPS 8
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A quad's codes as bf16 pairs (code 0, code 1) and (code 2, code 3), values exact: a code byte
+// (< 128) under 0x4300 is the bf16 128 + code, and one bf16x2 fma takes 128 + BIAS off; iq4 codes
+// index the code book (bf16 bits in shared memory).
+__device__ __forceinline__ void quad_bf16(u32 v, const u16* kv16, u32 off2, u32& p01, u32& p23) {
+#if IQ4
+  (void)off2;
+  p01 = (u32)kv16[v & 15u] | ((u32)kv16[(v >> 8) & 15u] << 16);
+  p23 = (u32)kv16[(v >> 16) & 15u] | ((u32)kv16[v >> 24] << 16);
+#else
+  (void)kv16;
+  constexpr u32 ONE2 = 0x3F803F80u;  // (1, 1)
+  const u32 a = __byte_perm(v, 0u, 0x4140) | 0x43004300u, b = __byte_perm(v, 0u, 0x4342) | 0x43004300u;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p01) : "r"(a), "r"(ONE2), "r"(off2));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(p23) : "r"(b), "r"(ONE2), "r"(off2));
+#endif
+}
+
+// Grid: ceil(N / 16) blocks of MMA_WARPS * 32 threads.
+extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
+gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
+                i64 y_stride, int M, int N, int K, int y_f32) {
+  __shared__ u16 kv16[16];
+  __shared__ float part[MMA_WARPS][32][4];
+  if (IQ4 && threadIdx.x < 16) kv16[threadIdx.x] = f32_to_bf16(KVALUES[threadIdx.x]);
+  if (IQ4) __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const i64 row_bytes = (i64)(K / QK) * BLK_BYTES;
+  const u8* w0 = w + (i64)min(n0 + g, N - 1) * row_bytes;  // rows past N: read, never stored
+  const u8* w1 = w + (i64)min(n0 + g + 8, N - 1) * row_bytes;
+  const bool has_x = g < M;
+  const act* xr = x + (has_x ? g : 0) * x_stride;
+  const u16 off = f32_to_bf16(-(128.0f + (float)BIAS));
+  const u32 off2 = (u32)off | ((u32)off << 16);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int chunks = K / 32;
+  for (int c = warp; c < chunks; c += MMA_WARPS) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int e0 = 16 * half + 4 * t;
+      const Quad qa = load_quad(w0, c, e0), qb = load_quad(w1, c, e0);
+      u32 a0, a1, a2, a3;
+      quad_bf16(qa.v, kv16, off2, a0, a2);
+      quad_bf16(qb.v, kv16, off2, a1, a3);
+      const uint2 xv = has_x ? *(const uint2*)(xr + c * 32 + e0) : make_uint2(0u, 0u);
+      float cc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      mma16816(cc, a0, a1, a2, a3, xv.x, xv.y);
+      acc[0] = fmaf(cc[0], qa.s, acc[0]);
+      acc[1] = fmaf(cc[1], qa.s, acc[1]);
+      acc[2] = fmaf(cc[2], qb.s, acc[2]);
+      acc[3] = fmaf(cc[3], qb.s, acc[3]);
+      if (HAS_OFFSET) {
+        constexpr u32 ONES = 0x3F803F80u;
+        float cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum of the half's x per column (the same for every row)
+        mma16816(cx, ONES, ONES, ONES, ONES, xv.x, xv.y);
+        acc[0] = fmaf(cx[0], qa.o, acc[0]);
+        acc[1] = fmaf(cx[1], qa.o, acc[1]);
+        acc[2] = fmaf(cx[2], qb.o, acc[2]);
+        acc[3] = fmaf(cx[3], qb.o, acc[3]);
+      }
+    }
+  }
+  // the warps' partial sums, added in warp order
+#pragma unroll
+  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
+  __syncthreads();
+  if (warp) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float r = part[0][lane][j];
+#pragma unroll
+    for (int v = 1; v < MMA_WARPS; ++v) r += part[v][lane][j];
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (n < N && m < M) {
+      if (y_f32) ((float*)y)[m * y_stride + n] = r;
+      else ((act*)y)[m * y_stride + n] = to_act(r);
+    }
+  }
+}
+#endif

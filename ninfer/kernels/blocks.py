@@ -1,0 +1,92 @@
+"""Launchers for blocks.cu: llama.cpp block formats (formats.BLOCK_FORMATS) read in place.
+
+Same contract as launchers.py: the KernelCompiler first, every argument checked before a launch on
+the current torch stream, outputs written into the tensors given. A weight is its one stored part,
+uint8 [N, K / QK * bytes] (row n: its K / QK blocks in order).
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from ninfer.formats import BLOCK_FORMATS, TensorFormat
+from ninfer.kernels.compiler import I32, I64, KernelError, ptr
+from ninfer.kernels.launchers import F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _rows
+
+if TYPE_CHECKING:
+    from ninfer.kernels.compiler import KernelCompiler
+
+BLOCK_CODES = {"q4_k": 0, "q5_k": 1, "q6_k": 2, "q2_k": 3, "q3_k": 4, "q5_0": 5, "q5_1": 6, "iq4_nl": 7, "iq4_xs": 8}
+GEMV_WARPS = 8  # blocks.cu
+TILE, XPAD = 32, 36  # blocks.cu: chunks of x staged at a time, floats per staged chunk
+DEQUANT_THREADS = 256
+
+
+def _weight(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, K: int) -> tuple[int, int]:
+    """(N, format code) after checking a block weight of input width K."""
+    if fmt.format not in BLOCK_CODES:
+        raise KernelError(f"no block kernel for {fmt.format} weights")
+    elements, nbytes = BLOCK_FORMATS[fmt.format]
+    if K % elements:
+        raise KernelError(f"K={K} is not a multiple of the {fmt.format} block size {elements}")
+    N = w.shape[0] if w.dim() == 2 else -1
+    _check(w, "weight", torch.uint8, [N, K // elements * nbytes], kc.device)
+    if w.data_ptr() % 16:
+        raise KernelError("weight must start on a 16-byte boundary")
+    return N, BLOCK_CODES[fmt.format]
+
+
+ROUTES = ("warp", "mma")  # gemv_blocks (fp32 math, any activation dtype), gemv_blocks_mma (bf16, tensor cores)
+MMA_WARPS = 8  # blocks.cu
+
+
+def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
+                route: str = "warp") -> None:
+    """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8, W in block format `fmt` (its stored uint8 part).
+    x bf16 or fp32 (the activation dtype; route "mma": bf16 only); out in x's dtype or fp32. Row
+    strides of x and out may exceed their widths (x's: a 16-byte multiple)."""
+    M, K = x.shape
+    N, code = _weight(kc, fmt, w, K)
+    if route not in ROUTES:
+        raise KernelError(f"unknown block gemv route {route!r} (one of {', '.join(ROUTES)})")
+    if route == "mma" and x.dtype != torch.bfloat16:
+        raise KernelError(f"the mma route takes bfloat16 activations, got {x.dtype}")
+    if not 1 <= M <= MAX_GEMV_ROWS:
+        raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use dequant_blocks + matmul for more")
+    defines = {"BLK_FMT": code, **_act(x.dtype, "x")}
+    _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
+    if out.dtype not in (x.dtype, F32_DT):
+        raise KernelError(f"out must be {x.dtype} or {F32_DT}, got {out.dtype}")
+    _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
+    out_stride = out.stride(0) if M > 1 else N
+    if M > 1 and out_stride < N:
+        raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
+    args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
+            I32(1 if out.dtype == F32_DT else 0)]
+    if route == "mma":
+        kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
+        return
+    shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
+    kc.kernel("blocks.cu", "gemv_blocks", defines).launch(
+        (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1), args, shared_mem=shared)
+
+
+def dequant_blocks(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
+                   rows: torch.Tensor | None = None) -> None:
+    """out[r] = W[rows[r]] (rows None: W[r] for every row of W) expanded to out's dtype (bf16 or fp32).
+    out [R, K], row stride a 16-byte multiple; rows [R] int32 (an id outside [0, N) reads row 0)."""
+    R, K = out.shape
+    N, code = _weight(kc, fmt, w, K)
+    defines = {"BLK_FMT": code, **_act(out.dtype, "out")}
+    _check(out, "out", out.dtype, [R, K], kc.device, contiguous=False, align16=True)
+    if rows is not None:
+        _check(rows, "rows", I32_DT, [R], kc.device)
+    elif R != N:
+        raise KernelError(f"out has {R} rows for a weight of {N}; pass rows to gather")
+    total = R * (K // 32)
+    if total:
+        kc.kernel("blocks.cu", "dequant_blocks", defines).launch(
+            (math.ceil(total / DEQUANT_THREADS), 1, 1), (DEQUANT_THREADS, 1, 1),
+            [ptr(w), ptr(rows), ptr(out), I64(_rows(out, "out", K)), I32(R), I32(N), I32(K)])
