@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH
+from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
+                               SPEC_NGRAM_MIN, spec_from_flags)
 from ninfer.errors import ConfigError
 
 
@@ -76,6 +77,10 @@ def serve(
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
+    spec: Optional[str] = SPEC,
+    draft_tokens: int = DRAFT_TOKENS,
+    spec_ngram_min: int = SPEC_NGRAM_MIN,
+    spec_ngram_max: int = SPEC_NGRAM_MAX,
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
@@ -92,6 +97,7 @@ def serve(
     if seed is not None and seed < 0:
         seed = None  # negative: a fresh random seed per request, as on the wire
     kv = _kv_capacity(kv_capacity)
+    spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
     scheduler = SchedulerConfig(
         max_concurrency=max_concurrency, max_pending_requests=max_pending_requests,
         pending_timeout_ms=pending_timeout_ms, prefill_chunk=prefill_chunk,
@@ -119,7 +125,8 @@ def serve(
     def load():
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
-                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype)
+                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype,
+                           spec=spec_config)
 
     def announce(line: str) -> None:
         print(line, flush=True)

@@ -185,3 +185,31 @@ class SchedulerConfig:
             raise ConfigError("--prefill-chunk must be >= 1")
         if self.decode_rounds_per_prefill is not None and self.decode_rounds_per_prefill < 0:
             raise ConfigError("--decode-rounds-per-prefill must be >= 0")
+
+
+SPEC_METHODS = ("lookup", "mtp")
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Speculative decoding (--spec, --draft-tokens, --spec-ngram-min/max). method None: off.
+    lookup drafts the continuation of the longest recent match of the last n tokens
+    (ngram_min <= n <= ngram_max) inside the request's own prompt and output."""
+
+    method: str | None = None
+    draft_tokens: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ConfigError(f"--spec must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
+        if not 1 <= self.draft_tokens <= 15:
+            raise ConfigError(f"--draft-tokens must be in 1..15 (got {self.draft_tokens})")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ConfigError(f"--spec-ngram-min/--spec-ngram-max must satisfy 1 <= min <= max <= 64 "
+                              f"(got {self.ngram_min}, {self.ngram_max})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ninfer.engine.artifact import Artifact, ArtifactMetadata
-from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.config import SchedulerConfig, SpecConfig
 from ninfer.engine.model_store import resolve_model
 from ninfer.engine.models import expected_weights
 from ninfer.errors import ConfigError
@@ -157,7 +157,7 @@ def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
-                dtype: str = "auto") -> LoadedModel:
+                dtype: str = "auto", spec: SpecConfig | None = None) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it."""
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
@@ -170,19 +170,22 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
         artifact.meta = replace(artifact.meta, chat_template=_read_template(chat_template))
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
-                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype)
+                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
+                        spec=spec)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
                  kv_capacity: int | str | None, cuda_graph: bool = True,
-                 kernel_cache_dir: Path | None = None, dtype=None) -> LoadedModel:
+                 kernel_cache_dir: Path | None = None, dtype=None, spec: SpecConfig | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
-    dtype: None (the backend's default) or a torch dtype from `resolve_dtype`."""
+    dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. spec: speculative
+    decoding (--spec); raises ConfigError for a backend the artifact cannot serve."""
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
 
     meta = artifact.meta
+    check_spec(spec, meta)
     native = meta.config.max_position_embeddings
     max_context = scheduler.max_context or min(DEFAULT_MAX_CONTEXT, native)
     if max_context < 1:
@@ -205,9 +208,22 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                                 num_state_slots=num_state_slots)
 
     facts = model_facts(artifact, tokenizer, max_context)
-    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
+    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts)
+
+
+def check_spec(spec: SpecConfig | None, meta) -> None:
+    """Refuse a speculative backend this artifact or build cannot serve, with a clear message."""
+    if spec is None or spec.method in (None, "lookup"):
+        return
+    if spec.method == "mtp":
+        has_mtp = any(name.startswith("mtp.") for name in getattr(meta, "tensor_formats", {}))
+        if not has_mtp:
+            raise ConfigError(f"--spec mtp needs an artifact that carries MTP layers (mtp.* tensors); "
+                              f"{meta.name} has none (use --spec lookup)")
+        raise ConfigError("--spec mtp: drafting with the artifact's MTP layers is not supported yet "
+                          "(use --spec lookup)")
 
 
 def _read_template(value: str) -> str:

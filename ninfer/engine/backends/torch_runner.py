@@ -16,6 +16,7 @@ from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.torch_ops import KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
+from ninfer.engine.speculative import accepted_drafts, position_rows
 from ninfer.errors import ConfigError, NInferError
 
 
@@ -74,6 +75,8 @@ class TorchModelRunner:
             self.model = architecture(c).model.load(WeightReader(artifact, self.ops, self.device), c)
             self.kv = KVCache(self.spec, num_pages, page_size, self.kv_dtype, self.device)
             self.states = self._states(self.num_state_slots)
+        self._verify_states: RecurrentStates | None = None  # the last forward's per-token states of verify rows
+        self._verify_rows: dict[int, int] = {}  # seq_id -> its first flat row in the last forward
 
     def _states(self, slots: int) -> RecurrentStates | None:
         return RecurrentStates(self.spec, slots, self.kv_dtype, self.device) if self.spec.recurrent else None
@@ -92,15 +95,33 @@ class TorchModelRunner:
 
         self.copy_states(batch.state_copies)
         logits = self._forward(batch.seqs, self.kv, self.states, all_rows=False)
-        sampling = [s for s in batch.seqs if s.sample]
-        if not sampling:
+        # one sampling row per sampled sequence, one per position of a verify row
+        rows = [r for s in batch.seqs if s.sample for r in (position_rows(s) if s.num_drafts else [s])]
+        if not rows:
             return StepOutput(sampled={})
-        tokens, logprobs = sample(logits, sampling)
-        out = StepOutput(sampled={s.seq_id: t for s, t in zip(sampling, tokens)})
-        for s, lp in zip(sampling, logprobs):
-            if lp is not None:
-                out.logprobs[s.seq_id] = lp
+        tokens, logprobs = sample(logits, rows)
+        out = StepOutput(sampled={})
+        i = 0
+        for s in (s for s in batch.seqs if s.sample):
+            n = s.num_drafts + 1
+            draws, records = tokens[i:i + n], logprobs[i:i + n]
+            i += n
+            out.sampled[s.seq_id] = draws[0]
+            if records[0] is not None:
+                out.logprobs[s.seq_id] = records[0]
+            if s.num_drafts:
+                a = accepted_drafts(draws, s.drafts, s.stop_token_ids)
+                out.verified[s.seq_id] = draws[1:a + 1]
+                out.verified_logprobs[s.seq_id] = records[1:a + 1]
+                if a < s.num_drafts and self._verify_states is not None:  # back to the last accepted input
+                    self._verify_states_restore(s, a)
         return out
+
+    def _verify_states_restore(self, s: SequenceWork, accepted: int) -> None:
+        row = self._verify_rows[s.seq_id] + accepted
+        saved = self._verify_states
+        for live, kept in zip((*self.states.conv, *self.states.ssm), (*saved.conv, *saved.ssm)):
+            live[s.state_slot].copy_(kept[row])
 
     @torch.inference_mode()
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
@@ -143,12 +164,19 @@ class TorchModelRunner:
             fresh = [s.state_slot for s in seqs if s.start_pos == 0]
             if fresh:
                 states.zero(torch.tensor(fresh, dtype=torch.int64, device=self.device))
-        ctx = self.ops.context([(s.start_pos, len(s.token_ids), s.block_table, s.state_slot) for s in seqs], kv, states)
+        verify = [s.num_drafts > 0 for s in seqs]
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        # the recurrent state after each token of a verify row (restored on rejection)
+        self._verify_states = self._states(num_tokens) if states is not None and any(verify) else None
+        ctx = self.ops.context([(s.start_pos, len(s.token_ids), s.block_table, s.state_slot) for s in seqs], kv,
+                               states, verify, self._verify_states)
+        self._verify_rows = {s.seq_id: m.offset for m, s in zip(ctx.seqs, seqs)}
         self.ops.begin(ctx)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model.forward(self.ops, input_ids)  # [T, hidden]
-        if not all_rows:
-            rows = [m.offset + m.num_tokens - 1 for m, s in zip(ctx.seqs, seqs) if s.sample]
+        if not all_rows:  # the last row of each sampling sequence; every row of a verify row
+            rows = [r for m, s in zip(ctx.seqs, seqs) if s.sample
+                    for r in range(m.offset + m.num_tokens - 1 - s.num_drafts, m.offset + m.num_tokens)]
             if not rows:
                 return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
             hidden = hidden[rows] if len(rows) < hidden.shape[0] else hidden
