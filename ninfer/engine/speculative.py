@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ninfer.engine.batch import SequenceWork
+import torch
+
+from ninfer.engine.batch import SequenceWork, StepOutput
 
 MAX_DRAFT_TOKENS = 15
 
@@ -43,3 +45,36 @@ def accepted_drafts(draws: Sequence[int], drafts: Sequence[int], stop_token_ids:
     while n < len(drafts) and draws[n] == drafts[n] and draws[n] not in stop_token_ids:
         n += 1
     return n
+
+
+def sample_rows(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[StepOutput, dict[int, int]]:
+    """Sample the sampling rows of a step on the host: logits float32 [rows, vocab] hold one row per
+    ordinary sampled sequence and num_drafts + 1 rows (in position order) per verify row, in batch
+    order. -> the StepOutput, and per verify row its accepted draft count."""
+    from ninfer.engine.sampler import sample
+
+    rows = [r for s in seqs for r in (position_rows(s) if s.num_drafts else [s])]
+    out = StepOutput(sampled={})
+    accepted: dict[int, int] = {}
+    if not rows:
+        return out, accepted
+    tokens, records = sample(logits, rows)
+    i = 0
+    for s in seqs:
+        n = s.num_drafts + 1
+        commit(out, s, tokens[i:i + n], records[i:i + n], accepted)
+        i += n
+    return out, accepted
+
+
+def commit(out: StepOutput, s: SequenceWork, draws: Sequence[int], records: Sequence, accepted: dict[int, int]) -> None:
+    """Record row `s`'s draws (one per position) in `out`: the first draw, and for a verify row the
+    draws after each accepted draft; its accepted count into `accepted`."""
+    out.sampled[s.seq_id] = int(draws[0])
+    if records[0] is not None:
+        out.logprobs[s.seq_id] = records[0]
+    if s.num_drafts:
+        a = accepted_drafts(draws, s.drafts, s.stop_token_ids)
+        out.verified[s.seq_id] = [int(t) for t in draws[1:a + 1]]
+        out.verified_logprobs[s.seq_id] = list(records[1:a + 1])
+        accepted[s.seq_id] = a

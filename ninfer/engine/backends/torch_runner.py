@@ -16,7 +16,7 @@ from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.torch_ops import KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
-from ninfer.engine.speculative import accepted_drafts, position_rows
+from ninfer.engine.speculative import sample_rows
 from ninfer.errors import ConfigError, NInferError
 
 
@@ -91,30 +91,13 @@ class TorchModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Run the batch's state copies, write its K/V and state, run the model, sample where asked."""
-        from ninfer.engine.sampler import sample
-
         self.copy_states(batch.state_copies)
         logits = self._forward(batch.seqs, self.kv, self.states, all_rows=False)
-        # one sampling row per sampled sequence, one per position of a verify row
-        rows = [r for s in batch.seqs if s.sample for r in (position_rows(s) if s.num_drafts else [s])]
-        if not rows:
-            return StepOutput(sampled={})
-        tokens, logprobs = sample(logits, rows)
-        out = StepOutput(sampled={})
-        i = 0
-        for s in (s for s in batch.seqs if s.sample):
-            n = s.num_drafts + 1
-            draws, records = tokens[i:i + n], logprobs[i:i + n]
-            i += n
-            out.sampled[s.seq_id] = draws[0]
-            if records[0] is not None:
-                out.logprobs[s.seq_id] = records[0]
-            if s.num_drafts:
-                a = accepted_drafts(draws, s.drafts, s.stop_token_ids)
-                out.verified[s.seq_id] = draws[1:a + 1]
-                out.verified_logprobs[s.seq_id] = records[1:a + 1]
-                if a < s.num_drafts and self._verify_states is not None:  # back to the last accepted input
-                    self._verify_states_restore(s, a)
+        out, accepted = sample_rows(logits, [s for s in batch.seqs if s.sample])
+        if self._verify_states is not None:  # back to the state after the last accepted input
+            for s in batch.seqs:
+                if s.num_drafts and accepted[s.seq_id] < s.num_drafts:
+                    self._verify_states_restore(s, accepted[s.seq_id])
         return out
 
     def _verify_states_restore(self, s: SequenceWork, accepted: int) -> None:
