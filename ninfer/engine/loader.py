@@ -202,7 +202,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
-                                   num_state_slots=num_state_slots, **({"dtype": dtype} if dtype is not None else {}))
+                                   num_state_slots=num_state_slots, max_draft_tokens=spec.draft_tokens if spec and spec.enabled else 0,
+                                   **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
                                 num_state_slots=num_state_slots)
