@@ -237,7 +237,8 @@ class Engine:
         timeout = self.config.pending_timeout_ms
         live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None,
                      matcher=req.grammar.matcher() if req.grammar is not None else None,
-                     spec=SpecStats(self.drafter.new_state()) if self.drafter is not None else None)
+                     spec=SpecStats(self.drafter.new_state())
+                     if self.drafter is not None and req.hints.get("speculative", True) else None)
         with self._cv:
             if self._stopping or self._thread is None:
                 raise EngineNotRunning(self._failed)
@@ -401,6 +402,8 @@ class Engine:
         """Speculative decoding: attach each decode row's drafts (and their grammar masks)."""
         for work in batch.seqs:
             live = self._by_seq[work.seq_id]
+            if live.spec is None:  # the request opted out (hints["speculative"] False)
+                continue
             seq = live.seq
             state = live.spec.lookup
             skipped = state.fallback_steps
