@@ -423,3 +423,124 @@ def test_hybrid_lookup_greedy_equals_plain_greedy(tiny_qwen3_5_dirs: dict[str, P
     ref = run(None)
     assert run(SpecConfig("lookup", draft_tokens=3, ngram_min=1, ngram_max=2)) == ref
     assert run(SpecConfig("lookup", draft_tokens=4), lambda i, p: OracleDrafter(len(p), ref[i], 4)) == ref
+
+
+# ---- --spec mtp ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def q35_mtp(tiny_qwen3_5_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The tiny Qwen3.5 folder plus a random MTP head (mtp.*, as the released checkpoints carry it),
+    converted; and the same folder converted without it."""
+    import dataclasses
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ninfer.engine.artifact import Artifact
+    from ninfer.engine.config import ModelConfig
+    from ninfer.engine.convert import convert
+    from ninfer.engine.models import expected_weights
+
+    root = tmp_path_factory.mktemp("q35_mtp")
+    folder = root / "tiny-qwen3_5-mtp"
+    shutil.copytree(tiny_qwen3_5_dirs["causal"], folder)
+    hf = json.loads((folder / "config.json").read_text())
+    hf["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(hf))
+    config = dataclasses.replace(ModelConfig.from_hf(hf), mtp_layers=1)
+    state = load_file(str(folder / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    for name, shape in expected_weights(config).items():
+        if name.startswith("mtp."):
+            scale = 0.1 if "norm" in name else 1.0 / math.sqrt(shape[-1])
+            state[name] = torch.randn(shape, generator=gen) * scale
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with_head = Artifact.open(convert(folder, root / "mtp.ninfer", weights="keep", progress=False))
+    without = Artifact.open(convert(tiny_qwen3_5_dirs["causal"], root / "plain.ninfer", weights="keep", progress=False))
+    return with_head, without
+
+
+def test_converter_keeps_a_whole_mtp_head_and_refuses_mtp_without_one(q35_mtp) -> None:
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.loader import check_spec
+
+    with_head, without = q35_mtp
+    assert with_head.meta.config.mtp_layers == 1 and "mtp.fc.weight" in with_head.meta.tensor_formats
+    assert without.meta.config.mtp_layers == 0
+    assert not any(n.startswith("mtp.") for n in without.meta.tensor_formats)
+    with pytest.raises(ConfigError, match=r"mtp\.\* tensors"):
+        check_spec(SpecConfig("mtp"), without.meta, "torch")
+    with pytest.raises(ConfigError, match="torch backend"):
+        check_spec(SpecConfig("mtp"), with_head.meta, "cuda")
+    with pytest.raises(ConfigError, match=r"mtp\.\* tensors"):
+        TorchModelRunner(without, num_pages=8, page_size=16, num_state_slots=2, mtp_draft_tokens=3)
+
+
+def test_mtp_drafts_follow_the_sequence_as_a_fresh_computation_does(q35_mtp) -> None:
+    """Runner level: after a prefill and after verify rounds (partial acceptance, state restored),
+    the cached head proposes exactly the drafts a from-scratch computation over the same tokens does."""
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.batch import ScheduledBatch
+
+    runner = TorchModelRunner(q35_mtp[0], num_pages=32, page_size=16, dtype=torch.float32, num_state_slots=2,
+                              mtp_draft_tokens=3)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183, 77, 301, 19, 2]
+    pages = [5, 9, 2, 7]
+    out = runner.run(ScheduledBatch([SequenceWork(seq_id=0, token_ids=prompt, start_pos=0, block_table=pages,
+                                                  sample=True, sampling=GREEDY, state_slot=1)]))
+    tokens = prompt + [out.sampled[0]]
+    drafts = out.drafts[0]
+
+    def check(step: int) -> None:  # the same drafts, and the head's output at the last pair to f32 rounding
+        fresh_drafts, fresh_out = runner.mtp_fresh_drafts(tokens)
+        assert drafts == fresh_drafts, step
+        assert (runner.mtp.last_outputs[0] - fresh_out).abs().max().item() < 1e-4, step
+
+    assert len(drafts) == 3
+    check(-1)
+    greedy = list(tokens)  # the plain greedy continuation, to propose drafts the target accepts
+    while len(greedy) < len(tokens) + 20:
+        greedy.append(int(runner.forward_logits(greedy)[-1].argmax()))
+    for step in range(4):
+        proposal = greedy[len(tokens):len(tokens) + 3]
+        if step % 2:  # make the last draft wrong, so the round accepts two and rejects one
+            proposal[-1] = (proposal[-1] + 1) % runner.vocab_size
+        work = SequenceWork(seq_id=0, token_ids=[tokens[-1], *proposal], start_pos=len(tokens) - 1,
+                            block_table=pages, sample=True, sampling=GREEDY, output_token_ids=tokens[len(prompt):],
+                            state_slot=1, num_drafts=len(proposal))
+        out = runner.run(ScheduledBatch([work]))
+        tokens += [out.sampled[0], *out.verified[0]]
+        assert len(out.verified[0]) == (2 if step % 2 else 3) and tokens == greedy[:len(tokens)]
+        drafts = out.drafts[0]
+        check(step)
+
+
+def test_mtp_greedy_equals_plain_greedy(q35_mtp) -> None:
+    """Through the Engine: --spec mtp commits the plain greedy tokens (tiny random weights)."""
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = q35_mtp[0]
+    tokenizer = Tokenizer.from_metadata(artifact.meta)
+    prompts = [[1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7],
+               [17, 923, 40211, 5, 5, 5, 880, 12, 31999, 7, 64, 1024, 2048, 4096, 77, 301, 19, 2, 48000, 3]]
+
+    def run(spec: SpecConfig | None) -> tuple[list[list[int]], object]:
+        runner = TorchModelRunner(artifact, num_pages=64, page_size=16, dtype=torch.float32, num_state_slots=6,
+                                  mtp_draft_tokens=3 if spec else 0)
+        engine = Engine(runner, tokenizer, SchedulerConfig(prefix_reuse=False), model_max_context=1024, spec=spec)
+        engine.start()
+        try:
+            outs = [_collect(engine.submit(PreparedRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=GREEDY,
+                                                           max_tokens=20, ignore_eos=True)))[0]
+                    for i, p in enumerate(prompts)]
+            return outs, engine.snapshot()
+        finally:
+            engine.shutdown()
+
+    plain, _ = run(None)
+    spec, snap = run(SpecConfig("mtp", draft_tokens=3))
+    assert spec == plain
+    assert snap.spec_method == "mtp" and snap.drafted_tokens > 0  # every decode round carried MTP drafts

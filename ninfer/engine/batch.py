@@ -88,6 +88,8 @@ class StepOutput:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     verified: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> tokens after sampled
     verified_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+    # a runner that drafts (an MTP head): seq_id -> the drafts it proposes after the committed tokens
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

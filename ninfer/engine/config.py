@@ -41,6 +41,7 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    mtp_layers: int = 0  # qwen3_5: multi-token-prediction layers the artifact carries (mtp.*; 0 or 1)
 
     def __post_init__(self) -> None:
         archs = _architectures()
@@ -60,6 +61,8 @@ class ModelConfig:
         if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even number "
                               f"of rotary dims in 2..{self.head_dim}")
+        if self.mtp_layers not in (0, 1):
+            raise ConfigError(f"mtp_layers must be 0 or 1 (one MTP layer is supported), got {self.mtp_layers!r}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers or any(
                     t not in ("full_attention", "linear_attention") for t in self.layer_types):

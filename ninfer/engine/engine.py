@@ -25,6 +25,7 @@ from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnap
                                     QueueEntry)
 from ninfer.engine.kv_cache import PagePool, StatePool
 from ninfer.engine.lookup import LookupDrafter, LookupState
+from ninfer.engine.mtp_drafter import RunnerDrafter, RunnerDraftState
 from ninfer.engine.output import OutputProcessor
 from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
@@ -62,7 +63,7 @@ class _Live:
 class SpecStats:
     """One request's speculative decoding: its drafter state and its counts (request log, timings)."""
 
-    lookup: LookupState
+    state: LookupState | RunnerDraftState  # the drafter's per-request state
     rounds: int = 0  # verify rounds (decode steps that carried drafts)
     drafted: int = 0
     accepted: int = 0
@@ -81,7 +82,7 @@ class SpecStats:
         """The request log's `speculative` object."""
         return {"backend": method, "draft_window": draft_window, "rounds": self.rounds,
                 "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "fallback_steps": self.lookup.fallback_steps,
+                "fallback_steps": self.state.fallback_steps,
                 "accepted_per_position": list(self.accepted_per_position)}
 
 
@@ -119,9 +120,13 @@ class Engine:
                  model_max_context: int, spec: SpecConfig | None = None) -> None:
         self.runner = runner
         self.spec = spec if spec is not None and spec.enabled else None
-        if self.spec is not None and self.spec.method != "lookup":
-            raise ConfigError(f"--spec {self.spec.method} is not supported by this engine")
-        self.drafter = LookupDrafter(spec.draft_tokens, spec.ngram_min, spec.ngram_max) if self.spec else None
+        self.drafter: LookupDrafter | RunnerDrafter | None = None
+        if self.spec is not None and self.spec.method == "mtp":
+            if getattr(runner, "mtp_draft_tokens", 0) < spec.draft_tokens:
+                raise ConfigError("--spec mtp needs a runner built with its MTP head (mtp_draft_tokens)")
+            self.drafter = RunnerDrafter(spec.draft_tokens)
+        elif self.spec is not None:
+            self.drafter = LookupDrafter(spec.draft_tokens, spec.ngram_min, spec.ngram_max)
         self.tokenizer = tokenizer
         self.config = config
         self.max_context = config.max_context or model_max_context
@@ -383,6 +388,11 @@ class Engine:
             c.predicted_seconds_total += dt
             self._count_drafts(batch, output)
         now = time.monotonic()
+        if output.drafts and isinstance(self.drafter, RunnerDrafter):  # the MTP head's next proposals
+            for seq_id, drafts in output.drafts.items():
+                live = self._by_seq.get(seq_id)
+                if live is not None and live.spec is not None:
+                    self.drafter.offer(live.spec.state, drafts)
         sampled = self.scheduler.update(batch, output)
         if not is_prefill:
             c.committed_decode_tokens += len(sampled)
@@ -405,7 +415,7 @@ class Engine:
             if live.spec is None:  # the request opted out (hints["speculative"] False)
                 continue
             seq = live.seq
-            state = live.spec.lookup
+            state = live.spec.state
             skipped = state.fallback_steps
             drafts = self.drafter.propose(state, seq.prompt_token_ids + seq.output_token_ids,
                                           self.scheduler.draft_limit(seq))
@@ -424,7 +434,7 @@ class Engine:
             if work.num_drafts:
                 accepted = len(output.verified.get(work.seq_id, ()))
                 live.spec.record(work.num_drafts, accepted)
-                self.drafter.observe(live.spec.lookup, work.num_drafts, accepted)
+                self.drafter.observe(live.spec.state, work.num_drafts, accepted)
                 c.spec_rounds += 1
                 c.drafted_tokens += work.num_drafts
                 c.accepted_tokens += accepted

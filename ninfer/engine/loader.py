@@ -185,7 +185,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     from ninfer.engine.tokenizer import Tokenizer
 
     meta = artifact.meta
-    check_spec(spec, meta)
+    check_spec(spec, meta, backend)
     native = meta.config.max_position_embeddings
     max_context = scheduler.max_context or min(DEFAULT_MAX_CONTEXT, native)
     if max_context < 1:
@@ -202,11 +202,13 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
-                                   num_state_slots=num_state_slots, max_draft_tokens=spec.draft_tokens if spec and spec.enabled else 0,
+                                   num_state_slots=num_state_slots,
+                                   max_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "lookup" else 0,
                                    **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
-                                num_state_slots=num_state_slots)
+                                num_state_slots=num_state_slots,
+                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0)
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec)
@@ -214,17 +216,15 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                        max_context=max_context, backend=backend, device=torch_device, facts=facts)
 
 
-def check_spec(spec: SpecConfig | None, meta) -> None:
-    """Refuse a speculative backend this artifact or build cannot serve, with a clear message."""
-    if spec is None or spec.method in (None, "lookup"):
+def check_spec(spec: SpecConfig | None, meta, backend: str) -> None:
+    """Refuse a speculative backend this artifact or backend cannot serve, with a clear message."""
+    if spec is None or spec.method != "mtp":
         return
-    if spec.method == "mtp":
-        has_mtp = any(name.startswith("mtp.") for name in getattr(meta, "tensor_formats", {}))
-        if not has_mtp:
-            raise ConfigError(f"--spec mtp needs an artifact that carries MTP layers (mtp.* tensors); "
-                              f"{meta.name} has none (use --spec lookup)")
-        raise ConfigError("--spec mtp: drafting with the artifact's MTP layers is not supported yet "
-                          "(use --spec lookup)")
+    if not meta.config.mtp_layers:
+        raise ConfigError(f"--spec mtp needs an artifact that carries MTP layers (mtp.* tensors, kept when "
+                          f"converting a Hugging Face folder that has them); {meta.name} has none (use --spec lookup)")
+    if backend == "cuda":
+        raise ConfigError("--spec mtp runs on the torch backend only so far (use --backend torch, or --spec lookup)")
 
 
 def _read_template(value: str) -> str:

@@ -66,6 +66,7 @@ class Architecture:
     quantizable: tuple[str, ...] = ()  # name suffixes of weights that may be stored quantized
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE
     gguf_transforms: Mapping[str, Callable] = field(default_factory=dict)
+    mtp_head: type | None = None  # the multi-token-prediction head class (when config.mtp_layers)
 
     def is_quantizable(self, name: str) -> bool:
         return name.endswith(self.quantizable)
