@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 from ninfer.engine.config import SchedulerConfig, SpecConfig
@@ -82,7 +83,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="A/B pairs per workload (after one warm-up pair)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--json", default=None, help="also write the per-request records here")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
 
     from ninfer.engine.artifact import Artifact
     from ninfer.engine.loader import resolve_backend, start_engine
@@ -119,6 +124,8 @@ def main() -> None:
                         out += ev.token_ids
                         final = ev
                     outputs.setdefault(arm, out)
+                    print(f"  {name} {arm} rep {rep}: {final.timings.predicted_n} tokens, "
+                          f"{final.timings.predicted_per_second:.1f} tok/s", file=sys.stderr, flush=True)
                     if rep == 0:
                         continue  # warm-up pair
                     t, sp = final.timings, final.speculative or {}

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from test_server_http import _serve_cmd, free_port
 
 openai = pytest.importorskip("openai")
 
+MAX_TOKENS = 32
 REPEAT = ("Repeat this list exactly, twice: apple, banana, cherry, apple, banana, cherry, apple, banana, "
           "cherry, apple, banana, cherry.")
 
@@ -55,8 +57,8 @@ def _metric(text: str, name: str) -> float:
 
 def test_timings_metrics_stats_and_request_log_count_drafts(spec_server, f32_reference) -> None:
     url, request_log, _ = spec_server
-    with httpx.Client(timeout=120) as http:
-        body = {"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 48, "temperature": 0}
+    with httpx.Client(timeout=900) as http:
+        body = {"messages": [{"role": "user", "content": REPEAT}], "max_tokens": MAX_TOKENS, "temperature": 0}
         r = http.post(f"{url}/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         timings = r.json()["timings"]
@@ -90,8 +92,8 @@ def test_timings_metrics_stats_and_request_log_count_drafts(spec_server, f32_ref
 
 def test_openai_client_stream_equals_plain_greedy(spec_server, f32_reference) -> None:
     url, _, _ = spec_server
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": REPEAT}], max_tokens=48,
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
+    stream = client.chat.completions.create(model="m", messages=[{"role": "user", "content": REPEAT}], max_tokens=MAX_TOKENS,
                                             temperature=0, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == f32_reference
@@ -99,12 +101,27 @@ def test_openai_client_stream_equals_plain_greedy(spec_server, f32_reference) ->
 
 @pytest.fixture(scope="module")
 def f32_reference(smollm2_artifact: Path) -> str:
-    """The plain (no speculation) float32 greedy answer to REPEAT, through the CLI's run command."""
-    out = subprocess.run(_serve_cmd()[:-1] + ["run", str(smollm2_artifact), REPEAT, "-n", "48", "--temperature", "0",
-                                              "--dtype", "float32", "--json"], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)["text"]
+    """The plain (no speculation) float32 greedy answer to REPEAT, rendered as `ninfer run` and the
+    server render a chat turn, computed in-process."""
+    from ninfer.engine.artifact import Artifact
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.request import PreparedRequest, SamplingParams
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = Artifact.open(smollm2_artifact)
+    tok = Tokenizer.from_metadata(artifact.meta)
+    runner = TorchModelRunner(artifact, num_pages=8, page_size=64, dtype=torch.float32)
+    engine = Engine(runner, tok, SchedulerConfig(prefix_reuse=False), model_max_context=512)
+    engine.start()
+    try:
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": REPEAT}], add_generation_prompt=True))
+        events = list(engine.submit(PreparedRequest(request_id="ref", prompt_token_ids=ids,
+                                                    sampling=SamplingParams(temperature=0.0), max_tokens=MAX_TOKENS)))
+    finally:
+        engine.shutdown()
+    return "".join(ev.text for ev in events)
 
 
 @pytest.mark.parametrize("args, needle", [(["--spec", "mtp"], "mtp.* tensors"),
