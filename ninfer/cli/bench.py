@@ -19,7 +19,8 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH
+from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
+                               spec_from_flags)
 from ninfer.errors import ConfigError
 
 
@@ -98,6 +99,13 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
+    spec: Optional[str] = SPEC,
+    draft_tokens: int = DRAFT_TOKENS,
+    spec_ngram_min: int = SPEC_NGRAM_MIN,
+    spec_ngram_max: int = SPEC_NGRAM_MAX,
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file",
+                                              help="tg tests continue this file's text (raw tokens) instead of one "
+                                                   "random token: a context a --spec lookup can draft from."),
 ) -> None:
     from rich.progress import Progress
 
@@ -119,6 +127,13 @@ def bench(
         raise ConfigError("--concurrency values must be in 1..8")
     if synthetic is not None and model is not None:
         raise ConfigError("give either MODEL or --synthetic, not both")
+    spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
+    context_text = None
+    if prompt_file is not None:
+        from pathlib import Path
+        if not Path(prompt_file).is_file():
+            raise ConfigError(f"--prompt-file {prompt_file!r}: no such file")
+        context_text = Path(prompt_file).read_text()
     tests = [(p, 0, 1) for p in prompts if p > 0] + [(0, n, c) for n in gens if n > 0 for c in concs]
     if not tests:
         raise ConfigError("nothing to run: every -p and -n value is 0")
@@ -131,13 +146,18 @@ def bench(
     else:
         artifact = Artifact.open(resolve_model(model, cache_dir(), announce=output == "md"))
     max_c = max(c for _, _, c in tests)
+    context_ids: list[int] = []  # filled once the tokenizer is loaded
     span = max(p for p, _, _ in tests) + max(n for _, n, _ in tests) + 2
+    if context_text is not None:  # room for the file's tokens (at most ~1 token per byte)
+        span += len(context_text.encode())
     scheduler = SchedulerConfig(max_concurrency=max_c, max_pending_requests=8, max_context=span,
                                 prefix_reuse=False)
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
-                          kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype)
+                          kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config)
     rng = random.Random(seed)
+    if context_text is not None:
+        context_ids = loaded.tokenizer.encode(context_text, add_special_tokens=False)
     excluded = set(loaded.tokenizer.special_token_ids) | set(loaded.tokenizer.stop_token_ids)
     vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]
     size, n_params = _model_stats(artifact)
@@ -150,18 +170,22 @@ def bench(
                 name = f"pp{p}" if p else f"tg{n}"
                 progress.update(task, description=f"{name} x{c}" if c > 1 else name)
                 samples_ns = []
+                drafted = accepted = 0
                 for rep in range(repetitions + 1):  # rep 0 is the warm-up
                     if p:
                         _, _, _, finals = _run_requests(loaded.engine, [rng.choices(vocab, k=p)], 1)
                         ns = finals[0].timings.prompt_ms * 1e6
                         tokens = p
                     else:
-                        first, end, after_first, _ = _run_requests(
-                            loaded.engine, [[rng.choice(vocab)] for _ in range(c)], n)
+                        starts = [list(context_ids) or [rng.choice(vocab)] for _ in range(c)]
+                        first, end, after_first, finals = _run_requests(loaded.engine, starts, n)
                         ns = (end - first) * 1e9
                         tokens = after_first
                     if rep:
                         samples_ns.append((ns, tokens))
+                        if not p:
+                            drafted += sum(f.timings.draft_n for f in finals if f.timings)
+                            accepted += sum(f.timings.draft_n_accepted for f in finals if f.timings)
                     progress.advance(task)
                 ts = [t / (ns / 1e9) for ns, t in samples_ns]
                 results.append({
@@ -177,6 +201,8 @@ def bench(
                     "avg_ts": statistics.fmean(ts),
                     "stddev_ts": statistics.stdev(ts) if len(ts) > 1 else 0.0,
                     "samples_ns": [int(ns) for ns, _ in samples_ns], "samples_ts": ts,
+                    **({"spec": spec_config.method, "draft_tokens": spec_config.draft_tokens,
+                        "draft_n": drafted, "draft_n_accepted": accepted} if spec_config else {}),
                 })
     finally:
         loaded.engine.shutdown()
@@ -212,7 +238,9 @@ def _print(results: list[dict], output: str) -> None:
             print(json.dumps(r))
         return
     show_c = any(r["n_concurrency"] != 1 for r in results)
-    header = ["model", "size", "params", "backend", "threads"] + (["conc"] if show_c else []) + ["test", "t/s"]
+    show_spec = any("spec" in r for r in results)
+    header = ["model", "size", "params", "backend", "threads"] + (["conc"] if show_c else []) + ["test", "t/s"] + \
+        (["drafts accepted"] if show_spec else [])
     print("| " + " | ".join(header) + " |")
     print("| " + " | ".join("---:" if h in ("size", "params", "threads", "conc", "t/s") else "---" for h in header) + " |")
     for r in results:
@@ -220,5 +248,8 @@ def _print(results: list[dict], output: str) -> None:
         row = [r["model_type"], f"{r['model_size'] / 2**20:.2f} MiB", f"{r['model_n_params'] / 1e6:.2f} M",
                r["backends"], str(r["n_threads"])] + ([str(r["n_concurrency"])] if show_c else []) + \
               [test, f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"]
+        if show_spec:
+            n, a = r.get("draft_n", 0), r.get("draft_n_accepted", 0)
+            row.append(f"{a}/{n} ({100 * a / n:.0f} %)" if n else "-")
         print("| " + " | ".join(row) + " |")
     print(f"\nbuild: {results[0]['build_number']}", file=sys.stderr)

@@ -15,6 +15,22 @@ NO_CUDA_GRAPH = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph 
 DTYPE = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or "
                                              "float32 (exact, slower).")
 
+# Speculative decoding flags of serve, run and bench.
+SPEC = typer.Option(None, "--spec", help="Speculative decoding: lookup (n-gram lookup in the request's own "
+                                         "context) or mtp (the artifact's MTP layers). Off by default.")
+DRAFT_TOKENS = typer.Option(3, "--draft-tokens", help="Most draft tokens verified per round (1..15).")
+SPEC_NGRAM_MIN = typer.Option(2, "--spec-ngram-min", help="--spec lookup: shortest n-gram matched.")
+SPEC_NGRAM_MAX = typer.Option(4, "--spec-ngram-max", help="--spec lookup: longest n-gram matched (tried first).")
+
+
+def spec_from_flags(spec: str | None, draft_tokens: int, ngram_min: int, ngram_max: int):
+    """The SpecConfig of the speculative flags (None when --spec is not given)."""
+    from ninfer.engine.config import SpecConfig
+
+    if spec is None:
+        return None
+    return SpecConfig(method=spec, draft_tokens=draft_tokens, ngram_min=ngram_min, ngram_max=ngram_max)
+
 
 def split_model_and_text(args: list[str], what: str) -> tuple[str | None, str]:
     """`[MODEL] TEXT`: one argument is the text (default model), two are model and text."""

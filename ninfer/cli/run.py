@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH, sampling_from_flags, split_model_and_text
+from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
+                               sampling_from_flags, spec_from_flags, split_model_and_text)
 from ninfer.errors import ConfigError
 
 
@@ -32,6 +33,10 @@ def run(
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
+    spec: Optional[str] = SPEC,
+    draft_tokens: int = DRAFT_TOKENS,
+    spec_ngram_min: int = SPEC_NGRAM_MIN,
+    spec_ngram_max: int = SPEC_NGRAM_MAX,
 ) -> None:
     from ninfer.engine.chat import Message, render
     from ninfer.engine.config import SchedulerConfig
@@ -51,8 +56,9 @@ def run(
     schema = _read_schema(json_schema) if json_schema is not None else None
     if schema is not None and stop:
         raise ConfigError("--stop cannot be combined with --json-schema: the grammar ends the output")
+    spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
-                         announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype)
+                         announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype, spec=spec_config)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:

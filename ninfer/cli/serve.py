@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH
+from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
+                               SPEC_NGRAM_MIN, spec_from_flags)
 from ninfer.errors import ConfigError
 
 
@@ -98,6 +99,10 @@ def serve(
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
+    spec: Optional[str] = SPEC,
+    draft_tokens: int = DRAFT_TOKENS,
+    spec_ngram_min: int = SPEC_NGRAM_MIN,
+    spec_ngram_max: int = SPEC_NGRAM_MAX,
 ) -> None:
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
@@ -117,6 +122,7 @@ def serve(
     kv = _kv_capacity(kv_capacity)
     rope = RopeOverride(yarn=rope_yarn, yarn_factor=rope_yarn_factor, scaling_factor=rope_scaling_factor,
                         original_context=rope_scaling_original_context)
+    spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
     scheduler = SchedulerConfig(
         max_concurrency=max_concurrency, max_pending_requests=max_pending_requests,
         pending_timeout_ms=pending_timeout_ms, prefill_chunk=prefill_chunk,
@@ -149,7 +155,8 @@ def serve(
     def load():
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
-                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype, rope=rope)
+                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype, rope=rope,
+                           spec=spec_config)
 
     def announce(line: str) -> None:
         print(line, flush=True)

@@ -43,6 +43,21 @@ class SequenceWork:
     # the slot already holds the state after start_pos tokens (earlier steps, or this batch's
     # state_copies). -1 for a pure-attention model.
     state_slot: int = -1
+    # Speculative verification: the last drafts_count ids of token_ids are drafts proposed after
+    # the row's first token (its last committed token); the runner computes logits at every
+    # position, draws the target token at each with the one sampler (position i counts the
+    # drafts before it as output: penalties and the RNG step) and commits the longest prefix of
+    # drafts that the draws reproduce, plus the draw after it (StepOutput.verified). Recurrent
+    # state ends after exactly the committed inputs. 0: an ordinary row.
+    num_drafts: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # a verify row commits nothing after a stop token
+    # structured output with drafts: the mask of each position 1..num_drafts (position 0 is
+    # token_mask); a position whose draft the grammar refuses has none (None) and ends the drafts
+    draft_masks: list[Any] = field(default_factory=list)
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts:] if self.num_drafts else []
 
 
 @dataclass(slots=True)
@@ -65,10 +80,16 @@ class ScheduledBatch:
 
 @dataclass(slots=True)
 class StepOutput:
-    """Per sampled sequence: the next token id (and its logprob record when asked)."""
+    """Per sampled sequence: the next token id (and its logprob record when asked). A verify row
+    (SequenceWork.num_drafts > 0) commits `sampled` (the draw at its first position) followed by
+    `verified` (the draws at the positions after each accepted draft), in order."""
 
     sampled: dict[int, int]  # seq_id -> token id
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    verified: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> tokens after sampled
+    verified_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
+    # a runner that drafts (an MTP head): seq_id -> the drafts it proposes after the committed tokens
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

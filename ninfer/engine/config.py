@@ -50,6 +50,7 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    mtp_layers: int = 0  # qwen3_5: multi-token-prediction layers the artifact carries (mtp.*; 0 or 1)
 
     def __post_init__(self) -> None:
         archs = _architectures()
@@ -70,6 +71,8 @@ class ModelConfig:
         if not 0.0 < self.partial_rotary_factor <= 1.0 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must give an even number "
                               f"of rotary dims in 2..{self.head_dim}")
+        if self.mtp_layers not in (0, 1):
+            raise ConfigError(f"mtp_layers must be 0 or 1 (one MTP layer is supported), got {self.mtp_layers!r}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
                 raise ConfigError(f"layer_types must list {', '.join(LAYER_TYPES)} for each of the "
@@ -204,3 +207,31 @@ class SchedulerConfig:
             raise ConfigError("--prefill-chunk must be >= 1")
         if self.decode_rounds_per_prefill is not None and self.decode_rounds_per_prefill < 0:
             raise ConfigError("--decode-rounds-per-prefill must be >= 0")
+
+
+SPEC_METHODS = ("lookup", "mtp")
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Speculative decoding (--spec, --draft-tokens, --spec-ngram-min/max). method None: off.
+    lookup drafts the continuation of the longest recent match of the last n tokens
+    (ngram_min <= n <= ngram_max) inside the request's own prompt and output."""
+
+    method: str | None = None
+    draft_tokens: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ConfigError(f"--spec must be one of {', '.join(SPEC_METHODS)} (got {self.method!r})")
+        if not 1 <= self.draft_tokens <= 15:
+            raise ConfigError(f"--draft-tokens must be in 1..15 (got {self.draft_tokens})")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ConfigError(f"--spec-ngram-min/--spec-ngram-max must satisfy 1 <= min <= max <= 64 "
+                              f"(got {self.ngram_min}, {self.ngram_max})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None

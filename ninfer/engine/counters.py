@@ -95,6 +95,17 @@ class EngineSnapshot:
     # admitted requests plus checkpoints of retained continuations
     state_slots_total: int = 0
     state_slots_used: int = 0
+    # speculative decoding (--spec): the backend, verify rounds (rows that carried drafts), drafts
+    # verified and accepted, and decode steps a request took without drafts while backing off
+    spec_method: str | None = None
+    spec_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    spec_fallback_steps: int = 0
+    completed_drafted_tokens: int = 0
+    completed_accepted_tokens: int = 0
+    completed_drafted_tokens: int = 0  # the same two counts over requests that have finished
+    completed_accepted_tokens: int = 0
     lanes: tuple[LaneInfo, ...] = ()
     continuations: tuple[ContinuationInfo, ...] = ()
     queue: tuple[QueueEntry, ...] = ()  # the first 16 waiting, in submission order
@@ -125,3 +136,9 @@ class EngineCounters:
     context_cache_exhausted: int = 0
     prefix_cache_hit_tokens: int = 0
     context_selections: dict[str, int] = field(default_factory=dict)
+    spec_rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    spec_fallback_steps: int = 0
+    completed_drafted_tokens: int = 0
+    completed_accepted_tokens: int = 0

@@ -20,16 +20,19 @@ from itertools import count
 from typing import TYPE_CHECKING, Any
 
 from ninfer.engine.batch import ModelRunner, ScheduledBatch
-from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.config import SchedulerConfig, SpecConfig
 from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnapshot, LaneInfo,
                                     QueueEntry)
 from ninfer.engine.kv_cache import PagePool, StatePool
+from ninfer.engine.lookup import LookupDrafter, LookupState
+from ninfer.engine.mtp_drafter import RunnerDrafter, RunnerDraftState
 from ninfer.engine.output import OutputProcessor
 from ninfer.engine.reasoning import ReasoningSplitter, effective_budget
 from ninfer.engine.sampler import mask_words, single_token_mask
 from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
 from ninfer.engine.errors import ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded
+from ninfer.errors import ConfigError
 
 if TYPE_CHECKING:
     from ninfer.engine.tokenizer import Tokenizer
@@ -60,6 +63,35 @@ class _Live:
     thinking_budget: int | None = None  # the effective cap (None: none, or not enforceable)
     forced: deque[int] = field(default_factory=deque)  # tokens committed without sampling (early close)
     post_thinking: bool = False  # the sampler switched after the reasoning closed
+    tokens_seen: int = 0  # output tokens handed to the output processor
+    spec: SpecStats | None = None  # speculative decoding (--spec)
+
+
+@dataclass(slots=True, eq=False)
+class SpecStats:
+    """One request's speculative decoding: its drafter state and its counts (request log, timings)."""
+
+    state: LookupState | RunnerDraftState  # the drafter's per-request state
+    rounds: int = 0  # verify rounds (decode steps that carried drafts)
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds whose draft i+1 survived
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def to_dict(self, method: str, draft_window: int) -> dict[str, Any]:
+        """The request log's `speculative` object."""
+        return {"backend": method, "draft_window": draft_window, "rounds": self.rounds,
+                "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "fallback_steps": self.state.fallback_steps,
+                "accepted_per_position": list(self.accepted_per_position)}
 
 
 class RequestHandle:
@@ -93,8 +125,16 @@ class Engine:
     """Continuous batching over `runner` with 1..8 lanes, a paged KV pool and a prefix cache."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig, *,
-                 model_max_context: int) -> None:
+                 model_max_context: int, spec: SpecConfig | None = None) -> None:
         self.runner = runner
+        self.spec = spec if spec is not None and spec.enabled else None
+        self.drafter: LookupDrafter | RunnerDrafter | None = None
+        if self.spec is not None and self.spec.method == "mtp":
+            if getattr(runner, "mtp_draft_tokens", 0) < spec.draft_tokens:
+                raise ConfigError("--spec mtp needs a runner built with its MTP head (mtp_draft_tokens)")
+            self.drafter = RunnerDrafter(spec.draft_tokens)
+        elif self.spec is not None:
+            self.drafter = LookupDrafter(spec.draft_tokens, spec.ngram_min, spec.ngram_max)
         self.tokenizer = tokenizer
         self.config = config
         self.max_context = config.max_context or model_max_context
@@ -130,7 +170,7 @@ class Engine:
 
     @classmethod
     def spawn(cls, build_runner: Callable[[], ModelRunner], tokenizer: Tokenizer, config: SchedulerConfig, *,
-              model_max_context: int) -> Engine:
+              model_max_context: int, spec: SpecConfig | None = None) -> Engine:
         """Build the runner on the engine's own worker thread, then run the engine there.
 
         All torch work of a model belongs on one thread: on CPU, torch's OpenMP kernels ran ~2x
@@ -141,7 +181,7 @@ class Engine:
 
         def main() -> None:
             try:
-                engine = cls(build_runner(), tokenizer, config, model_max_context=model_max_context)
+                engine = cls(build_runner(), tokenizer, config, model_max_context=model_max_context, spec=spec)
             except BaseException as exc:  # handed to the caller, which re-raises it
                 built.put(exc)
                 return
@@ -209,12 +249,14 @@ class Engine:
         now = time.monotonic()
         timeout = self.config.pending_timeout_ms
         live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None,
-                     matcher=req.grammar.matcher() if req.grammar is not None else None)
-        spec = req.reasoning
-        if spec is not None:
-            live.splitter = ReasoningSplitter(spec.starts_open)
-            if spec.budget is not None and spec.close_ids:
-                live.thinking_budget = effective_budget(spec.budget, max_out, len(spec.close_ids))
+                     matcher=req.grammar.matcher() if req.grammar is not None else None,
+                     spec=SpecStats(self.drafter.new_state())
+                     if self.drafter is not None and req.hints.get("speculative", True) else None)
+        reasoning = req.reasoning
+        if reasoning is not None:
+            live.splitter = ReasoningSplitter(reasoning.starts_open)
+            if reasoning.budget is not None and reasoning.close_ids:
+                live.thinking_budget = effective_budget(reasoning.budget, max_out, len(reasoning.close_ids))
         with self._cv:
             if self._stopping or self._thread is None:
                 raise EngineNotRunning(self._failed)
@@ -336,6 +378,8 @@ class Engine:
             for work in batch.seqs:  # the grammar's (or a forced token's) mask for this sample
                 if work.sample:
                     work.token_mask = self._mask(self._by_seq[work.seq_id])
+            if self.drafter is not None and not is_prefill:
+                self._draft(batch)
             output = self.runner.run(batch)
         except Exception as exc:  # fail the lanes, keep serving the queue: a recovery
             self._counters.engine_recoveries += 1
@@ -354,14 +398,59 @@ class Engine:
         else:
             c.decode_rounds += 1
             c.decode_row_rounds += len(batch.seqs)
-            c.committed_decode_tokens += len(batch.seqs)
             c.predicted_seconds_total += dt
+            self._count_drafts(batch, output)
         now = time.monotonic()
+        if output.drafts and isinstance(self.drafter, RunnerDrafter):  # the MTP head's next proposals
+            for seq_id, drafts in output.drafts.items():
+                live = self._by_seq.get(seq_id)
+                if live is not None and live.spec is not None:
+                    self.drafter.offer(live.spec.state, drafts)
         sampled = self.scheduler.update(batch, output)
+        if not is_prefill:
+            c.committed_decode_tokens += len(sampled)
         if is_prefill:  # the unit committed: its progress precedes the first token it may have sampled
             self._progress(first, now)
-        for seq, token in sampled:
-            self._on_token(self._by_seq[seq.seq_id], token, output.logprobs.get(seq.seq_id), now)
+        round_index: dict[int, int] = {}  # seq_id -> tokens of this step handed on so far
+        for j, (seq, token) in enumerate(sampled):
+            live = self._by_seq.get(seq.seq_id)
+            if live is None:  # ended earlier in this verify round (stop string, grammar)
+                continue
+            i = round_index[seq.seq_id] = round_index.get(seq.seq_id, -1) + 1
+            logprob = output.logprobs.get(seq.seq_id) if i == 0 else output.verified_logprobs[seq.seq_id][i - 1]
+            last = j + 1 == len(sampled) or sampled[j + 1][0] is not seq  # the row's last token of this step
+            self._on_token(live, token, logprob, now, last)
+
+    def _draft(self, batch: ScheduledBatch) -> None:
+        """Speculative decoding: attach each decode row's drafts (and their grammar masks)."""
+        for work in batch.seqs:
+            live = self._by_seq[work.seq_id]
+            if live.spec is None:  # the request opted out (hints["speculative"] False)
+                continue
+            seq = live.seq
+            state = live.spec.state
+            skipped = state.fallback_steps
+            drafts = self.drafter.propose(state, seq.prompt_token_ids + seq.output_token_ids,
+                                          self.scheduler.draft_limit(seq))
+            self._counters.spec_fallback_steps += state.fallback_steps - skipped
+            if drafts and live.matcher is not None:  # one mask per draft position; none past a refused draft
+                work.draft_masks = live.matcher.draft_masks(drafts)
+                drafts = drafts[:len(work.draft_masks)]
+            self.scheduler.attach_drafts(seq, work, drafts)
+
+    def _count_drafts(self, batch: ScheduledBatch, output) -> None:
+        c = self._counters
+        for work in batch.seqs:
+            live = self._by_seq[work.seq_id]
+            if live.spec is None:
+                continue
+            if work.num_drafts:
+                accepted = len(output.verified.get(work.seq_id, ()))
+                live.spec.record(work.num_drafts, accepted)
+                self.drafter.observe(live.spec.state, work.num_drafts, accepted)
+                c.spec_rounds += 1
+                c.drafted_tokens += work.num_drafts
+                c.accepted_tokens += accepted
 
     def _progress(self, live: _Live, now: float) -> None:
         """A prompt-progress event with its prompt-only timings, for a request that asked."""
@@ -384,7 +473,10 @@ class Engine:
             return live.matcher.next_mask()
         return None
 
-    def _on_token(self, live: _Live, token: int, logprob: TokenLogprob | None, now: float) -> None:
+    def _on_token(self, live: _Live, token: int, logprob: TokenLogprob | None, now: float,
+                  last: bool = True) -> None:
+        """Hand one committed token on; `last`: the final token its row committed this step (the
+        scheduler has already ended a request whose budget or stop token this step reached)."""
         seq, proc, splitter = live.seq, live.proc, live.splitter
         reasoning_token = splitter is not None and splitter.in_reasoning
         if live.forced:
@@ -398,9 +490,10 @@ class Engine:
         if first:
             live.first_token_at = now
         live.last_token_at = now
+        live.tokens_seen += 1
         step = proc.append(token)
         text = step.text
-        ended = step.finished or seq.finished
+        ended = step.finished or (seq.finished and last)
         if ended and not step.finished:  # the output budget (which the context bounds)
             text += proc.finish()
         reasoning = ""
@@ -417,9 +510,10 @@ class Engine:
         if token not in proc.stop_token_ids:
             live.logprobs.append(None if reasoning_token else logprob)
         if step.finished:  # a stop token or a stop string
+            self.scheduler.truncate_round(seq, live.tokens_seen)  # a stop string inside a verify round
             self.scheduler.finish(seq, "stop", step.stop_reason)
             self._finish(live, "stop", step.stop_reason, text, token, reasoning)
-        elif seq.finished:
+        elif seq.finished and last:  # the output budget (which the context bounds)
             reason = "stop" if proc.stop_reason is not None else "length"  # a final flush may complete a stop
             self._finish(live, reason, proc.stop_reason, text, token, reasoning)
         else:
@@ -493,6 +587,9 @@ class Engine:
                 return  # already finalized
             del self._live[seq.request_id]
             self._admitted -= 1
+        if live.spec is not None:
+            self._counters.completed_drafted_tokens += live.spec.drafted
+            self._counters.completed_accepted_tokens += live.spec.accepted
         usage = Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output_token_ids),
                       cached_tokens=seq.num_cached_tokens, reasoning_tokens=live.reasoning_tokens)
         if live.splitter is not None and reason in ("cancelled", "error"):  # release what the split held
@@ -501,7 +598,9 @@ class Engine:
         self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, reasoning=reasoning,
                                      logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason, usage=usage,
                                      timings=self._timings(live), error=error, slot_id=seq.slot,
-                                     post_thinking_sampling=live.post_thinking))
+                                     post_thinking_sampling=live.post_thinking,
+                                     speculative=live.spec.to_dict(self.spec.method, self.spec.draft_tokens)
+                                     if live.spec is not None else None))
 
     def _emit(self, live: _Live, event: OutputEvent) -> None:
         try:
@@ -517,8 +616,10 @@ class Engine:
             prompt_ms = (live.first_token_at - live.admitted_at) * 1e3
         if live.first_token_at is not None and live.last_token_at is not None:
             predicted_ms = (live.last_token_at - live.first_token_at) * 1e3
+        spec = live.spec
         return Timings(cache_n=seq.num_cached_tokens, prompt_n=seq.prompt_len - seq.num_cached_tokens,
-                       prompt_ms=prompt_ms, predicted_n=len(seq.output_token_ids), predicted_ms=predicted_ms)
+                       prompt_ms=prompt_ms, predicted_n=len(seq.output_token_ids), predicted_ms=predicted_ms,
+                       draft_n=spec.drafted if spec else 0, draft_n_accepted=spec.accepted if spec else 0)
 
     # ---- snapshots ------------------------------------------------------------------------
 
@@ -582,6 +683,13 @@ class Engine:
             context_selections=dict(c.context_selections),
             state_slots_total=state.num_slots if state else 0,
             state_slots_used=state.num_used if state else 0,
+            spec_method=self.spec.method if self.spec else None,
+            spec_rounds=c.spec_rounds,
+            drafted_tokens=c.drafted_tokens,
+            accepted_tokens=c.accepted_tokens,
+            spec_fallback_steps=c.spec_fallback_steps,
+            completed_drafted_tokens=c.completed_drafted_tokens,
+            completed_accepted_tokens=c.completed_accepted_tokens,
             lanes=lanes,
             continuations=continuations,
             queue=queue_entries,

@@ -91,6 +91,18 @@ class Matcher:
         self._matcher.fill_next_token_bitmask(self._mask)
         return self._mask.clone()
 
+    def draft_masks(self, drafts: list[int]) -> list[torch.Tensor]:
+        """The mask after each prefix of `drafts` (the mask of verify position i + 1), up to the
+        first draft the grammar refuses; the matcher is left where it was."""
+        masks: list[torch.Tensor] = []
+        for token in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
+                break
+            masks.append(self.next_mask())
+        if masks:
+            self._matcher.rollback(len(masks))
+        return masks
+
     def accept(self, token: int) -> bool:
         """Advance past `token`; False when the grammar does not admit it."""
         return self._matcher.accept_token(token)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ninfer.engine.artifact import Artifact, ArtifactMetadata
-from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.config import SchedulerConfig, SpecConfig
 from ninfer.engine.model_store import resolve_model
 from ninfer.engine.rope import RopeOverride
 from ninfer.engine.models import expected_weights
@@ -159,9 +159,9 @@ def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
-                dtype: str = "auto", rope: RopeOverride | None = None) -> LoadedModel:
+                dtype: str = "auto", rope: RopeOverride | None = None, spec: SpecConfig | None = None) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
-    options' RoPE scaling, in place of the model's own."""
+    options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec)."""
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
         cache_dir = default_cache_dir()
@@ -175,20 +175,23 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
-                        rope=rope)
+                        rope=rope, spec=spec)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
                  kv_capacity: int | str | None, cuda_graph: bool = True,
-                 kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None) -> LoadedModel:
+                 kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None,
+                 spec: SpecConfig | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
     dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
-    options (the default context and the KV pool follow the native window whatever they say)."""
+    options (the default context and the KV pool follow the native window whatever they say).
+    spec: speculative decoding (--spec); raises ConfigError for a backend the artifact cannot serve."""
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
 
     meta = artifact.meta
+    check_spec(spec, meta, backend)
     native = meta.config.max_position_embeddings
     max_context = scheduler.max_context or min(DEFAULT_MAX_CONTEXT, native)
     if max_context < 1:
@@ -208,13 +211,16 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
-                                   num_state_slots=num_state_slots, **({"dtype": dtype} if dtype is not None else {}))
+                                   num_state_slots=num_state_slots,
+                                   max_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "lookup" else 0,
+                                   **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
-                                num_state_slots=num_state_slots)
+                                num_state_slots=num_state_slots,
+                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0)
 
     facts = model_facts(artifact, tokenizer, max_context)
-    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
+    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts)
 
@@ -231,6 +237,17 @@ def check_start_up_inputs(artifact, chat_template_option: str | None) -> None:
         where = (f"--chat-template {chat_template_option!r}" if chat_template_option is not None
                  else f"{artifact.path}: the model's chat template")
         raise ConfigError(f"{where}: {e}") from None
+
+
+def check_spec(spec: SpecConfig | None, meta, backend: str) -> None:
+    """Refuse a speculative backend this artifact or backend cannot serve, with a clear message."""
+    if spec is None or spec.method != "mtp":
+        return
+    if not meta.config.mtp_layers:
+        raise ConfigError(f"--spec mtp needs an artifact that carries MTP layers (mtp.* tensors, kept when "
+                          f"converting a Hugging Face folder that has them); {meta.name} has none (use --spec lookup)")
+    if backend == "cuda":
+        raise ConfigError("--spec mtp runs on the torch backend only so far (use --backend torch, or --spec lookup)")
 
 
 def _read_template(value: str) -> str:

@@ -98,6 +98,8 @@ class Timings:
     predicted_n: int
     predicted_ms: float
     prompt_processed_n: int | None = None  # None: the prompt is done (rates span prompt_n)
+    draft_n: int = 0  # speculative decoding: draft tokens verified, and those accepted
+    draft_n_accepted: int = 0
 
     @property
     def _prompt_rate_n(self) -> int:
@@ -115,6 +117,7 @@ class Timings:
     def to_dict(self) -> dict[str, float | int]:
         n_prompt = self._prompt_rate_n
         intervals = max(self.predicted_n - 1, 0)
+        drafts = {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted} if self.draft_n else {}
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
@@ -125,7 +128,7 @@ class Timings:
             "predicted_ms": self.predicted_ms,
             "predicted_per_token_ms": self.predicted_ms / intervals if intervals else 0.0,
             "predicted_per_second": self.predicted_per_second,
-        }
+        } | drafts
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,6 +170,7 @@ class OutputEvent:
     stop_reason: str | int | None = None  # the matched stop string or stop token id
     usage: Usage | None = None  # on the final event
     timings: Timings | None = None  # final and first output events; every event with hints["timings_per_token"]
+    speculative: dict[str, Any] | None = None  # final event under --spec: the request log's speculative object
     error: str | None = None
     progress: PromptProgress | None = None  # a prompt-progress event (hints["return_progress"]): no tokens
     slot_id: int | None = None  # final event: the context-cache slot the session was retained in

@@ -71,6 +71,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     slot: int | None = None  # the context-cache cell it was retained in, once finished
+    state_ahead: bool = False  # hybrid: a truncated verify round left the working state past the frontier
 
     @property
     def prompt_len(self) -> int:
@@ -176,7 +177,7 @@ class Scheduler:
             retain = False
         table, seq.block_table = seq.block_table, []
         n = seq.num_computed_tokens
-        retain = retain and n > 0
+        retain = retain and n > 0 and not seq.state_ahead
         page_checkpoints = self._hand_over_capture(seq, state_slot, keep=retain)
         if retain:
             keep = pages_for_tokens(n, self.page_size)
@@ -305,7 +306,35 @@ class Scheduler:
         return SequenceWork(
             seq_id=seq.seq_id, token_ids=[seq.token_at(i) for i in range(start, end)], start_pos=start,
             block_table=list(seq.block_table), sample=sample, sampling=seq.sampling,
-            output_token_ids=list(seq.output_token_ids), seed=seq.seed, state_slot=seq.state_slot)
+            output_token_ids=list(seq.output_token_ids), seed=seq.seed, state_slot=seq.state_slot,
+            stop_token_ids=seq.stop_token_ids)
+
+    def draft_limit(self, seq: Sequence) -> int:
+        """The most drafts a decode row of `seq` may verify: its round must not pass the output
+        budget (the drafts plus the token after them are at most the tokens it may still commit)."""
+        return max(0, seq.max_output_tokens - len(seq.output_token_ids) - 1)
+
+    def attach_drafts(self, seq: Sequence, work: SequenceWork, drafts: list[int]) -> None:
+        """Make the decode row `work` of `seq` a speculative verify row over `drafts` (at most
+        draft_limit), with pages for their positions (released again for rejected positions)."""
+        assert work.num_drafts == 0 and len(work.token_ids) == 1 and len(drafts) <= self.draft_limit(seq)
+        if not drafts:
+            return
+        self._ensure_pages(seq, work.start_pos + 1 + len(drafts))
+        work.token_ids = work.token_ids + list(drafts)
+        work.num_drafts = len(drafts)
+        work.block_table = list(seq.block_table)
+
+    def truncate_round(self, seq: Sequence, keep: int) -> None:
+        """A stop string ended `seq` inside a verify round after its first `keep` output tokens:
+        drop the round's later tokens (and their positions) before the caller finishes it."""
+        drop = len(seq.output_token_ids) - keep
+        if drop <= 0:
+            return
+        del seq.output_token_ids[keep:]
+        seq.num_computed_tokens -= drop
+        if seq.state_slot >= 0:  # the state advanced over the dropped inputs: retain no frontier
+            seq.state_ahead = True
 
     def _pick_prefill(self, staged: list[Sequence]) -> Sequence:
         starved = [s for s in staged if s.passed_over >= MAX_PASSED_OVER]
@@ -361,7 +390,13 @@ class Scheduler:
             seq = by_id.get(work.seq_id)
             if seq is None:
                 continue  # aborted between schedule and update
-            seq.num_computed_tokens += len(work.token_ids)
+            verified = output.verified.get(work.seq_id, []) if work.num_drafts else []
+            # a verify row computed its accepted inputs: its first token and the drafts reproduced
+            seq.num_computed_tokens += len(work.token_ids) - work.num_drafts + len(verified)
+            if work.num_drafts:  # release the pages of rejected positions
+                keep = pages_for_tokens(seq.num_computed_tokens, self.page_size)
+                self.pool.decref(seq.block_table[keep:])
+                del seq.block_table[keep:]
             if seq.copy_src is not None:
                 self.pool.decref([seq.copy_src])  # the copy ran with this batch
                 seq.copy_src = None
@@ -372,14 +407,16 @@ class Scheduler:
                 self._capture(seq)
             if not work.sample:
                 continue
-            token = output.sampled[work.seq_id]
-            seq.output_token_ids.append(token)
             seq.status = SeqStatus.DECODING
-            sampled.append((seq, token))
-            if token in seq.stop_token_ids:
-                self.finish(seq, "stop", token)
-            elif len(seq.output_token_ids) >= seq.max_output_tokens:
-                self.finish(seq, "length")
+            for token in [output.sampled[work.seq_id], *verified]:
+                seq.output_token_ids.append(token)
+                sampled.append((seq, token))
+                if token in seq.stop_token_ids:
+                    self.finish(seq, "stop", token)
+                elif len(seq.output_token_ids) >= seq.max_output_tokens:
+                    self.finish(seq, "length")
+                if seq.finished:
+                    break
         return sampled
 
     def _spare_slot(self) -> bool:

@@ -137,6 +137,9 @@ def load_report(call: Call, obj: str) -> dict[str, Any]:
                      "committed_decode_tokens": snap.committed_decode_tokens,
                      "reused_prompt_tokens": snap.reused_prompt_tokens,
                      "decode_rounds": snap.decode_rounds, "decode_row_rounds": snap.decode_row_rounds},
+        **({"speculative": {"backend": snap.spec_method, "rounds": snap.spec_rounds,
+                            "drafted_tokens": snap.drafted_tokens, "accepted_tokens": snap.accepted_tokens,
+                            "fallback_steps": snap.spec_fallback_steps}} if snap.spec_method else {}),
     }
 
 
@@ -251,6 +254,10 @@ def metrics_text(call: Call) -> str:
             "prompt tokens of completed requests served from a cached prefix", snap.prefix_cache_hit_tokens)
     _series(L, "ninfer:reused_prompt_tokens_total", "counter",
             "prompt tokens restored from the context cache instead of prefilled", snap.reused_prompt_tokens)
+    _series(L, "ninfer:draft_tokens_total", "counter", "speculative draft tokens proposed for completed requests",
+            snap.completed_drafted_tokens)
+    _series(L, "ninfer:draft_accepted_tokens_total", "counter",
+            "speculative draft tokens accepted for completed requests", snap.completed_accepted_tokens)
     _series(L, "ninfer:uptime_seconds", "gauge", "seconds since the Engine became ready", state.uptime())
     _series(L, "ninfer:context_cache_exhausted_requests_total", "counter",
             "requests failed because the context cache had no placement for them", snap.context_cache_exhausted)

@@ -33,6 +33,10 @@ class Outcome:
     prefill_s: float
     decode_tokens: int  # output tokens after the first
     decode_s: float
+    speculative: bool = False  # the request ran under --spec (the acceptance column is shown)
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0  # verify rounds
 
 
 class SessionStats:
@@ -53,8 +57,10 @@ class SessionStats:
             self.completed += 1
             if t is None or u is None:
                 return
+            spec = final.speculative or {}
             outcome = Outcome(t.prompt_ms / 1e3, u.prompt_tokens, u.cached_tokens, t.prompt_ms / 1e3,
-                              max(t.predicted_n - 1, 0), t.predicted_ms / 1e3)
+                              max(t.predicted_n - 1, 0), t.predicted_ms / 1e3, final.speculative is not None,
+                              spec.get("drafted_tokens", 0), spec.get("accepted_tokens", 0), spec.get("rounds", 0))
             self._all.append(outcome)
             self._recent.append(outcome)
 
@@ -89,20 +95,30 @@ def render(stats: SessionStats, running: int | None = None, waiting: int | None 
     if running is not None:
         title += f" | {running} running, {waiting} waiting"
     table = Table(title=title, title_justify="left", min_width=PANEL_WIDTH)
-    for name, justify in (("", "left"), ("n", "right"), ("TTFT", "right"), ("cached", "right"),
-                          ("prefill tok/s", "right"), ("decode tok/s", "right")):
+    rows = stats.rows()
+    speculative = any(o.speculative for _, outcomes in rows for o in outcomes)
+    columns = [("", "left"), ("n", "right"), ("TTFT", "right"), ("cached", "right"),
+               ("prefill tok/s", "right"), ("decode tok/s", "right")]
+    if speculative:  # the spec's "ngram, ng rnds": accepted / drafted lookup tokens, verify rounds
+        columns.append(("ngram, ng rnds", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
-    for name, outcomes in stats.rows():
+    for name, outcomes in rows:
         if not outcomes:
-            table.add_row(name, "0", "-", "-", "-", "-")
+            table.add_row(name, "0", *["-"] * (len(columns) - 2))
             continue
         prompt = sum(o.prompt_tokens for o in outcomes)
         cached = sum(o.cached_tokens for o in outcomes)
-        table.add_row(name, str(len(outcomes)),
-                      f"{1e3 * sum(o.ttft_s for o in outcomes) / len(outcomes):,.0f} ms",
-                      f"{100 * cached / prompt:.0f} %" if prompt else "-",
-                      _rate(prompt - cached, sum(o.prefill_s for o in outcomes)),
-                      _rate(sum(o.decode_tokens for o in outcomes), sum(o.decode_s for o in outcomes)))
+        cells = [name, str(len(outcomes)),
+                 f"{1e3 * sum(o.ttft_s for o in outcomes) / len(outcomes):,.0f} ms",
+                 f"{100 * cached / prompt:.0f} %" if prompt else "-",
+                 _rate(prompt - cached, sum(o.prefill_s for o in outcomes)),
+                 _rate(sum(o.decode_tokens for o in outcomes), sum(o.decode_s for o in outcomes))]
+        if speculative:
+            drafted, accepted = sum(o.drafted for o in outcomes), sum(o.accepted for o in outcomes)
+            cells.append(f"{accepted:,}/{drafted:,} ({100 * accepted / drafted:.0f} %), "
+                         f"{sum(o.rounds for o in outcomes):,}" if drafted else "-")
+        table.add_row(*cells)
     return table
 
 

@@ -79,9 +79,13 @@ class RequestLog:
         if t is not None:
             rates = (f" ttft={t.prompt_ms:.0f}ms prefill={t.prompt_per_second:.1f}tok/s"
                      f" decode={t.predicted_per_second:.1f}tok/s")
+        spec = final.speculative
+        if spec is not None and spec["drafted_tokens"]:
+            rates += f" {spec['backend']}={spec['accepted_tokens']}/{spec['drafted_tokens']}"
         log.info("req#%d done %s %s prompt=%d cached=%d out=%d%s total=%.2fs", n, protocol, final.finish_reason,
                  prompt, cached, out, rates, total_seconds)
-        self._write("request_done", request_id=n, protocol=protocol,
+        extra = {"speculative": spec} if spec is not None else {}
+        self._write("request_done", request_id=n, protocol=protocol, **extra,
                     result={"finish_reason": final.finish_reason, "prompt_tokens": prompt, "completion_tokens": out,
                             "cached_tokens": cached, "computed_prefill_tokens": prompt - cached,
                             "reasoning_tokens": u.reasoning_tokens if u else 0,

@@ -1,8 +1,9 @@
 """Static decode buffers and the CUDA Graphs that replay the cuda backend's decode step.
 
-A decode step of n rows (1..8) reads only the first n rows of fixed device buffers, so a graph
-captured once per (n, attention split bucket) replays with new inputs copied into those buffers.
-Per token the host fills three small staging arrays, copies them in, replays, and reads the
+A decode step of n sequences (1..8) of `width` rows each (1; or a speculative verify width, the
+last token and width - 1 drafts) reads only the first n * width rows of fixed device buffers, so a
+graph captured once per (n, attention split bucket, width) replays with new inputs copied into those
+buffers. Per step the host fills three small staging arrays, copies them in, replays, and reads the
 sampled ids back.
 """
 from __future__ import annotations
@@ -15,19 +16,19 @@ MAX_DECODE_ROWS = 8  # the gemv kernel's row limit, and the engine's lane count
 
 
 class DecodeState:
-    """The fixed device buffers a captured decode step reads and writes (MAX_DECODE_ROWS rows).
+    """The fixed device buffers a captured decode step reads and writes (`rows` rows: MAX_DECODE_ROWS,
+    times the widest verify width under speculative decoding).
 
-    i32 holds, in order: ids, positions, kv slots, context_lens, top_k, state slots (8 each), the
-    decode cu_seqlens 0..8 (9) and the block tables [8, max_pages]; f32 holds temperature, top_p,
+    i32 holds, in order: ids, positions, kv slots, context_lens, top_k, state slots (R each), the
+    decode cu_seqlens 0..R (R + 1) and the block tables [R, max_pages]; f32 holds temperature, top_p,
     min_p, presence, frequency; i64 holds seeds and steps. Each is filled by one host->device copy
     of its used prefix. masks: the rows' packed token bitmasks (every bit set without a grammar).
     """
 
-    HEAD = 6 * MAX_DECODE_ROWS + MAX_DECODE_ROWS + 1  # int32 entries before the block tables
-
     def __init__(self, *, vocab: int, heads: int, head_dim: int, max_pages: int, max_parts: int,
-                 device: torch.device) -> None:
-        R = MAX_DECODE_ROWS
+                 device: torch.device, rows: int = MAX_DECODE_ROWS) -> None:
+        R = self.rows = rows
+        self.HEAD = 7 * R + 1  # int32 entries before the block tables
         self.max_pages = max_pages
         self.max_parts = max_parts
         self.i32 = torch.zeros(self.HEAD + R * max_pages, dtype=torch.int32, device=device)
@@ -58,8 +59,9 @@ class DecodeState:
 
 
 class DecodeGraphs:
-    """Runs `step(n, parts)` (the whole decode step over DecodeState rows [:n], attention split
-    into at most `parts` partitions) through CUDA graphs captured on first use, one per (n, parts).
+    """Runs `step(n, parts, width)` (the whole decode step over n sequences of `width` DecodeState
+    rows each, attention split into at most `parts` partitions) through CUDA graphs captured on
+    first use, one per (n, parts, width).
 
     Capture follows the usual recipe: one eager run on a side stream (loads every kernel module,
     which capture forbids), then capture into a shared memory pool, then replay. K/V writes are
@@ -68,32 +70,36 @@ class DecodeGraphs:
     and returns the function that puts it back after the warm-up run.
     """
 
-    def __init__(self, step: Callable[[int, int], None], device: torch.device, enabled: bool = True,
+    def __init__(self, step: Callable[[int, int, int], None], device: torch.device, enabled: bool = True,
                  preserve: Callable[[int], Callable[[], None]] | None = None) -> None:
         self.step = step
         self.preserve = preserve
         self.device = device
         self.enabled = enabled
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.captures = 0  # graphs captured so far (tests, logs)
 
-    def run(self, n: int, parts: int) -> None:
+    def run(self, n: int, parts: int, width: int = 1) -> None:
         if not self.enabled:
-            self.step(n, parts)
+            self.step(n, parts, width)
             return
-        graph = self._graphs.get((n, parts))
+        graph = self._graphs.get((n, parts, width))
         if graph is None:
-            graph = self._capture(n, parts)
+            graph = self._capture(n, parts, width)
         graph.replay()
 
-    def _capture(self, n: int, parts: int) -> torch.cuda.CUDAGraph:
+    def widths(self) -> set[int]:
+        """The verify widths captured so far (1: plain decode)."""
+        return {w for _, _, w in self._graphs}
+
+    def _capture(self, n: int, parts: int, width: int) -> torch.cuda.CUDAGraph:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             restore = self.preserve(n) if self.preserve is not None else None
-            self.step(n, parts)
+            self.step(n, parts, width)
             if restore is not None:
                 restore()
         current.wait_stream(side)
@@ -102,7 +108,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may touch CUDA (stats) while this thread captures
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.step(n, parts)
-        self._graphs[(n, parts)] = graph
+            self.step(n, parts, width)
+        self._graphs[(n, parts, width)] = graph
         self.captures += 1
         return graph

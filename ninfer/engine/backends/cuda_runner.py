@@ -7,6 +7,11 @@ sampling. A step splits its sequences in two routes:
   on the decode route, then the lm_head gemv to fp32 logits and sample_tokens (grammar masks
   applied in the kernel, before the draw); replayed from a CUDA graph per row count and attention
   split bucket (cuda_graphs.py).
+- verify rows (speculative decoding: the last token and K drafts): K + 1 decode rows of one
+  sequence on the decode route, every position drawn by the kernel with its own step, penalty
+  counts and grammar mask; the host applies the acceptance rule (ninfer.engine.speculative) and
+  restores a hybrid model's state from the per-row states the step kept. A graph per (sequences,
+  split bucket, verify width).
 - prompt rows (prefill, chunks, prefix-hit suffixes): the forward on the prompt route; rows that
   sample take the lm_head gemv and the sampler like decode rows.
 The sampler is the one definition (ninfer.engine.sampler): the kernel draws every token; rows that
@@ -27,6 +32,7 @@ from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.cuda_ops import DTYPES, PARTITION, CudaContext, CudaOps
 from ninfer.engine.sampler import fill_mask_row, logprob_records
+from ninfer.engine.speculative import MAX_DRAFT_TOKENS, commit, position_rows
 from ninfer.errors import ConfigError
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler, default_cache_dir
@@ -41,11 +47,17 @@ class CudaModelRunner:
     kernel_cache_dir: where compiled cubins are kept (None: `default_cache_dir()`).
     dtype: the activation and KV dtype, torch.bfloat16 or torch.float32.
     num_state_slots: recurrent-state slots (hybrid models; see TorchModelRunner).
+    max_draft_tokens: the most drafts a verify row carries (speculative decoding; 0: none), which
+    sizes the step buffers (MAX_DECODE_ROWS x (max_draft_tokens + 1) rows) and a hybrid model's
+    per-row verify states.
     """
 
     def __init__(self, artifact, *, num_pages: int, page_size: int = 64, device: str = "cuda",
                  cuda_graph: bool = True, kernel_cache_dir: Path | None = None,
-                 dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0) -> None:
+                 dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0, max_draft_tokens: int = 0) -> None:
+        if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"max_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}")
+        self.max_draft_tokens = max_draft_tokens
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
         if dtype not in DTYPES:
@@ -73,10 +85,13 @@ class CudaModelRunner:
             self.k_cache, self.v_cache = self._kv(num_pages)
             self.conv, self.ssm = self._states(self.num_state_slots)
             self.max_context = min(c.max_position_embeddings, num_pages * page_size)
+            rows = MAX_DECODE_ROWS * (max_draft_tokens + 1)
             self.state = DecodeState(vocab=c.vocab_size, heads=c.num_attention_heads, head_dim=c.head_dim,
                                      max_pages=-(-self.max_context // page_size),
-                                     max_parts=-(-self.max_context // PARTITION), device=self.device)
-        self._grammar_rows = [False] * MAX_DECODE_ROWS  # state rows whose mask is a grammar's (else all set)
+                                     max_parts=-(-self.max_context // PARTITION), device=self.device, rows=rows)
+            # a hybrid model's recurrent state after each verify row (restores a rejected tail)
+            self.verify_conv, self.verify_ssm = self._states(rows if max_draft_tokens else 0)
+        self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
         self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=cuda_graph,
                                    preserve=self._preserve_states if self.spec.recurrent else None)
 
@@ -170,8 +185,11 @@ class CudaModelRunner:
         # Decode rows: one token of a sequence that has generated before. A prompt's last token
         # goes the prompt way even alone, so its bits match a run without a prefix hit.
         is_decode = [len(s.token_ids) == 1 and s.sample and bool(s.output_token_ids) for s in batch.seqs]
+        verify = [s for s in batch.seqs if s.num_drafts]
         decode = [s for s, d in zip(batch.seqs, is_decode) if d]
-        prompt = [s for s, d in zip(batch.seqs, is_decode) if not d]
+        prompt = [s for s, d in zip(batch.seqs, is_decode) if not d and not s.num_drafts]
+        if any(s.num_drafts > self.max_draft_tokens for s in verify):
+            raise ValueError(f"a verify row carries more than the runner's {self.max_draft_tokens} drafts")
         out = StepOutput(sampled={})
         logits: dict[int, torch.Tensor] = {}
         st = self.state
@@ -193,6 +211,13 @@ class CudaModelRunner:
                 parts = self._load_decode(group)
                 self.graphs.run(len(group), parts)
                 self._collect(group, out, logits if keep_logits else None)
+            for width in sorted({s.num_drafts + 1 for s in verify}):
+                same = [s for s in verify if s.num_drafts + 1 == width]
+                for g in range(0, len(same), MAX_DECODE_ROWS):
+                    group = same[g:g + MAX_DECODE_ROWS]
+                    parts = self._load_decode(group, width)
+                    self.graphs.run(len(group), parts, width)
+                    self._collect_verify(group, width, out, logits if keep_logits else None)
         return out, logits
 
     def _validate(self, s: SequenceWork) -> None:
@@ -225,14 +250,39 @@ class CudaModelRunner:
             for i, s in enumerate(seqs):
                 logits[s.seq_id] = st.logits[i].clone()
 
+    def _collect_verify(self, seqs: list[SequenceWork], width: int, out: StepOutput,
+                        logits: dict[int, torch.Tensor] | None) -> None:
+        """Verify rows: read the draws of every position, commit the accepted prefix (and its
+        logprob records), restore the recurrent state of a rejected tail from the per-row states."""
+        st = self.state
+        T = len(seqs) * width
+        draws = st.tokens[:T].tolist()
+        rows = [r for s in seqs for r in position_rows(s)]
+        records = logprob_records(st.logits[:T], rows, draws) if any(s.sampling.logprobs for s in seqs) \
+            else [None] * T
+        accepted: dict[int, int] = {}
+        restore_rows, restore_slots = [], []
+        for b, s in enumerate(seqs):
+            commit(out, s, draws[b * width:(b + 1) * width], records[b * width:(b + 1) * width], accepted)
+            if accepted[s.seq_id] < s.num_drafts and self.verify_conv:
+                restore_rows.append(b * width + accepted[s.seq_id])
+                restore_slots.append(s.state_slot)
+            if logits is not None:
+                logits[s.seq_id] = st.logits[b * width:(b + 1) * width].clone()
+        if restore_rows:
+            src = torch.tensor(restore_rows, dtype=torch.int64, device=self.device)
+            dst = torch.tensor(restore_slots, dtype=torch.int64, device=self.device)
+            for live, kept in zip((*self.conv, *self.ssm), (*self.verify_conv, *self.verify_ssm)):
+                live.index_copy_(0, dst, kept.index_select(0, src))
+
     # -- inputs ------------------------------------------------------------------------------
 
     def _load_sampling(self, seqs: list[SequenceWork]) -> None:
         """Sampler parameters, penalty counts and grammar masks of `seqs` into state rows [:len(seqs)]."""
         st, n = self.state, len(seqs)
-        f32 = np.zeros((5, MAX_DECODE_ROWS), dtype=np.float32)
-        i64 = np.zeros((2, MAX_DECODE_ROWS), dtype=np.int64)
-        top_k = np.zeros(MAX_DECODE_ROWS, dtype=np.int32)
+        f32 = np.zeros((5, st.rows), dtype=np.float32)
+        i64 = np.zeros((2, st.rows), dtype=np.int64)
+        top_k = np.zeros(st.rows, dtype=np.int32)
         for i, s in enumerate(seqs):
             sp = s.sampling
             f32[:, i] = (sp.temperature if not sp.greedy else 0.0, sp.top_p, sp.min_p,
@@ -253,45 +303,53 @@ class CudaModelRunner:
         st.i64.copy_(torch.from_numpy(i64.reshape(-1)))
         st.top_k[:n].copy_(torch.from_numpy(top_k[:n]))
 
-    def _load_decode(self, seqs: list[SequenceWork]) -> int:
-        """Decode inputs of `seqs` into state rows [:n]; returns the attention split bucket."""
+    def _load_decode(self, seqs: list[SequenceWork], width: int = 1) -> int:
+        """Decode inputs of `seqs` into state rows [:n * width] (sequence-major: row b * width + i is
+        position i of sequence b, its own query over its own context); state slots in rows [:n].
+        Returns the attention split bucket."""
         st, n, ps = self.state, len(seqs), self.page_size
-        R, mp = MAX_DECODE_ROWS, st.max_pages
-        i32 = np.zeros(DecodeState.HEAD + n * mp, dtype=np.int32)
+        R, mp, head_len = st.rows, st.max_pages, st.HEAD
+        T = n * width
+        i32 = np.zeros(head_len + T * mp, dtype=np.int32)
         longest = 1
-        for i, s in enumerate(seqs):
-            pos = s.start_pos
-            ctx = pos + 1
-            longest = max(longest, ctx)
-            pages = s.block_table[:-(-ctx // ps)]
-            i32[i] = s.token_ids[0]
-            i32[R + i] = pos
-            i32[2 * R + i] = pages[pos // ps] * ps + pos % ps
-            i32[3 * R + i] = ctx
-            i32[5 * R + i] = s.state_slot
-            base = DecodeState.HEAD + i * mp
-            i32[base:base + len(pages)] = pages
+        for b, s in enumerate(seqs):
+            i32[5 * R + b] = s.state_slot
+            for i in range(width):
+                r = b * width + i
+                pos = s.start_pos + i
+                ctx = pos + 1
+                longest = max(longest, ctx)
+                pages = s.block_table[:-(-ctx // ps)]
+                i32[r] = s.token_ids[i]
+                i32[R + r] = pos
+                i32[2 * R + r] = pages[pos // ps] * ps + pos % ps
+                i32[3 * R + r] = ctx
+                base = head_len + r * mp
+                i32[base:base + len(pages)] = pages
         i32[6 * R:7 * R + 1] = np.arange(R + 1)  # cu_seqlens (fixed)
-        self._load_sampling(seqs)  # top_k, the 5th block of i32, comes from here
+        self._load_sampling([r for s in seqs for r in (position_rows(s) if width > 1 else [s])])  # top_k too
         head = torch.from_numpy(i32)
         st.i32[:4 * R].copy_(head[:4 * R])
-        st.i32[5 * R:DecodeState.HEAD + n * mp].copy_(head[5 * R:])
+        st.i32[5 * R:head_len + T * mp].copy_(head[5 * R:])
         needed = -(-longest // PARTITION)
         return min(1 << (needed - 1).bit_length(), st.max_parts)
 
     # -- forwards ----------------------------------------------------------------------------
 
-    def _decode_step(self, n: int, parts: int) -> None:
-        """The captured step over state rows [:n]: embedding .. sampled tokens; no host sync."""
+    def _decode_step(self, n: int, parts: int, width: int = 1) -> None:
+        """The captured step over n sequences of `width` state rows each: embedding .. sampled
+        tokens; no host sync."""
         st = self.state
+        T = n * width
         self.ops.begin(CudaContext(
-            decode=True, positions=st.positions[:n], kv_slots=st.kv_slots[:n], k_cache=self.k_cache,
-            v_cache=self.v_cache, block_tables=st.block_tables[:n], seq_lens=st.context_lens[:n],
+            decode=True, positions=st.positions[:T], kv_slots=st.kv_slots[:T], k_cache=self.k_cache,
+            v_cache=self.v_cache, block_tables=st.block_tables[:T], seq_lens=st.context_lens[:T],
             max_context=parts * PARTITION, cu_seqlens=st.cu_seqlens[:n + 1], conv=self.conv, ssm=self.ssm,
-            state_slots=st.state_slots[:n], workspace=st.workspace(n, parts)))
-        hidden = self.model.forward(self.ops, st.ids[:n])
-        self.model.compute_logits(self.ops, hidden, out=st.logits[:n])
-        self._sample(n)
+            state_slots=st.state_slots[:n], workspace=st.workspace(T, parts),
+            verify_width=width if width > 1 else 0, verify_conv=self.verify_conv, verify_ssm=self.verify_ssm))
+        hidden = self.model.forward(self.ops, st.ids[:T])
+        self.model.compute_logits(self.ops, hidden, out=st.logits[:T])
+        self._sample(T)
 
     def _preserve_states(self, n: int):
         """Save the recurrent state of decode rows [:n] (a graph's warm-up run advances it)."""

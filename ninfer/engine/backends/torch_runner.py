@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 
 from ninfer.engine.artifact import Artifact
+from ninfer.engine.backends.mtp_drafts import MtpDrafts
 from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.torch_ops import KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
+from ninfer.engine.speculative import sample_rows
 from ninfer.errors import ConfigError, NInferError
 
 
@@ -53,7 +55,7 @@ class TorchModelRunner:
     per retained checkpoint)."""
 
     def __init__(self, artifact: Artifact, *, num_pages: int, page_size: int = 64, device: str = "cpu",
-                 dtype: torch.dtype | None = None, num_state_slots: int = 0) -> None:
+                 dtype: torch.dtype | None = None, num_state_slots: int = 0, mtp_draft_tokens: int = 0) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
         self.device = torch.device(device)
@@ -69,11 +71,24 @@ class TorchModelRunner:
         self.vocab_size = c.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(c, self.device, self.dtype)
         pack = self.device.type == "cpu" and self.dtype == torch.bfloat16  # the packed kernels are CPU ones
+        head = architecture(c).mtp_head
+        if mtp_draft_tokens and (head is None or not c.mtp_layers):
+            raise ConfigError(f"--spec mtp needs an artifact that carries MTP layers (mtp.* tensors); this "
+                              f"{c.architecture} artifact has none")
+        if mtp_draft_tokens >= page_size:
+            raise ConfigError(f"--draft-tokens {mtp_draft_tokens} must be below the page size {page_size}")
         with torch.inference_mode():
             self.ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=pack)
-            self.model = architecture(c).model.load(WeightReader(artifact, self.ops, self.device), c)
+            reader = WeightReader(artifact, self.ops, self.device)
+            self.model = architecture(c).model.load(reader, c)
             self.kv = KVCache(self.spec, num_pages, page_size, self.kv_dtype, self.device)
             self.states = self._states(self.num_state_slots)
+            # --spec mtp: the MTP head drafts each sampling row's next round (backends/mtp_drafts.py)
+            self.mtp = MtpDrafts(head.load(reader, c), self.model, self.ops, self.spec, num_pages, page_size,
+                                 self.kv_dtype, self.device, mtp_draft_tokens) if mtp_draft_tokens else None
+        self.mtp_draft_tokens = mtp_draft_tokens
+        self._verify_states: RecurrentStates | None = None  # the last forward's per-token states of verify rows
+        self._verify_rows: dict[int, int] = {}  # seq_id -> its first flat row in the last forward
 
     def _states(self, slots: int) -> RecurrentStates | None:
         return RecurrentStates(self.spec, slots, self.kv_dtype, self.device) if self.spec.recurrent else None
@@ -88,24 +103,31 @@ class TorchModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Run the batch's state copies, write its K/V and state, run the model, sample where asked."""
-        from ninfer.engine.sampler import sample
-
         self.copy_states(batch.state_copies)
-        logits = self._forward(batch.seqs, self.kv, self.states, all_rows=False)
-        sampling = [s for s in batch.seqs if s.sample]
-        if not sampling:
-            return StepOutput(sampled={})
-        tokens, logprobs = sample(logits, sampling)
-        out = StepOutput(sampled={s.seq_id: t for s, t in zip(sampling, tokens)})
-        for s, lp in zip(sampling, logprobs):
-            if lp is not None:
-                out.logprobs[s.seq_id] = lp
+        hidden, offsets = self._hidden(batch.seqs, self.kv, self.states)
+        logits = self._logits(hidden, offsets, batch.seqs, all_rows=False)
+        out, accepted = sample_rows(logits, [s for s in batch.seqs if s.sample])
+        if self._verify_states is not None:  # back to the state after the last accepted input
+            for s in batch.seqs:
+                if s.num_drafts and accepted[s.seq_id] < s.num_drafts:
+                    self._verify_states_restore(s, accepted[s.seq_id])
+        if self.mtp is not None:
+            self.mtp.step(batch.seqs, offsets, hidden, out, accepted)
         return out
+
+    def _verify_states_restore(self, s: SequenceWork, accepted: int) -> None:
+        row = self._verify_rows[s.seq_id] + accepted
+        saved = self._verify_states
+        for live, kept in zip((*self.states.conv, *self.states.ssm), (*saved.conv, *saved.ssm)):
+            live[s.state_slot].copy_(kept[row])
 
     @torch.inference_mode()
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy K/V of page src into page dst, every layer (copy-on-write of a shared page)."""
-        self.kv.copy_pages(*self._pairs(copies, self.num_pages, "page"))
+        pairs = self._pairs(copies, self.num_pages, "page")
+        self.kv.copy_pages(*pairs)
+        if self.mtp is not None:
+            self.mtp.copy_pages(*pairs)
 
     @torch.inference_mode()
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
@@ -130,8 +152,33 @@ class TorchModelRunner:
                            sample=False, sampling=SamplingParams(), state_slot=0 if self.spec.recurrent else -1)
         return self._forward([seq], kv, self._states(1), all_rows=True)
 
+    @torch.inference_mode()
+    def mtp_fresh_drafts(self, token_ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The MTP head's drafts after token_ids[-1] for a fresh sequence, computed from scratch on
+        private caches (the target over token_ids[:-1], the head over every pair), and the head's
+        output at the last pair: a reference for the cached path. Needs mtp_draft_tokens."""
+        assert self.mtp is not None and len(token_ids) >= 2
+        inputs = list(token_ids[:-1])
+        num_pages = -(-(len(token_ids) + self.mtp_draft_tokens) // self.page_size)
+        kv = KVCache(self.spec, num_pages, self.page_size, self.kv_dtype, self.device)
+        seq = SequenceWork(seq_id=-1, token_ids=inputs, start_pos=0, block_table=list(range(num_pages)), sample=True,
+                           sampling=SamplingParams(), state_slot=0 if self.spec.recurrent else -1)
+        hidden, offsets = self._hidden([seq], kv, self._states(1))
+        fresh = MtpDrafts(self.mtp.head, self.model, self.ops, self.spec, num_pages, self.page_size, self.kv_dtype,
+                          self.device, self.mtp_draft_tokens)
+        out = StepOutput(sampled={-1: token_ids[-1]})
+        fresh.step([seq], offsets, hidden, out, {})
+        return out.drafts[-1], fresh.last_outputs[-1]
+
     def _forward(self, seqs: list[SequenceWork], kv: KVCache, states: RecurrentStates | None,
                  all_rows: bool) -> torch.Tensor:
+        hidden, offsets = self._hidden(seqs, kv, states)
+        return self._logits(hidden, offsets, seqs, all_rows)
+
+    def _hidden(self, seqs: list[SequenceWork], kv: KVCache,
+                states: RecurrentStates | None) -> tuple[torch.Tensor, list[int]]:
+        """The model over every row (K/V and state written) -> final normed hidden [T, hidden] and
+        each sequence's first row."""
         for s in seqs:
             if not s.token_ids:
                 raise NInferError(f"sequence {s.seq_id} has no tokens to compute")
@@ -143,12 +190,22 @@ class TorchModelRunner:
             fresh = [s.state_slot for s in seqs if s.start_pos == 0]
             if fresh:
                 states.zero(torch.tensor(fresh, dtype=torch.int64, device=self.device))
-        ctx = self.ops.context([(s.start_pos, len(s.token_ids), s.block_table, s.state_slot) for s in seqs], kv, states)
+        verify = [s.num_drafts > 0 for s in seqs]
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        # the recurrent state after each token of a verify row (restored on rejection)
+        self._verify_states = self._states(num_tokens) if states is not None and any(verify) else None
+        ctx = self.ops.context([(s.start_pos, len(s.token_ids), s.block_table, s.state_slot) for s in seqs], kv,
+                               states, verify, self._verify_states)
+        self._verify_rows = {s.seq_id: m.offset for m, s in zip(ctx.seqs, seqs)}
         self.ops.begin(ctx)
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(self.ops, input_ids)  # [T, hidden]
-        if not all_rows:
-            rows = [m.offset + m.num_tokens - 1 for m, s in zip(ctx.seqs, seqs) if s.sample]
+        return self.model.forward(self.ops, input_ids), [m.offset for m in ctx.seqs]  # [T, hidden]
+
+    def _logits(self, hidden: torch.Tensor, offsets: list[int], seqs: list[SequenceWork],
+                all_rows: bool) -> torch.Tensor:
+        if not all_rows:  # the last row of each sampling sequence; every row of a verify row
+            rows = [r for off, s in zip(offsets, seqs) if s.sample
+                    for r in range(off + len(s.token_ids) - 1 - s.num_drafts, off + len(s.token_ids))]
             if not rows:
                 return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
             hidden = hidden[rows] if len(rows) < hidden.shape[0] else hidden

@@ -3,6 +3,7 @@ model.safetensors.index.json), tokenizer.json, tokenizer_config.json / chat_temp
 generation_config.json."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -14,7 +15,7 @@ from ninfer.engine.artifact import ArtifactMetadata, SpecialTokens, write_artifa
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.convert.common import (check_weights_mode, encode_weight, float_format, progress_bar,
                                           sha256_file, stop_token_ids)
-from ninfer.engine.models import expected_weights
+from ninfer.engine.models import architecture, expected_weights
 from ninfer.engine.quant import TensorFormat
 from ninfer.errors import ArtifactError, NInferError
 
@@ -22,14 +23,15 @@ from ninfer.errors import ArtifactError, NInferError
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Multimodal checkpoints (Qwen3_5ForConditionalGeneration, what Qwen3.5 ships) nest the language
 # model under `model.language_model.`; its tensors take our `model.` names. The vision tower
-# (`model.visual.*`) and the multi-token-prediction head (`mtp.*`, for speculative decoding) are not
-# part of text generation here and are skipped.
+# (`model.visual.*`) is not part of text generation here and is skipped; the multi-token-prediction
+# head (`mtp.*`, speculative drafts for --spec mtp) is kept for architectures that have one.
 # Gemma3ForConditionalGeneration has the same nesting (`language_model.model.` in checkpoints saved
 # before transformers 5), its vision tower under `vision_tower.` and `multi_modal_projector.`.
 _PREFIX_RENAMES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                    ("language_model.lm_head.", "lm_head."))
-_SKIPPED_PREFIXES = ("model.visual.", "mtp.", "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
+_SKIPPED_PREFIXES = ("model.visual.", "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
                      "multi_modal_projector.")
+_MTP_PREFIX = "mtp."
 _SAMPLER_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -65,9 +67,12 @@ def weight_files(src: Path) -> list[Path]:
     return files
 
 
-def text_model_name(key: str) -> str | None:
-    """Our name for a checkpoint tensor, None for one text generation does not use."""
+def text_model_name(key: str, keep_mtp: bool = False) -> str | None:
+    """Our name for a checkpoint tensor, None for one text generation does not use (an MTP head's
+    tensors unless keep_mtp)."""
     if key.startswith(_SKIPPED_PREFIXES) or key.endswith(_SKIPPED_SUFFIXES):
+        return None
+    if key.startswith(_MTP_PREFIX) and not keep_mtp:
         return None
     for prefix, ours in _PREFIX_RENAMES:
         if key.startswith(prefix):
@@ -166,7 +171,6 @@ def convert_hf(src: str | Path, out: str | Path, weights: str = "keep", progress
     gen_cfg = _optional_json(src / "generation_config.json", src)
 
     files = weight_files(src)
-    expected = expected_weights(config)
     keys: list[tuple[Path, str]] = []
     for path in files:
         try:
@@ -174,13 +178,20 @@ def convert_hf(src: str | Path, out: str | Path, weights: str = "keep", progress
                 keys.extend((path, k) for k in f.keys())
         except (SafetensorError, OSError) as e:
             raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
+    expected = expected_weights(config)
+    if architecture(config).mtp_head is not None:  # a whole MTP head is kept (--spec mtp); a partial one skipped
+        with_mtp = dataclasses.replace(config, mtp_layers=1)
+        head = {n for n in expected_weights(with_mtp) if n.startswith(_MTP_PREFIX)}
+        if head <= {k for _, k in keys}:
+            config, expected = with_mtp, expected_weights(with_mtp)
+    keep_mtp = config.mtp_layers > 0
 
     tensors: dict[str, torch.Tensor] = {}
     formats: dict[str, TensorFormat] = {}
     handles: dict[Path, Any] = {}
     try:
         for path, key in progress_bar(keys, len(keys), f"converting {src.name}", progress):
-            name = text_model_name(key)
+            name = text_model_name(key, keep_mtp)
             if name is None or (name == "lm_head.weight" and config.tie_word_embeddings):
                 continue
             if name not in expected:

@@ -68,6 +68,10 @@ def weights(c: ModelConfig) -> Shapes:
     for i, kind in enumerate(layer_kinds(c)):
         per_layer = norm | (linear if kind == LINEAR_ATTENTION else full) | mlp_weights(c)
         shapes |= {f"model.layers.{i}.{sfx}": shape for sfx, shape in per_layer.items()}
+    if c.mtp_layers:  # the multi-token-prediction head (speculative drafts): fc over [embedding | hidden], one layer
+        shapes |= {"mtp.fc.weight": (H, 2 * H), "mtp.pre_fc_norm_embedding.weight": (H,),
+                   "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)}
+        shapes |= {f"mtp.layers.0.{sfx}": shape for sfx, shape in (norm | full | mlp_weights(c)).items()}
     return with_lm_head(shapes, c)
 
 
@@ -177,6 +181,44 @@ class Qwen3_5Model:
         return ops.logits(hidden, self.lm_head, out)
 
 
+class MtpHead:
+    """Qwen3.5's multi-token-prediction head (`mtp.*`): from the target's final normed hidden h_p
+    at position p and the embedding of token p + 1, one full-attention layer with its own K/V
+    predicts token p + 2 through the shared lm_head:
+        x = fc([norm_e(embed(t_{p+1})) | norm_h(h_p)]); x = layer(x at position p); out = norm(x).
+    Drafting chains it: its normed output stands in for h at the next position. Its attention layer
+    is attention layer 0 of a K/V cache of its own (the runner's), addressed by the sequence's pages.
+    """
+
+    def __init__(self, config: ModelConfig, embed_norm: Any, hidden_norm: Any, fc: Any, layer: HybridLayer,
+                 norm: Any) -> None:
+        self.config, self.embed_norm, self.hidden_norm, self.fc = config, embed_norm, hidden_norm, fc
+        self.layer, self.norm = layer, norm
+
+    @classmethod
+    def load(cls, w: WeightReader, config: ModelConfig) -> MtpHead:
+        p = "mtp.layers.0."
+        layer = HybridLayer(w.vector(p + "input_layernorm.weight", 1.0), GatedAttention.load(w, p, config), 0,
+                            w.vector(p + "post_attention_layernorm.weight", 1.0), MLP.load(w, p))
+        head = cls(config, w.vector("mtp.pre_fc_norm_embedding.weight", 1.0),
+                   w.vector("mtp.pre_fc_norm_hidden.weight", 1.0), w.linear(["mtp.fc.weight"]), layer,
+                   w.vector("mtp.norm.weight", 1.0))
+        w.release("mtp.")
+        return head
+
+    def forward(self, ops: Any, model: Qwen3_5Model, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] (the target's final normed hidden, or the head's own output when
+        chaining), next_ids [T] -> the head's normed output [T, hidden] (logits: model.compute_logits)."""
+        eps, layer = self.config.rms_norm_eps, self.layer
+        emb = ops.embed(next_ids, model.embed)  # in the backend's residual dtype
+        e = ops.rms_norm(emb, self.embed_norm, eps)
+        h = ops.rms_norm(hidden, self.hidden_norm, eps)
+        res = ops.linear(torch.cat([e, h], dim=-1), self.fc).to(emb.dtype)  # [T, hidden] residual
+        x = ops.rms_norm(res, layer.input_norm, eps)
+        x = ops.add_rms_norm(layer.mixer(ops, 0, x, self.config), res, layer.post_norm, eps)
+        return ops.add_rms_norm(layer.mlp(ops, x), res, self.norm, eps)
+
+
 # ---- llama.cpp GGUF (`qwen35`) ------------------------------------------------------------------
 # As convert_hf_to_gguf.py writes it (Qwen3_5TextModel on Qwen3NextModel): per-layer names from
 # gguf-py's tensor map for MODEL_ARCH.QWEN35; the 1 + w norms stored with the 1 added; A_log
@@ -252,4 +294,4 @@ QWEN3_5 = Architecture(
     name="qwen3_5", hf_architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
     hf_model_types=("qwen3_5", "qwen3_5_text"), gguf_architecture="qwen35",
     weights=weights, layer_kinds=layer_kinds, model=Qwen3_5Model, quantizable=LINEAR_SUFFIXES, qk_norm=True,
-    gguf_layer_names=GGUF_LAYER_NAMES, gguf_transforms=GGUF_TRANSFORMS)
+    gguf_layer_names=GGUF_LAYER_NAMES, gguf_transforms=GGUF_TRANSFORMS, mtp_head=MtpHead)

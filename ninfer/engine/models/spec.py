@@ -73,6 +73,7 @@ class Architecture:
     hf_fields: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     # GGUF fields, `key(name, default)` reading `{arch}.name` -> ModelConfig fields of its own
     gguf_fields: Callable[[Callable[..., Any], int], dict[str, Any]] | None = None
+    mtp_head: type | None = None  # the multi-token-prediction head class (when config.mtp_layers)
 
     def is_quantizable(self, name: str) -> bool:
         return name.endswith(self.quantizable)

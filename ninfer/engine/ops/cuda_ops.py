@@ -14,6 +14,11 @@ each run of one format as it is, as segments of one weight.
 Every kernel computes a row from that row alone and cuBLAS always sees PROMPT_ROWS-row blocks, so
 a row's bits do not depend on the other rows of its batch or on where a prefix hit starts.
 
+Speculative verification runs on the decode route too: a verify row of width W (its last token and
+W - 1 drafts) is W decode rows, sequence-major, each query attending over its own context; the
+gated delta rule and the short conv step one position of every sequence at a time and keep the
+state after each row (CudaContext.verify_*), from which the runner restores a rejected tail.
+
 Activations, the KV cache, norm weights and conv windows are bf16, or fp32 with dtype=float32 (the
 faithful mode); delta-rule states and the gate parameters are fp32. Outputs are allocated with
 torch, so under graph capture they come from the graph's pool and stay put across replays.
@@ -94,6 +99,13 @@ class CudaContext:
     ssm: list[torch.Tensor]  # per linear-attention layer [slots, value_heads, key_dim, value_dim] fp32
     state_slots: torch.Tensor | None  # [B]
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # decode split-K scratch
+    # speculative verification on the decode route: every sequence has verify_width rows
+    # (sequence-major); cu_seqlens / state_slots then describe the B = T / verify_width sequences
+    # with one row each, and verify_conv / verify_ssm (per linear-attention layer, indexed by row)
+    # receive the recurrent state after each row
+    verify_width: int = 0
+    verify_conv: list[torch.Tensor] | None = None
+    verify_ssm: list[torch.Tensor] | None = None
 
 
 class CudaOps:
@@ -205,7 +217,8 @@ class CudaOps:
         n, N = x.shape[0], w.rows
         if self.ctx.decode:
             y = self._empty(n, N)
-            self._gemv(x, w, y)
+            for r in range(0, n, L.MAX_GEMV_ROWS):  # verify steps have more rows than one gemv takes
+                self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS])
         else:
             y = self._mm(x, self.dense(w).t())
         if w.bias is not None:
@@ -303,16 +316,40 @@ class CudaOps:
         return out.view(T, -1)
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
         out = self._empty(*x.shape)
-        G.short_conv(self.kc, x, weight, self.ctx.conv[layer], self.ctx.cu_seqlens, self.ctx.state_slots, out)
+        if ctx.verify_width > 1:
+            for rows in self._verify_positions(x.shape[0]):
+                y = self._empty(rows.shape[0], x.shape[1])
+                G.short_conv(self.kc, x.index_select(0, rows), weight, ctx.conv[layer], ctx.cu_seqlens,
+                             ctx.state_slots, y)
+                out.index_copy_(0, rows, y)
+                ctx.verify_conv[layer].index_copy_(0, rows, ctx.conv[layer].index_select(0, ctx.state_slots.long()))
+            return out
+        G.short_conv(self.kc, x, weight, ctx.conv[layer], ctx.cu_seqlens, ctx.state_slots, out)
         return out
 
     def gated_delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
                          b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+        ctx = self.ctx
         out = self._empty(*v.shape)
-        G.gated_delta_rule(self.kc, q, k, v, a, b, A_log, dt_bias, self.ctx.ssm[layer], self.ctx.cu_seqlens,
-                           self.ctx.state_slots, out)
+        if ctx.verify_width > 1:
+            for rows in self._verify_positions(v.shape[0]):
+                y = self._empty(rows.shape[0], *v.shape[1:])
+                pick = [t.index_select(0, rows) for t in (q, k, v, a, b)]
+                G.gated_delta_rule(self.kc, *pick, A_log, dt_bias, ctx.ssm[layer], ctx.cu_seqlens, ctx.state_slots, y)
+                out.index_copy_(0, rows, y)
+                ctx.verify_ssm[layer].index_copy_(0, rows, ctx.ssm[layer].index_select(0, ctx.state_slots.long()))
+            return out
+        G.gated_delta_rule(self.kc, q, k, v, a, b, A_log, dt_bias, ctx.ssm[layer], ctx.cu_seqlens,
+                           ctx.state_slots, out)
         return out
+
+    def _verify_positions(self, rows: int) -> list[torch.Tensor]:
+        """Row indices [B] int64 of position i of every sequence, for i in 0..verify_width-1."""
+        W = self.ctx.verify_width
+        base = torch.arange(0, rows, W, dtype=torch.int64, device=self.device)
+        return [base + i for i in range(W)]
 
     def gated_rms_norm(self, x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty_like(x)

@@ -336,6 +336,7 @@ class SeqRows:
     offset: int
     num_tokens: int
     state_slot: int
+    verify: bool = False  # a speculative verify row: recurrent layers step token by token
 
 
 @dataclass(slots=True)
@@ -347,6 +348,9 @@ class TorchContext:
     kv: KVCache
     states: RecurrentStates | None
     seqs: list[SeqRows]
+    # verify rows of a hybrid model: slot r holds the recurrent state after flat token row r (the
+    # runner restores a sequence's working slot from the row of its last accepted input)
+    verify_states: RecurrentStates | None = None
 
 
 class TorchOps:
@@ -372,12 +376,15 @@ class TorchOps:
         self.ctx: TorchContext | None = None
 
     def context(self, seqs: list[tuple[int, int, list[int], int]], kv: KVCache,
-                states: RecurrentStates | None) -> TorchContext:
-        """seqs: (start_pos, num_tokens, block_table, state_slot) per sequence, in batch order."""
+                states: RecurrentStates | None, verify: list[bool] | None = None,
+                verify_states: RecurrentStates | None = None) -> TorchContext:
+        """seqs: (start_pos, num_tokens, block_table, state_slot) per sequence, in batch order;
+        verify: per sequence, whether it is a speculative verify row (see TorchContext)."""
         meta, positions = AttentionMetadata.build([s[:3] for s in seqs], kv.page_size, self.device)
         rotary = [r.lookup(positions, meta.max_pos) for r in self.ropes]
-        rows = [SeqRows(m.offset, m.num_tokens, s[3]) for m, s in zip(meta.seqs, seqs)]
-        return TorchContext(meta, rotary, kv, states, rows)
+        verify = verify or [False] * len(seqs)
+        rows = [SeqRows(m.offset, m.num_tokens, s[3], v) for m, s, v in zip(meta.seqs, seqs, verify)]
+        return TorchContext(meta, rotary, kv, states, rows, verify_states)
 
     def begin(self, ctx: TorchContext) -> None:
         self.ctx = ctx
@@ -457,6 +464,12 @@ class TorchOps:
         conv = self.ctx.states.conv[layer]
         out = torch.empty_like(x)
         for s in self.ctx.seqs:
+            if s.verify:  # token by token, as decode steps, keeping the window after each
+                saved = self.ctx.verify_states.conv[layer]
+                for r in range(s.offset, s.offset + s.num_tokens):
+                    out[r:r + 1] = gdn_torch.short_conv(x[r:r + 1], weight, conv[s.state_slot])
+                    saved[r].copy_(conv[s.state_slot])
+                continue
             rows = slice(s.offset, s.offset + s.num_tokens)
             out[rows] = gdn_torch.short_conv(x[rows], weight, conv[s.state_slot])
         return out
@@ -468,15 +481,24 @@ class TorchOps:
         ssm = self.ctx.states.ssm[layer]
         g, beta = gdn_torch.gdn_gates(a, b, A_log, dt_bias)
         out = torch.empty_like(v)
-        single = [s for s in self.ctx.seqs if s.num_tokens == 1]
+        single = [s for s in self.ctx.seqs if s.num_tokens == 1 and not s.verify]
         if single:
             rows = torch.tensor([s.offset for s in single], device=q.device)
             slots = torch.tensor([s.state_slot for s in single], device=q.device)
             states = ssm.index_select(0, slots)
             out[rows] = gdn_torch.gated_delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], states)
             ssm.index_copy_(0, slots, states)
+        verify = [s for s in self.ctx.seqs if s.verify]
+        for i in range(max((s.num_tokens for s in verify), default=0)):  # position i of every verify row
+            step = [s for s in verify if s.num_tokens > i]
+            rows = torch.tensor([s.offset + i for s in step], device=q.device)
+            slots = torch.tensor([s.state_slot for s in step], device=q.device)
+            states = ssm.index_select(0, slots)
+            out[rows] = gdn_torch.gated_delta_rule_step(q[rows], k[rows], v[rows], g[rows], beta[rows], states)
+            ssm.index_copy_(0, slots, states)
+            self.ctx.verify_states.ssm[layer].index_copy_(0, rows, states)
         for s in self.ctx.seqs:
-            if s.num_tokens > 1:
+            if s.num_tokens > 1 and not s.verify:
                 r = slice(s.offset, s.offset + s.num_tokens)
                 out[r] = gdn_torch.gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], ssm[s.state_slot])
         return out
