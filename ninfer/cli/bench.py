@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH
+from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH, THREADS, prepare_threads
 from ninfer.errors import ConfigError
 
 
@@ -98,7 +98,9 @@ def bench(
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
+    threads: int = THREADS,
 ) -> None:
+    prepare_threads(threads, backend, announce=output == "md")
     from rich.progress import Progress
 
     from ninfer.engine.artifact import Artifact
@@ -136,12 +138,12 @@ def bench(
                                 prefix_reuse=False)
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
-                          kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype)
+                          kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, threads=threads or None)
     rng = random.Random(seed)
     excluded = set(loaded.tokenizer.special_token_ids) | set(loaded.tokenizer.stop_token_ids)
     vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]
     size, n_params = _model_stats(artifact)
-    threads = torch_threads()
+    n_threads = loaded.threads or torch_threads()
     results = []
     try:
         with Progress(transient=True, console=_stderr_console()) as progress:
@@ -169,7 +171,7 @@ def bench(
                     "cpu_info": platform.processor() or platform.machine(),
                     "gpu_info": _gpu_info(torch_device), "backends": loaded.backend,
                     "model_filename": str(artifact.path), "model_type": f"{artifact.meta.architecture} {artifact.meta.name}",
-                    "model_size": size, "model_n_params": n_params, "n_threads": threads,
+                    "model_size": size, "model_n_params": n_params, "n_threads": n_threads,
                     "n_prompt": p, "n_gen": n, "n_concurrency": c,
                     "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                     "avg_ns": int(statistics.fmean(ns for ns, _ in samples_ns)),

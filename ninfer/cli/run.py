@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH, sampling_from_flags, split_model_and_text
+from ninfer.cli.common import (BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH, THREADS, prepare_threads, sampling_from_flags,
+                               split_model_and_text)
 from ninfer.errors import ConfigError
 
 
@@ -32,7 +33,9 @@ def run(
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
+    threads: int = THREADS,
 ) -> None:
+    prepare_threads(threads, backend, announce=not json_out)
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine
     from ninfer.engine.request import PreparedRequest
@@ -51,7 +54,7 @@ def run(
     if schema is not None and stop:
         raise ConfigError("--stop cannot be combined with --json-schema: the grammar ends the output")
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
-                         announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype)
+                         announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype, threads=threads or None)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH
+from ninfer.cli.common import BACKEND, DEVICE, DTYPE, NO_CUDA_GRAPH, THREADS, prepare_threads
 from ninfer.errors import ConfigError
 
 
@@ -76,7 +76,9 @@ def serve(
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
+    threads: int = THREADS,
 ) -> None:
+    prepare_threads(threads, backend, announce=False)  # before torch loads; the engine logs the choice
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
     from ninfer.server.config import SamplerOverrides, ServerConfig
@@ -119,7 +121,8 @@ def serve(
     def load():
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
-                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype)
+                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype,
+                           threads=threads or None)
 
     def announce(line: str) -> None:
         print(line, flush=True)

@@ -51,6 +51,7 @@ class LoadedModel:
     backend: str
     device: str
     facts: ModelFacts
+    threads: int = 0  # CPU threads the torch backend computes with (0: not a CPU backend)
 
 
 def model_facts(artifact, tokenizer: Tokenizer, max_context: int) -> ModelFacts:
@@ -157,7 +158,7 @@ def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
-                dtype: str = "auto") -> LoadedModel:
+                dtype: str = "auto", threads: int | None = None) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it."""
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
@@ -170,14 +171,18 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
         artifact.meta = replace(artifact.meta, chat_template=_read_template(chat_template))
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
-                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype)
+                        cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
+                        threads=threads)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
                  kv_capacity: int | str | None, cuda_graph: bool = True,
-                 kernel_cache_dir: Path | None = None, dtype=None) -> LoadedModel:
+                 kernel_cache_dir: Path | None = None, dtype=None, threads: int | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
-    dtype: None (the backend's default) or a torch dtype from `resolve_dtype`."""
+    dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. threads: CPU threads
+    of the torch backend on CPU (None or 0: the plan `cpu_threads.prepare` made, else chosen now
+    from the free cores)."""
+    from ninfer.engine import cpu_threads
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
@@ -193,6 +198,12 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype)  # the same for both backends
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
     num_state_slots = resolve_state_slots(meta.config, scheduler)
+    on_cpu = backend != "cuda" and torch_device == "cpu"
+    plan = None
+    if on_cpu:
+        plan = cpu_threads.current()
+        if plan is None or (threads and plan.threads != threads):
+            plan = cpu_threads.prepare(threads)
 
     def build_runner():  # runs on the engine's worker thread (Engine.spawn says why)
         if backend == "cuda":
@@ -201,13 +212,16 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
                                    num_state_slots=num_state_slots, **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
+        if plan is not None:
+            cpu_threads.apply(plan)
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
                                 num_state_slots=num_state_slots)
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
-                       max_context=max_context, backend=backend, device=torch_device, facts=facts)
+                       max_context=max_context, backend=backend, device=torch_device, facts=facts,
+                       threads=plan.threads if plan is not None else 0)
 
 
 def _read_template(value: str) -> str:
