@@ -36,6 +36,7 @@ def test_version_prints_version_and_build_id() -> None:
     (("bench", "--synthetic", "nope"), "known shapes"),
     (("serve", "--port", "abc"), "--port"),
     (("serve", "--max-concurrency", "9"), "--max-concurrency"),
+    (("run", "--threads", "-1", "hi"), "--threads"),
 ])
 def test_errors_are_one_line_without_traceback(args: tuple[str, ...], message: str) -> None:
     out = ninfer(*args)

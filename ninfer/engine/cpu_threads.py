@@ -104,7 +104,7 @@ def choose(cores: int, busy_elsewhere: float | None) -> int:
     if busy_elsewhere is None:
         return cores
     free = cores - busy_elsewhere
-    return max(1, min(cores, int(free + 2 / 3)))
+    return max(1, min(cores, int(free + 1 / 3)))
 
 
 def plan(requested: int | None = None, *, sample_s: float = _SAMPLE_S) -> ThreadPlan:
