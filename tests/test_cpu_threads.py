@@ -72,3 +72,26 @@ def test_negative_threads_is_a_config_error() -> None:
     from ninfer.errors import ConfigError
     with pytest.raises(ConfigError, match="--threads"):
         cpu_threads.prepare(-1)
+
+
+def test_adapter_follows_the_load_between_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started with 2 threads on 2 cores: when others take a core it steps down to 1, and back up
+    when they leave; not before `every_s` has passed."""
+    import torch
+
+    before = torch.get_num_threads()
+    loads = iter([1.0, 1.0, 0.1])
+    adapter = cpu_threads.ThreadAdapter(ThreadPlan(2, "default", 2, 0.0, "measured"), every_s=0.0)
+    monkeypatch.setattr(adapter._probe, "busy_elsewhere", lambda cores: next(loads))
+    try:
+        adapter.tick()
+        assert adapter.threads == torch.get_num_threads() == 1
+        adapter.tick()
+        assert adapter.threads == 1
+        adapter.tick()
+        assert adapter.threads == torch.get_num_threads() == 2
+        adapter.every_s = 3600.0
+        adapter._next = float("inf")
+        adapter.tick()  # not due: the probe is not read again (the iterator is exhausted)
+    finally:
+        torch.set_num_threads(before)

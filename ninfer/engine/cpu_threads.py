@@ -151,3 +151,31 @@ def apply(p: ThreadPlan) -> None:
 
     torch.set_num_threads(p.threads)
     log.info("%s", p.describe())
+
+
+class ThreadAdapter:
+    """Keeps the count right when the load changes after start: every `every_s` seconds (checked
+    between steps on the compute thread, two small /proc reads) the cores other processes used since
+    the last check give the count again (`choose`), and torch's count follows. With more threads
+    than free cores every parallel op waits for a descheduled thread, so a server started on a quiet
+    machine must step down when other work arrives, and back up when it leaves."""
+
+    def __init__(self, plan: ThreadPlan, every_s: float = 2.0) -> None:
+        self.threads = plan.threads
+        self.cores = plan.cores
+        self.every_s = every_s
+        self._probe = LoadProbe()
+        self._next = time.monotonic() + every_s
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        want = choose(self.cores, self._probe.busy_elsewhere(self.cores))
+        if want != self.threads:
+            import torch
+
+            torch.set_num_threads(want)
+            log.info("cpu threads: %d -> %d (the load changed)", self.threads, want)
+            self.threads = want

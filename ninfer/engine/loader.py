@@ -212,10 +212,12 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
                                    num_state_slots=num_state_slots, **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
+        adapter = None
         if plan is not None:
             cpu_threads.apply(plan)
+            adapter = cpu_threads.ThreadAdapter(plan) if plan.source == "measured" else None
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
-                                num_state_slots=num_state_slots)
+                                num_state_slots=num_state_slots, thread_adapter=adapter)
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context)
