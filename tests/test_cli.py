@@ -38,6 +38,7 @@ def test_version_prints_version_and_build_id() -> None:
     (("serve", "--max-concurrency", "9"), "--max-concurrency"),
     (("serve", "--rope-yarn-factor", "5"), "--rope-yarn-factor"),
     (("serve", "--rope-yarn", "--rope-scaling-factor", "2"), "excludes --rope-yarn"),
+    (("run", "--threads", "-1", "hi"), "--threads"),
 ])
 def test_errors_are_one_line_without_traceback(args: tuple[str, ...], message: str) -> None:
     out = ninfer(*args)

@@ -140,9 +140,9 @@ def test_tiny_kquant_packed_decode_is_taken(tiny_kquant) -> None:
     _, artifact, _ = tiny_kquant("q4_k_m")
     runner = TorchModelRunner(artifact, num_pages=8, page_size=16)
     layer = runner.model.layers[0]
-    assert len(layer.mlp.gate_up.packed) == 1  # q4_k
-    assert len(layer.attn.o_proj.packed) == 2  # q5_1: high bit and low nibble
-    assert not layer.mlp.down.packed  # q6_k: dense
+    assert layer.mlp.gate_up.packed is not None and layer.mlp.gate_up.repeat == 1  # q4_k
+    assert layer.attn.o_proj.repeat == 2  # q5_1: high bit and low nibble side by side
+    assert layer.mlp.down.packed is None  # q6_k: dense
 
 
 def test_unsupported_block_type_names_it(tmp_path: Path) -> None:

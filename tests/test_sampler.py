@@ -302,3 +302,21 @@ def test_penalty_rounds_in_float32_as_the_kernel() -> None:
     seqs = [_seq(0, output=[5, 5, 5], temperature=0.0, presence_penalty=0.1, frequency_penalty=0.2),
             _seq(1, output=[9, 9, 9], temperature=0.0, presence_penalty=0.1, frequency_penalty=0.2)]
     assert sample(logits, seqs)[0] == [5, 5]
+
+
+def test_plain_greedy_shortcut_matches_the_full_definition() -> None:
+    """Greedy rows without penalties/mask/logprobs skip the candidate path: same tokens on ties,
+    -inf rows, +inf and NaN (NaN reads as -inf), against the full path forced by logprobs."""
+    logits = _logits(6, seed=3)
+    logits[0, 11] = logits[0, 900] = logits[0].max() + 2.0  # tie: lowest id
+    logits[1] = float("-inf")  # nothing allowed: id 0, as the candidate ordering gives
+    logits[2, 40] = logits[2, 41] = float("inf")
+    logits[3, logits[3].argmax()] = float("nan")  # the NaN must not win
+    logits[4, :] = 0.0
+    plain = [_seq(i, temperature=0.0) for i in range(6)]
+    full = [_seq(i, temperature=0.0, logprobs=True) for i in range(6)]
+    ids, records = sample(logits, plain)
+    assert records == [None] * 6
+    assert ids == sample(logits, full)[0]
+    assert ids[0] == 11 and ids[1] == 0 and ids[2] == 40 and ids[4] == 0
+    assert not math.isnan(logits[3, ids[3]])

@@ -20,7 +20,7 @@ from typing import List, Optional
 import typer
 
 from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
-                               spec_from_flags)
+                               THREADS, prepare_threads, spec_from_flags)
 from ninfer.errors import ConfigError
 
 
@@ -106,7 +106,9 @@ def bench(
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file",
                                               help="tg tests continue this file's text (raw tokens) instead of one "
                                                    "random token: a context a --spec lookup can draft from."),
+    threads: int = THREADS,
 ) -> None:
+    prepare_threads(threads, backend, announce=output == "md")
     from rich.progress import Progress
 
     from ninfer.engine.artifact import Artifact
@@ -154,14 +156,15 @@ def bench(
                                 prefix_reuse=False)
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
-                          kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config)
+                          kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config,
+                          threads=threads or None)
     rng = random.Random(seed)
     if context_text is not None:
         context_ids = loaded.tokenizer.encode(context_text, add_special_tokens=False)
     excluded = set(loaded.tokenizer.special_token_ids) | set(loaded.tokenizer.stop_token_ids)
     vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]
     size, n_params = _model_stats(artifact)
-    threads = torch_threads()
+    n_threads = loaded.threads or torch_threads()
     results = []
     try:
         with Progress(transient=True, console=_stderr_console()) as progress:
@@ -193,7 +196,7 @@ def bench(
                     "cpu_info": platform.processor() or platform.machine(),
                     "gpu_info": _gpu_info(torch_device), "backends": loaded.backend,
                     "model_filename": str(artifact.path), "model_type": f"{artifact.meta.architecture} {artifact.meta.name}",
-                    "model_size": size, "model_n_params": n_params, "n_threads": threads,
+                    "model_size": size, "model_n_params": n_params, "n_threads": n_threads,
                     "n_prompt": p, "n_gen": n, "n_concurrency": c,
                     "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                     "avg_ns": int(statistics.fmean(ns for ns, _ in samples_ns)),

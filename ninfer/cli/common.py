@@ -14,6 +14,21 @@ DEVICE = typer.Option(0, "--device", help="CUDA device index.")
 NO_CUDA_GRAPH = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend).")
 DTYPE = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or "
                                              "float32 (exact, slower).")
+THREADS = typer.Option(0, "--threads", "-t", help="CPU threads of the torch backend (0: as many as cores "
+                                                  "other processes leave free, measured at start).")
+
+
+def prepare_threads(threads: int, backend: str, announce: bool) -> None:
+    """Choose the CPU thread plan before torch loads (the OpenMP wait policy is read then); the
+    choice is printed to stderr when `announce`, and logged by the engine."""
+    if backend == "cuda":
+        return
+    from ninfer.engine import cpu_threads
+
+    plan = cpu_threads.prepare(threads or None)
+    if announce:
+        import sys
+        print(f"ninfer: {plan.describe()}", file=sys.stderr, flush=True)
 
 # Speculative decoding flags of serve, run and bench.
 SPEC = typer.Option(None, "--spec", help="Speculative decoding: lookup (n-gram lookup in the request's own "

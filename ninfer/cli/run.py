@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
-                               sampling_from_flags, spec_from_flags, split_model_and_text)
+                               THREADS, prepare_threads, sampling_from_flags, spec_from_flags, split_model_and_text)
 from ninfer.errors import ConfigError
 
 
@@ -37,7 +37,9 @@ def run(
     draft_tokens: int = DRAFT_TOKENS,
     spec_ngram_min: int = SPEC_NGRAM_MIN,
     spec_ngram_max: int = SPEC_NGRAM_MAX,
+    threads: int = THREADS,
 ) -> None:
+    prepare_threads(threads, backend, announce=not json_out)
     from ninfer.engine.chat import Message, render
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine
@@ -58,7 +60,8 @@ def run(
         raise ConfigError("--stop cannot be combined with --json-schema: the grammar ends the output")
     spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
-                         announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype, spec=spec_config)
+                         announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype, spec=spec_config,
+                         threads=threads or None)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
-                               SPEC_NGRAM_MIN, spec_from_flags)
+                               SPEC_NGRAM_MIN, THREADS, prepare_threads, spec_from_flags)
 from ninfer.errors import ConfigError
 
 
@@ -103,7 +103,9 @@ def serve(
     draft_tokens: int = DRAFT_TOKENS,
     spec_ngram_min: int = SPEC_NGRAM_MIN,
     spec_ngram_max: int = SPEC_NGRAM_MAX,
+    threads: int = THREADS,
 ) -> None:
+    prepare_threads(threads, backend, announce=False)  # before torch loads; the engine logs the choice
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
     from ninfer.engine.rope import RopeOverride
@@ -156,7 +158,7 @@ def serve(
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
                            chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype, rope=rope,
-                           spec=spec_config)
+                           spec=spec_config, threads=threads or None)
 
     def announce(line: str) -> None:
         print(line, flush=True)

@@ -52,6 +52,7 @@ class LoadedModel:
     backend: str
     device: str
     facts: ModelFacts
+    threads: int = 0  # CPU threads the torch backend computes with (0: not a CPU backend)
 
 
 def model_facts(artifact, tokenizer: Tokenizer, max_context: int) -> ModelFacts:
@@ -159,7 +160,8 @@ def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
 def load_engine(model: str | None, *, backend: str = "auto", scheduler: SchedulerConfig | None = None,
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
-                dtype: str = "auto", rope: RopeOverride | None = None, spec: SpecConfig | None = None) -> LoadedModel:
+                dtype: str = "auto", rope: RopeOverride | None = None, spec: SpecConfig | None = None,
+                threads: int | None = None) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
     options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec)."""
     if cache_dir is None:
@@ -175,17 +177,20 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
-                        rope=rope, spec=spec)
+                        rope=rope, spec=spec, threads=threads)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
                  kv_capacity: int | str | None, cuda_graph: bool = True,
                  kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None,
-                 spec: SpecConfig | None = None) -> LoadedModel:
+                 spec: SpecConfig | None = None, threads: int | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
     dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
     options (the default context and the KV pool follow the native window whatever they say).
-    spec: speculative decoding (--spec); raises ConfigError for a backend the artifact cannot serve."""
+    spec: speculative decoding (--spec); raises ConfigError for a backend the artifact cannot serve.
+    threads: CPU threads of the torch backend on CPU (None or 0: the plan `cpu_threads.prepare`
+    made, else chosen now from the free cores)."""
+    from ninfer.engine import cpu_threads
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
     from ninfer.engine.tokenizer import Tokenizer
@@ -205,6 +210,12 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype)  # the same for both backends
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
     num_state_slots = resolve_state_slots(meta.config, scheduler)
+    on_cpu = backend != "cuda" and torch_device == "cpu"
+    plan = None
+    if on_cpu:
+        plan = cpu_threads.current()
+        if plan is None or (threads and plan.threads != threads):
+            plan = cpu_threads.prepare(threads)
 
     def build_runner():  # runs on the engine's worker thread (Engine.spawn says why)
         if backend == "cuda":
@@ -215,14 +226,19 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                                    max_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "lookup" else 0,
                                    **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
+        adapter = None
+        if plan is not None:
+            cpu_threads.apply(plan)
+            adapter = cpu_threads.ThreadAdapter(plan) if plan.source == "measured" else None
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
-                                num_state_slots=num_state_slots,
+                                num_state_slots=num_state_slots, thread_adapter=adapter,
                                 mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0)
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
-                       max_context=max_context, backend=backend, device=torch_device, facts=facts)
+                       max_context=max_context, backend=backend, device=torch_device, facts=facts,
+                       threads=plan.threads if plan is not None else 0)
 
 
 def check_start_up_inputs(artifact, chat_template_option: str | None) -> None:

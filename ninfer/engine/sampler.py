@@ -43,6 +43,9 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
     assert n == len(seqs), f"{n} logit rows for {len(seqs)} sequences"
     if n == 0:
         return [], []
+    plain = _plain_greedy(logits, seqs)
+    if plain is not None:
+        return plain, [None] * n
     x = _prepare(logits, seqs)
     cand_v, cand_i = _candidates(x)
     tokens = _select(cand_v, cand_i, seqs)
@@ -54,6 +57,21 @@ def sample(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> tuple[list[int
         for i, rec in zip(want, got):
             records[i] = rec
     return tokens, records
+
+
+def _plain_greedy(logits: torch.Tensor, seqs: Sequence[SequenceWork]) -> list[int] | None:
+    """The definition's token when every row is greedy without penalties, mask or logprobs: the
+    largest logit, the lowest id among equals (argmax returns the first), one pass over the vocab.
+    None when the full path is needed (such a row, or a NaN, which the definition reads as -inf)."""
+    for s in seqs:
+        sp = s.sampling
+        if (not sp.greedy or sp.logprobs or s.token_mask is not None
+                or (s.output_token_ids and (sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0))):
+            return None
+    ids = torch.argmax(logits, dim=-1)
+    if torch.isnan(logits.gather(1, ids[:, None])).any():  # argmax takes NaN as the largest
+        return None
+    return ids.tolist()
 
 
 def logprob_records(logits: torch.Tensor, seqs: Sequence[SequenceWork],

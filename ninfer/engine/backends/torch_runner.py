@@ -52,10 +52,11 @@ class TorchModelRunner:
     """ModelRunner over torch tensors. `dtype` None picks `default_dtype(device)`; pass
     torch.float32 for a reference-exact run (all weights expanded to f32). num_state_slots:
     recurrent-state slots (models with linear-attention layers; one per running sequence and one
-    per retained checkpoint)."""
+    per retained checkpoint). thread_adapter: a `cpu_threads.ThreadAdapter` that `run` ticks."""
 
     def __init__(self, artifact: Artifact, *, num_pages: int, page_size: int = 64, device: str = "cpu",
-                 dtype: torch.dtype | None = None, num_state_slots: int = 0, mtp_draft_tokens: int = 0) -> None:
+                 dtype: torch.dtype | None = None, num_state_slots: int = 0, mtp_draft_tokens: int = 0,
+                 thread_adapter=None) -> None:
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
         self.device = torch.device(device)
@@ -67,6 +68,7 @@ class TorchModelRunner:
         self.spec = state_spec(c)
         self.page_size = page_size
         self.num_pages = num_pages
+        self.thread_adapter = thread_adapter  # cpu_threads.ThreadAdapter: re-checks the load between steps
         self.num_state_slots = num_state_slots if self.spec.recurrent else 0
         self.vocab_size = c.vocab_size
         self.kv_bytes_per_token = kv_bytes_per_token(c, self.device, self.dtype)
@@ -103,6 +105,8 @@ class TorchModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Run the batch's state copies, write its K/V and state, run the model, sample where asked."""
+        if self.thread_adapter is not None:
+            self.thread_adapter.tick()
         self.copy_states(batch.state_copies)
         hidden, offsets = self._hidden(batch.seqs, self.kv, self.states)
         logits = self._logits(hidden, offsets, batch.seqs, all_rows=False)

@@ -95,41 +95,45 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     first r = cos.shape[-1] dims; the rest pass unchanged."""
     r = cos.shape[-1]
     if r == x.shape[-1]:
-        return x * cos + x.roll(r // 2, dims=-1) * signed_sin
+        return torch.addcmul(x * cos, x.roll(r // 2, dims=-1), signed_sin)
     rot = x[..., :r]
-    return torch.cat((rot * cos + rot.roll(r // 2, dims=-1) * signed_sin, x[..., r:]), dim=-1)
+    return torch.cat((torch.addcmul(rot * cos, rot.roll(r // 2, dims=-1), signed_sin), x[..., r:]), dim=-1)
 
 
 class Linear:
     """y = x @ W^T (+ b). W dense in the compute dtype; optionally also packed for the CPU kernel
     `_weight_int4pack_mm_for_cpu`, used when few rows come in (decode), where reading 4- or 8-bit
     weights instead of 16-bit ones is what decides speed. An int8 weight is packed as two int4
-    halves (high and low nibble of q + 128), each read by the int4 kernel, outputs summed."""
+    halves (high and low nibble of q + 128) side by side along the input dim, read in one call on
+    the input repeated twice: the kernel sums both halves in float32, one bf16 rounding."""
 
-    __slots__ = ("weight", "bias", "packed", "scales_zeros", "group_size")
+    __slots__ = ("weight", "bias", "packed", "scales_zeros", "group_size", "repeat")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight  # [out, in]
         self.bias = bias
-        self.packed: list[torch.Tensor] = []  # one packed int4 weight, or two (int8: high, low nibbles)
-        self.scales_zeros: list[torch.Tensor] = []
+        self.packed: torch.Tensor | None = None  # int4 [out, repeat * in] in the kernel's layout
+        self.scales_zeros: torch.Tensor | None = None
         self.group_size = 0
+        self.repeat = 1  # 2: int8 as two int4 halves, the input given twice
 
-    def _attach(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> None:
+    def _attach(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                repeat: int = 1) -> None:
         # q: [out, in] int32 0..15; scales, zeros: [out, in/g]; kernel: w = (q - 8) * scale + zero
-        self.packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         # qScaleAndZeros: [in/g, out, 2] bf16, the layout the CPU kernel wants
-        self.scales_zeros.append(torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous())
+        self.scales_zeros = torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
         self.group_size = group_size
+        self.repeat = repeat
 
     def attach_int8(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
         """Keep a packed copy of an int8 (symmetric, groupwise) weight as two int4 halves.
         w = s q and u = q + 128 = 16 hi + lo give w = (hi - 8) 16s + (lo - 8) s + 8s: zeros 0 and
-        8s, exact multiples of bf16(s). Inexact only by s rounded to bf16 and each half's bf16 output."""
+        8s, exact multiples of bf16(s). Inexact only by s rounded to bf16 and the bf16 output."""
         q = torch.cat([p[""] for p in parts_list]).to(torch.int32) + 128  # [out, in] 0..255
         scales = torch.cat([p[".scales"] for p in parts_list]).to(torch.bfloat16).to(torch.float32)
-        self._attach(q >> 4, 16.0 * scales, torch.zeros_like(scales), fmt.group_size)
-        self._attach(q & 15, scales, 8.0 * scales, fmt.group_size)
+        self._attach(torch.cat((q >> 4, q & 15), dim=1), torch.cat((16.0 * scales, scales), dim=1),
+                     torch.cat((torch.zeros_like(scales), 8.0 * scales), dim=1), fmt.group_size, repeat=2)
 
     def attach_int4(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
         """Keep an int4-packed copy of this weight from the artifact's int4 parts (the weights
@@ -147,20 +151,17 @@ class Linear:
         """Keep a packed copy of llama.cpp blocks that are int4 codes (q4_k: one packed weight;
         q5_0/q5_1: two, high bit and low nibble; quant_blocks.int4_codes). Exact up to bf16
         rounding of scales and zeros, and each half's bf16 output."""
-        halves = [int4_codes(fmt, p[""]) for p in parts_list]
-        for i in range(len(halves[0])):
-            q, scales, zeros = (torch.cat(t) for t in zip(*(h[i] for h in halves)))
-            self._attach(q, scales, zeros, 32)
+        halves = [int4_codes(fmt, p[""]) for p in parts_list]  # per part: (q, scales, zeros) per half
+        rows = [[torch.cat(t) for t in zip(*(h[i] for h in halves))] for i in range(len(halves[0]))]
+        # two halves (q5_0 / q5_1) side by side along the input, read in one call as attach_int8's
+        q, scales, zeros = (torch.cat([r[j] for r in rows], dim=1) for j in range(3))
+        self._attach(q, scales, zeros, 32, repeat=len(rows))
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [rows, in] -> [rows, out] in out_dtype (default x's dtype)."""
-        if self.packed and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
-            mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-            if len(self.packed) == 1:
-                y = mm(x, self.packed[0], self.group_size, self.scales_zeros[0])
-            else:  # int8 (or q5_0/q5_1) as two int4 halves, summed in float32
-                y = (mm(x, self.packed[0], self.group_size, self.scales_zeros[0]).float()
-                     + mm(x, self.packed[1], self.group_size, self.scales_zeros[1]).float())
+        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == torch.bfloat16:
+            xs = x if self.repeat == 1 else torch.cat((x, x), dim=-1)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xs, self.packed, self.group_size, self.scales_zeros)
         else:
             y = F.linear(x, self.weight)
         if self.bias is not None:
@@ -260,6 +261,17 @@ class RecurrentStates:
             t.index_fill_(0, slots, 0)
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One query row over a sequence's cached positions, float32: q [heads, d], keys / values
+    [ctx, kv_heads, d] (views into the cache) -> [kv_heads, heads / kv_heads, d]. The query heads
+    of one kv head are the rows of one small matmul, the cache is read in place: fewer and cheaper
+    calls than SDPA at one query (its result within float32 rounding)."""
+    kv_heads, d = keys.shape[1], keys.shape[2]
+    qg = (q * d ** -0.5).view(kv_heads, -1, d)
+    probs = torch.softmax(torch.bmm(qg, keys.permute(1, 2, 0)), dim=-1)  # [kv_heads, group, ctx]
+    return torch.bmm(probs, values.transpose(0, 1))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0, scale: float | None = None,
                     softcap: float = 0.0) -> torch.Tensor:
@@ -286,6 +298,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:  # gather the sequence's pages: [pages * page_size, kv_heads, d]
             keys = k_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
             values = v_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
+        if s.num_tokens == 1 and q.dtype == torch.float32 and not window and not softcap and scale is None:
+            # decode: the one query sees every cached position
+            o = decode_attention(q[s.offset], keys, values)
+            if out is None:
+                return o.view(1, num_heads * head_dim)
+            out[s.offset] = o.view(num_heads, head_dim)
+            continue
         qs = q[s.offset:s.offset + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         # a window drops the keys no query of this span sees: keys first..ctx-1
         first = max(0, s.start_pos + 1 - window) if window else 0
