@@ -8,11 +8,13 @@ Two routes, chosen by the step context, not by row count:
   one delta-rule step per sequence.
 - prompt (prefill, chunks, prefix-hit suffixes): torch.mm on dense weights (quantized weights
   expanded per projection on the fly; block formats by the dequant_blocks kernel) in blocks of
-  exactly PROMPT_ROWS rows (padded), paged prefill attention, the delta rule over each sequence's tokens.
+  exactly prompt_rows rows (padded), paged prefill attention, the delta rule over each sequence's tokens.
 A fused projection whose parts differ in format (a Q4_K_M file's q/k in q4_k and v in q6_k) keeps
 each run of one format as it is, as segments of one weight.
-Every kernel computes a row from that row alone and cuBLAS always sees PROMPT_ROWS-row blocks, so
-a row's bits do not depend on the other rows of its batch or on where a prefix hit starts.
+Every kernel computes a row from that row alone and cuBLAS always sees prompt_rows-row blocks, so
+a row's bits do not depend on the other rows of its batch or on where a prefix hit starts. The
+device profile (kernels/profile.py) fixes the decode route per weight format, the attention
+partition and prompt_rows for the whole run (its defaults: DEFAULT_GEMV_ROUTES, 512 keys, 128 rows).
 
 Speculative verification runs on the decode route too: a verify row of width W (its last token and
 W - 1 drafts) is W decode rows, sequence-major, each query attending over its own context; the
@@ -39,13 +41,9 @@ from ninfer.kernels import blocks as B
 from ninfer.kernels import gdn as G
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler
+from ninfer.kernels.profile import CUBLAS, DeviceProfile
 
-PROMPT_ROWS = 128  # cuBLAS row block: every prompt matmul is [PROMPT_ROWS, K] @ [K, N]
-PARTITION = 512  # decode attention split-K partition (keys); fixed, for batch invariance
 DTYPES = {torch.bfloat16: TensorFormat("bf16"), torch.float32: TensorFormat("f32")}  # activation dtypes
-# decode gemv route per weight format, from H200 timings (docs/PERF.md): tensor cores win bf16 and int4
-# at every row count; for int8 they win rows 4..8 but lose a third at one row, which decides
-DEFAULT_ROUTES = {"bf16": "mma", "int4": "mma", "int8": "warp"}
 
 
 @dataclass(slots=True)
@@ -93,7 +91,7 @@ class CudaContext:
     v_cache: list[torch.Tensor]
     block_tables: torch.Tensor  # [B, max_pages]
     seq_lens: torch.Tensor  # decode: context_lens [B] (this token included); prompt: start_pos [B]
-    max_context: int  # host bound on a sequence's context (decode: parts * PARTITION)
+    max_context: int  # host bound on a sequence's context (decode: parts * the attention partition)
     cu_seqlens: torch.Tensor  # [B + 1]: sequence b's rows
     conv: list[torch.Tensor]  # per linear-attention layer [slots, conv_dim, conv_kernel - 1]
     ssm: list[torch.Tensor]  # per linear-attention layer [slots, value_heads, key_dim, value_dim] fp32
@@ -111,8 +109,10 @@ class CudaContext:
 class CudaOps:
     """The ops interface on one CUDA device (see ninfer/engine/ops/__init__.py)."""
 
-    def __init__(self, kc: KernelCompiler, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, kc: KernelCompiler, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 profile: DeviceProfile | None = None) -> None:
         self.kc = kc
+        self.profile = profile if profile is not None else DeviceProfile()
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -167,9 +167,12 @@ class CudaOps:
         return "blocks_mma" if self.dtype == torch.bfloat16 else "blocks"
 
     def gemv_route(self, fmt: TensorFormat, k: int) -> str:
-        """The decode gemv kernel for weights of `fmt` and input width k (one route per weight, never
-        per batch: rows must not depend on their batch), DEFAULT_ROUTES where it takes them."""
-        route = DEFAULT_ROUTES.get(fmt.format, "warp")
+        """The decode route for weights of `fmt` and input width k (one route per weight, never per
+        batch: rows must not depend on their batch): the profile's route for the format where it
+        takes them (cublas: unquantized weights in the activation dtype), else warp."""
+        route = self.profile.gemv_route(fmt)
+        if route == CUBLAS:
+            return route if fmt == DTYPES[self.dtype] else "warp"
         return route if L.gemv_route_ok(route, fmt, k, self.dtype) else "warp"
 
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
@@ -220,7 +223,7 @@ class CudaOps:
             for r in range(0, n, L.MAX_GEMV_ROWS):  # verify steps have more rows than one gemv takes
                 self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS])
         else:
-            y = self._mm(x, self.dense(w).t())
+            y = block_mm(x, self.dense(w).t(), self.profile.prompt_rows)
         if w.bias is not None:
             y.add_(w.bias)
         return y
@@ -234,6 +237,10 @@ class CudaOps:
                 r0 += seg.rows
         elif w.fmt.blocks:
             B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out, "mma" if w.route == "blocks_mma" else "warp")
+        elif w.route == CUBLAS and out.dtype == x.dtype:  # 8 padded rows: one cuBLAS shape whatever M is
+            out.copy_(block_mm(x, w.parts[""].t(), L.MAX_GEMV_ROWS))
+        elif w.route == CUBLAS:  # fp32 logits: a gemv kernel (cuBLAS would round them to the activation dtype)
+            L.gemv(self.kc, x, w.fmt, w.parts, out, self._gemv_kernel(w))
         else:
             L.gemv(self.kc, x, w.fmt, w.parts, out, w.route)
 
@@ -262,19 +269,6 @@ class CudaOps:
             L.dequantize_weight(self.kc, w.fmt, w.parts, out, w.route)
             return out
         return dequantize(w.fmt, L.gemv_unpack(w.route, w.fmt, w.parts), self.dtype)
-
-    def _mm(self, x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        """x [n, K] @ w_t [K, N] in blocks of PROMPT_ROWS rows, the last one zero-padded."""
-        n = x.shape[0]
-        rows = -(-n // PROMPT_ROWS) * PROMPT_ROWS
-        if rows != n or not x.is_contiguous():
-            padded = torch.zeros(rows, x.shape[1], dtype=x.dtype, device=x.device)
-            padded[:n] = x
-            x = padded
-        y = self._empty(rows, w_t.shape[1])
-        for r0 in range(0, rows, PROMPT_ROWS):
-            torch.mm(x[r0:r0 + PROMPT_ROWS], w_t, out=y[r0:r0 + PROMPT_ROWS])
-        return y[:n]
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         out = self._empty(gate_up.shape[0], gate_up.shape[1] // 2)
@@ -306,7 +300,8 @@ class CudaOps:
         out = self._empty(T, Hq, D)
         if ctx.decode:
             L.paged_attention_decode(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
-                                     ctx.seq_lens, ctx.max_context, out, self.scale, PARTITION, ctx.workspace,
+                                     ctx.seq_lens, ctx.max_context, out, self.scale,
+                                     self.profile.attention_partition, ctx.workspace,
                                      window=window, softcap=softcap)
         else:
             L.paged_attention_prefill(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
@@ -369,6 +364,11 @@ class CudaOps:
         return x.div_(cap).tanh_().mul_(cap)
 
 
+    def _gemv_kernel(self, w: Weight) -> str:
+        """The gemv kernel for a cublas-route (unquantized) weight's fp32 logits."""
+        return "mma" if L.gemv_route_ok("mma", w.fmt, w.parts[""].shape[1], self.dtype) else "warp"
+
+
 def rope_tables(rope: Rope, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [positions, rope.dim / 2] fp32 for rope_kv_write: angles in float64 (scaled inverse
     frequencies at each position's interpolated position), times the attention factor."""
@@ -376,3 +376,18 @@ def rope_tables(rope: Rope, positions: int, device: torch.device) -> tuple[torch
     factor = rope.attention_factor()
     return ((angles.cos() * factor).to(torch.float32).to(device),
             (angles.sin() * factor).to(torch.float32).to(device))
+
+
+def block_mm(x: torch.Tensor, w_t: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [n, K] @ w_t [K, N] in blocks of exactly `rows` rows, the last one zero-padded: cuBLAS
+    sees one shape whatever n is, so a row's bits do not depend on the others."""
+    n = x.shape[0]
+    total = -(-n // rows) * rows
+    if total != n or not x.is_contiguous():
+        padded = torch.zeros(total, x.shape[1], dtype=x.dtype, device=x.device)
+        padded[:n] = x
+        x = padded
+    y = torch.empty(total, w_t.shape[1], dtype=x.dtype, device=x.device)
+    for r0 in range(0, total, rows):
+        torch.mm(x[r0:r0 + rows], w_t, out=y[r0:r0 + rows])
+    return y[:n]
