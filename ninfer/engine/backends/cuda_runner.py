@@ -30,12 +30,13 @@ from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
-from ninfer.engine.ops.cuda_ops import DTYPES, PARTITION, CudaContext, CudaOps
+from ninfer.engine.ops.cuda_ops import DTYPES, CudaContext, CudaOps
 from ninfer.engine.sampler import fill_mask_row, logprob_records
 from ninfer.engine.speculative import MAX_DRAFT_TOKENS, commit, position_rows
 from ninfer.errors import ConfigError
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler, default_cache_dir
+from ninfer.kernels.profile import DeviceProfile
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,11 +51,13 @@ class CudaModelRunner:
     max_draft_tokens: the most drafts a verify row carries (speculative decoding; 0: none), which
     sizes the step buffers (MAX_DECODE_ROWS x (max_draft_tokens + 1) rows) and a hybrid model's
     per-row verify states.
+    profile: the device profile's route choices (kernels/profile.py; None: the defaults).
     """
 
     def __init__(self, artifact, *, num_pages: int, page_size: int = 64, device: str = "cuda",
                  cuda_graph: bool = True, kernel_cache_dir: Path | None = None,
-                 dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0, max_draft_tokens: int = 0) -> None:
+                 dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0, max_draft_tokens: int = 0,
+                 profile: DeviceProfile | None = None) -> None:
         if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"max_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}")
         self.max_draft_tokens = max_draft_tokens
@@ -76,11 +79,13 @@ class CudaModelRunner:
         self.num_state_slots = num_state_slots if self.spec.recurrent else 0
         self.vocab_size = c.vocab_size
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(dtype.itemsize)
+        self.profile = profile if profile is not None else DeviceProfile()
+        self.partition = self.profile.attention_partition
         self._check_shapes(c)
         self.kc = KernelCompiler(kernel_cache_dir if kernel_cache_dir is not None else default_cache_dir(),
                                  device=self.device.index)
         with torch.cuda.device(self.device), torch.inference_mode():
-            self.ops = CudaOps(self.kc, c, dtype, self.device)
+            self.ops = CudaOps(self.kc, c, dtype, self.device, self.profile)
             self.model = architecture(c).model.load(WeightReader(artifact, self.ops, self.device), c)
             self.k_cache, self.v_cache = self._kv(num_pages)
             self.conv, self.ssm = self._states(self.num_state_slots)
@@ -88,7 +93,7 @@ class CudaModelRunner:
             rows = MAX_DECODE_ROWS * (max_draft_tokens + 1)
             self.state = DecodeState(vocab=c.vocab_size, heads=c.num_attention_heads, head_dim=c.head_dim,
                                      max_pages=-(-self.max_context // page_size),
-                                     max_parts=-(-self.max_context // PARTITION), device=self.device, rows=rows)
+                                     max_parts=-(-self.max_context // self.partition), device=self.device, rows=rows)
             # a hybrid model's recurrent state after each verify row (restores a rejected tail)
             self.verify_conv, self.verify_ssm = self._states(rows if max_draft_tokens else 0)
         self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
@@ -208,8 +213,9 @@ class CudaModelRunner:
                     self._collect([s for _, s in group], out, logits if keep_logits else None)
             for g in range(0, len(decode), MAX_DECODE_ROWS):
                 group = decode[g:g + MAX_DECODE_ROWS]
-                parts = self._load_decode(group)
-                self.graphs.run(len(group), parts)
+                rows = self._graph_rows(len(group))
+                parts = self._load_decode(group, rows=rows)
+                self.graphs.run(rows, parts)
                 self._collect(group, out, logits if keep_logits else None)
             for width in sorted({s.num_drafts + 1 for s in verify}):
                 same = [s for s in verify if s.num_drafts + 1 == width]
@@ -277,12 +283,14 @@ class CudaModelRunner:
 
     # -- inputs ------------------------------------------------------------------------------
 
-    def _load_sampling(self, seqs: list[SequenceWork]) -> None:
-        """Sampler parameters, penalty counts and grammar masks of `seqs` into state rows [:len(seqs)]."""
+    def _load_sampling(self, seqs: list[SequenceWork], rows: int | None = None) -> None:
+        """Sampler parameters, penalty counts and grammar masks of `seqs` into state rows [:len(seqs)]
+        (rows [len(seqs):rows], padding, get greedy parameters)."""
         st, n = self.state, len(seqs)
+        rows = n if rows is None else rows
         f32 = np.zeros((5, st.rows), dtype=np.float32)
         i64 = np.zeros((2, st.rows), dtype=np.int64)
-        top_k = np.zeros(st.rows, dtype=np.int32)
+        top_k = np.ones(st.rows, dtype=np.int32)
         for i, s in enumerate(seqs):
             sp = s.sampling
             f32[:, i] = (sp.temperature if not sp.greedy else 0.0, sp.top_p, sp.min_p,
@@ -301,16 +309,28 @@ class CudaModelRunner:
                 self._grammar_rows[i] = s.token_mask is not None
         st.f32.copy_(torch.from_numpy(f32.reshape(-1)))
         st.i64.copy_(torch.from_numpy(i64.reshape(-1)))
-        st.top_k[:n].copy_(torch.from_numpy(top_k[:n]))
+        st.top_k[:rows].copy_(torch.from_numpy(top_k[:rows]))
 
-    def _load_decode(self, seqs: list[SequenceWork], width: int = 1) -> int:
+    def _graph_rows(self, n: int) -> int:
+        """The rows a decode step of n sequences runs: the profile's graph size for n, or n itself
+        without graphs or with recurrent state (a padded row has no state slot of its own)."""
+        if not self.graphs.enabled or self.spec.recurrent:
+            return n
+        return self.profile.graph_size(n)
+
+    def _load_decode(self, seqs: list[SequenceWork], width: int = 1, rows: int | None = None) -> int:
         """Decode inputs of `seqs` into state rows [:n * width] (sequence-major: row b * width + i is
         position i of sequence b, its own query over its own context); state slots in rows [:n].
-        Returns the attention split bucket."""
+        With width 1, rows [n:rows] are padding (a graph of more rows): no K/V write (slot -1), one
+        key of page 0, no state slot. Returns the attention split bucket."""
         st, n, ps = self.state, len(seqs), self.page_size
         R, mp, head_len = st.rows, st.max_pages, st.HEAD
         T = n * width
-        i32 = np.zeros(head_len + T * mp, dtype=np.int32)
+        rows = T if rows is None or width > 1 else rows
+        i32 = np.zeros(head_len + rows * mp, dtype=np.int32)
+        i32[2 * R + T:2 * R + rows] = -1  # padding: no K/V write
+        i32[3 * R + T:3 * R + rows] = 1  # padding: one key
+        i32[5 * R + n:5 * R + rows] = -1  # padding: no state slot
         longest = 1
         for b, s in enumerate(seqs):
             i32[5 * R + b] = s.state_slot
@@ -327,11 +347,11 @@ class CudaModelRunner:
                 base = head_len + r * mp
                 i32[base:base + len(pages)] = pages
         i32[6 * R:7 * R + 1] = np.arange(R + 1)  # cu_seqlens (fixed)
-        self._load_sampling([r for s in seqs for r in (position_rows(s) if width > 1 else [s])])  # top_k too
+        self._load_sampling([r for s in seqs for r in (position_rows(s) if width > 1 else [s])], rows)  # top_k too
         head = torch.from_numpy(i32)
         st.i32[:4 * R].copy_(head[:4 * R])
-        st.i32[5 * R:head_len + T * mp].copy_(head[5 * R:])
-        needed = -(-longest // PARTITION)
+        st.i32[5 * R:head_len + rows * mp].copy_(head[5 * R:])
+        needed = -(-longest // self.partition)
         return min(1 << (needed - 1).bit_length(), st.max_parts)
 
     # -- forwards ----------------------------------------------------------------------------
@@ -344,7 +364,7 @@ class CudaModelRunner:
         self.ops.begin(CudaContext(
             decode=True, positions=st.positions[:T], kv_slots=st.kv_slots[:T], k_cache=self.k_cache,
             v_cache=self.v_cache, block_tables=st.block_tables[:T], seq_lens=st.context_lens[:T],
-            max_context=parts * PARTITION, cu_seqlens=st.cu_seqlens[:n + 1], conv=self.conv, ssm=self.ssm,
+            max_context=parts * self.partition, cu_seqlens=st.cu_seqlens[:n + 1], conv=self.conv, ssm=self.ssm,
             state_slots=st.state_slots[:n], workspace=st.workspace(T, parts),
             verify_width=width if width > 1 else 0, verify_conv=self.verify_conv, verify_ssm=self.verify_ssm))
         hidden = self.model.forward(self.ops, st.ids[:T])
