@@ -1,7 +1,9 @@
 """Batch invariance of the cuda runner: 16 requests (greedy, seeded sampling, penalties) give
 bit-identical tokens and logits alone, inside batches of up to 8 with other requests' prefills
 and decodes, and after a prefix-cache hit (shared pages, start_pos > 0, with and without a
-copy-on-write page)."""
+copy-on-write page); under the default device profile and under profiles choosing every other
+route (each gemv route, cuBLAS decode for bf16, another attention partition and prompt row block,
+decode steps padded to fewer graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 from ninfer.engine.batch import ScheduledBatch, SequenceWork
 from ninfer.engine.request import SamplingParams
 from ninfer.engine.synthetic import SyntheticArtifact
+from ninfer.kernels.launchers import GEMV_FORMATS, GEMV_ROUTES
+from ninfer.kernels.profile import DeviceProfile
 
 N_PROMPTS, N_NEW, PAGE, LANES = 16, 24, 64, 8
 
@@ -62,8 +66,18 @@ def drive(runner, requests: list[Request], lanes: int, admit_per_step: int,
         running = [r for r in step if not r.done]
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int4"])
-def test_batch_and_prefix_invariance(weights: str) -> None:
+PROFILES = {"defaults": DeviceProfile(),
+            **{f"gemv-{r}": DeviceProfile(gemv={k: r for k in GEMV_FORMATS}) for r in GEMV_ROUTES},
+            "cublas-p256-r64-g2.8": DeviceProfile(gemv={"bf16": "cublas"}, attention_partition=256, prompt_rows=64,
+                                                  graph_rows=(2, 8))}
+
+
+# every profile on bf16 and int4; int8 on both of its gemv routes (the default, warp, and mma)
+CASES = [(w, p) for w in ("bf16", "int4") for p in PROFILES] + [("int8", "defaults"), ("int8", "gemv-mma")]
+
+
+@pytest.mark.parametrize("weights, profile", CASES)
+def test_batch_and_prefix_invariance(weights: str, profile: str) -> None:
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
 
     g = torch.Generator().manual_seed(5)
@@ -71,7 +85,7 @@ def test_batch_and_prefix_invariance(weights: str) -> None:
     prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
     per = -(-(max(lengths) + N_NEW) // PAGE)
     runner = CudaModelRunner(SyntheticArtifact("smollm2-135m", weights, seed=4), num_pages=3 * N_PROMPTS * per,
-                             page_size=PAGE, device="cuda")
+                             page_size=PAGE, device="cuda", profile=PROFILES[profile])
 
     def pages(block: int) -> list[int]:
         return list(range(block * per, (block + 1) * per))
@@ -98,7 +112,7 @@ def test_batch_and_prefix_invariance(weights: str) -> None:
         hits.append(Request(i, p, alone[i].pages[:k] + own[k:], start))
     drive(runner, hits, lanes=LANES, admit_per_step=2, copies=copies)
 
-    assert runner.graphs.captures >= 4  # decode graphs of several row counts and split buckets
+    assert runner.graphs.captures >= 3  # decode graphs of several row counts and split buckets
     for a, b, h in zip(alone, batched, hits):
         assert a.tokens == b.tokens == h.tokens, f"request {a.i}: {a.tokens} / {b.tokens} / {h.tokens}"
         for step, (la, lb, lh) in enumerate(zip(a.logits, b.logits, h.logits)):
