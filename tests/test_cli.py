@@ -151,4 +151,34 @@ def test_bench_json_has_llama_bench_fields(tmp_path: Path) -> None:
     assert [(r["n_prompt"], r["n_gen"], r["n_concurrency"]) for r in rows] == [(16, 0, 1), (0, 4, 1), (0, 4, 2)]
     for r in rows:
         assert len(r["samples_ts"]) == 2 and r["avg_ts"] > 0 and r["stddev_ts"] >= 0
-        assert {"avg_ns", "stddev_ns", "model_size", "model_n_params", "build_commit"} <= set(r)
+        assert {"avg_ns", "stddev_ns", "model_size", "model_n_params", "build_commit", "n_depth"} <= set(r)
+        # the roofline, against ceilings probed in this run (--ceilings on is the default)
+        limits = r["ceilings"]
+        assert limits["device"] == "cpu" and limits["read_gbs"] > 0 and limits["matmul_tflops"] > 0
+        assert limits["matmul_dtype"] == "bfloat16" and set(limits["probes"]) == {"read", "copy", "matmul"}
+        assert r["achieved_gbs"] == pytest.approx(r["bytes_per_token"] * r["avg_ts"] / 1e9, rel=1e-3)
+        assert r["achieved_tflops"] == pytest.approx(r["flops_per_token"] * r["avg_ts"] / 1e12, rel=1e-3)
+        assert r["bandwidth_ratio"] == pytest.approx(r["achieved_gbs"] / limits["read_gbs"])
+        assert r["matmul_ratio"] == pytest.approx(r["achieved_tflops"] / limits["matmul_tflops"])
+    assert len({json.dumps(r["ceilings"]) for r in rows}) == 1  # probed once per run
+    pp, tg1, tg2 = rows
+    # smollm2-135m bf16, tied: the weights (~269 MB) are read once per decode step, shared by 2 streams
+    assert 2.6e8 < tg1["bytes_per_token"] < 2.8e8
+    assert tg2["bytes_per_token"] == pytest.approx(tg1["bytes_per_token"] / 2, rel=0.01)
+    assert pp["flops_per_token"] > tg1["flops_per_token"] / 2
+
+
+@pytest.mark.slow
+def test_bench_md_on_the_default_model_without_ceilings(smollm2_artifact: Path) -> None:
+    out = ninfer("bench", str(smollm2_artifact), "--backend", "torch", "-p", "8", "-n", "3", "-d", "16", "-r", "1",
+                 "--ceilings", "off")
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header[-6:] == ["test", "t/s", "MB/tok", "GB/s", "GFLOP/tok", "TFLOP/s"]
+    pp, tg = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    assert pp[-6] == "pp8" and pp[-4:-2] == ["", ""] and float(pp[-1]) > 0
+    assert tg[-6] == "tg3 @ d16" and float(tg[-4]) > 50 and tg[-2:] == ["", ""]  # Q4_1: ~80 MB a token
+    assert "ceilings" not in out.stdout
+    bad = ninfer("bench", str(smollm2_artifact), "--ceilings", "maybe")
+    assert bad.returncode == 1 and "--ceilings" in bad.stderr

@@ -3,6 +3,11 @@
 pp<N>: prompt processing of N random tokens (prompt_ms from the engine's timings).
 tg<N>: N generated tokens from a one-token prompt; with --concurrency C, C requests at once and
 the aggregate decode rate (tokens after each request's first / wall time once all are decoding).
+With -d D, tg tests start from a D-token prompt ("tg<N> @ d<D>").
+Beside llama-bench's columns, the roofline (ninfer/engine/roofline.py): bytes and FLOPs per token,
+the achieved GB/s and TFLOP/s and, with --ceilings on, their ratios to the device's read bandwidth
+and matmul peak, measured once per run by short probes (ninfer/kernels/probes.py). With --spec the
+bytes per token count one weight read per generated token, so GB/s is the effective rate.
 """
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
-                               THREADS, prepare_threads, spec_from_flags)
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
+                               THREADS, prepare_threads, spec_from_flags, stderr_log)
+from ninfer.engine.roofline import model_cost, roofline_fields, stored_bytes
 from ninfer.errors import ConfigError
 
 
@@ -77,12 +83,62 @@ def _model_stats(artifact) -> tuple[int, int]:
 
     shapes = expected_weights(artifact.meta.config)
     n_params = sum(math.prod(s) for s in shapes.values())
-    size = 0
-    for name, shape in shapes.items():
-        fmt = artifact.meta.tensor_formats[name]
-        for suffix, stored in fmt.stored_shapes(shape).items():
-            size += math.prod(stored) * fmt.stored_dtypes()[suffix].itemsize
+    size = sum(stored_bytes(artifact.meta.tensor_formats[name], shape) for name, shape in shapes.items())
     return size, n_params
+
+
+def _model_cost(artifact, device: str, dtype):
+    """The roofline accounting of the model as this run computes it: K/V in the runner's attention dtype."""
+    import torch
+
+    from ninfer.engine.backends.torch_runner import attention_dtype, default_dtype
+
+    dev = torch.device(device)
+    kv_elem = attention_dtype(dev, dtype or default_dtype(dev)).itemsize
+    return model_cost(artifact.meta.config, artifact.meta.tensor_formats, kv_elem)
+
+
+def _ceilings(device: str, dtype):
+    """The device's ceilings, probed once per run, matmuls in the dtype the model computes in."""
+    import torch
+
+    from ninfer.engine.backends.torch_runner import default_dtype
+    from ninfer.kernels.probes import measure_ceilings
+
+    dev = torch.device(device)
+    return measure_ceilings(dev, dtype or default_dtype(dev))
+
+
+def _test_name(p: int, n: int, d: int) -> str:
+    """llama-bench's test names: pp512, tg128, tg128 @ d4096."""
+    return f"pp{p}" if p else f"tg{n}" + (f" @ d{d}" if d else "")
+
+
+def _model_cost(artifact, device: str, dtype):
+    """The roofline accounting of the model as this run computes it: K/V in the runner's attention dtype."""
+    import torch
+
+    from ninfer.engine.backends.torch_runner import attention_dtype, default_dtype
+
+    dev = torch.device(device)
+    kv_elem = attention_dtype(dev, dtype or default_dtype(dev)).itemsize
+    return model_cost(artifact.meta.config, artifact.meta.tensor_formats, kv_elem)
+
+
+def _ceilings(device: str, dtype):
+    """The device's ceilings, probed once per run, matmuls in the dtype the model computes in."""
+    import torch
+
+    from ninfer.engine.backends.torch_runner import default_dtype
+    from ninfer.kernels.probes import measure_ceilings
+
+    dev = torch.device(device)
+    return measure_ceilings(dev, dtype or default_dtype(dev))
+
+
+def _test_name(p: int, n: int, d: int) -> str:
+    """llama-bench's test names: pp512, tg128, tg128 @ d4096."""
+    return f"pp{p}" if p else f"tg{n}" + (f" @ d{d}" if d else "")
 
 
 def bench(
@@ -91,6 +147,11 @@ def bench(
     n_gen: List[str] = typer.Option(["128"], "-n", "--n-gen", help="Generation lengths (comma list or repeated; 0 skips)."),
     repetitions: int = typer.Option(5, "-r", "--repetitions", help="Runs per test (after one warm-up)."),
     concurrency: List[str] = typer.Option(["1"], "--concurrency", "-c", help="Concurrent requests for tg tests (1..8)."),
+    n_depth: List[str] = typer.Option(["0"], "-d", "--n-depth", help="Context depth of tg tests: a prompt of D "
+                                                                     "tokens before the timed tokens (comma list; "
+                                                                     "pp tests run at depth 0)."),
+    ceilings: str = typer.Option("on", "--ceilings", help="on: measure the read bandwidth and matmul peak by short "
+                                                          "probes and show each row's ratio to them; off: skip."),
     output: str = typer.Option("md", "-o", "--output", help="md, json or jsonl."),
     synthetic: Optional[str] = typer.Option(None, "--synthetic", help="Random weights of a named shape (e.g. smollm2-135m, llama-8b, qwen3-8b)."),
     weights: str = typer.Option("bf16", "--weights", help="Synthetic weight format: bf16, f32, int8, int4, q4_k, q6_k, q4_k_m (llama.cpp blocks)."),
@@ -107,6 +168,8 @@ def bench(
                                               help="tg tests continue this file's text (raw tokens) instead of one "
                                                    "random token: a context a --spec lookup can draft from."),
     threads: int = THREADS,
+    device_profile: str = DEVICE_PROFILE,
+    device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
 ) -> None:
     prepare_threads(threads, backend, announce=output == "md")
     from rich.progress import Progress
@@ -115,12 +178,17 @@ def bench(
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_backend, resolve_dtype, start_engine
     from ninfer.engine.model_store import resolve_model
+    from ninfer.kernels.profile import ProfileRequest
     from ninfer.paths import cache_dir
     from ninfer.version import build_id, version_string
 
     prompts = _int_list(n_prompt, "-p")
     gens = _int_list(n_gen, "-n")
     concs = _int_list(concurrency, "--concurrency")
+    depths = _int_list(n_depth, "-d")
+    profile = ProfileRequest.from_flags(device_profile, device_profile_path)
+    if ceilings not in ("on", "off"):
+        raise ConfigError(f"--ceilings must be on or off, got {ceilings!r}")
     if output not in ("md", "json", "jsonl"):
         raise ConfigError(f"-o must be md, json or jsonl, got {output!r}")
     if repetitions < 1:
@@ -136,7 +204,10 @@ def bench(
         if not Path(prompt_file).is_file():
             raise ConfigError(f"--prompt-file {prompt_file!r}: no such file")
         context_text = Path(prompt_file).read_text()
-    tests = [(p, 0, 1) for p in prompts if p > 0] + [(0, n, c) for n in gens if n > 0 for c in concs]
+        if any(depths):
+            raise ConfigError("give -d or --prompt-file, not both: each sets the context of the tg tests")
+    tests = [(p, 0, 0, 1) for p in prompts if p > 0] + \
+            [(0, n, d, c) for n in gens if n > 0 for d in depths for c in concs]
     if not tests:
         raise ConfigError("nothing to run: every -p and -n value is 0")
 
@@ -147,9 +218,9 @@ def bench(
         artifact = SyntheticArtifact(synthetic, weights)
     else:
         artifact = Artifact.open(resolve_model(model, cache_dir(), announce=output == "md"))
-    max_c = max(c for _, _, c in tests)
+    max_c = max(c for *_, c in tests)
     context_ids: list[int] = []  # filled once the tokenizer is loaded
-    span = max(p for p, _, _ in tests) + max(n for _, n, _ in tests) + 2
+    span = max(max(p, d) for p, _, d, _ in tests) + max(n for _, n, _, _ in tests) + 2
     if context_text is not None:  # room for the file's tokens (at most ~1 token per byte)
         span += len(context_text.encode())
     scheduler = SchedulerConfig(max_concurrency=max_c, max_pending_requests=8, max_context=span,
@@ -157,7 +228,7 @@ def bench(
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
                           kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config,
-                          threads=threads or None)
+                          threads=threads or None, device_profile=profile, cache_dir=cache_dir(), log=stderr_log)
     rng = random.Random(seed)
     if context_text is not None:
         context_ids = loaded.tokenizer.encode(context_text, add_special_tokens=False)
@@ -165,12 +236,18 @@ def bench(
     vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]
     size, n_params = _model_stats(artifact)
     n_threads = loaded.threads or torch_threads()
+    cost = _model_cost(artifact, loaded.device, compute_dtype)
     results = []
     try:
         with Progress(transient=True, console=_stderr_console()) as progress:
+            limits = None
+            if ceilings == "on":
+                probing = progress.add_task("ceilings (probes)", total=None)
+                limits = _ceilings(loaded.device, compute_dtype)
+                progress.remove_task(probing)
             task = progress.add_task("bench", total=len(tests) * (repetitions + 1))
-            for p, n, c in tests:
-                name = f"pp{p}" if p else f"tg{n}"
+            for p, n, d, c in tests:
+                name = _test_name(p, n, d)
                 progress.update(task, description=f"{name} x{c}" if c > 1 else name)
                 samples_ns = []
                 drafted = accepted = 0
@@ -180,7 +257,7 @@ def bench(
                         ns = finals[0].timings.prompt_ms * 1e6
                         tokens = p
                     else:
-                        starts = [list(context_ids) or [rng.choice(vocab)] for _ in range(c)]
+                        starts = [list(context_ids) or rng.choices(vocab, k=max(d, 1)) for _ in range(c)]
                         first, end, after_first, finals = _run_requests(loaded.engine, starts, n)
                         ns = (end - first) * 1e9
                         tokens = after_first
@@ -191,13 +268,16 @@ def bench(
                             accepted += sum(f.timings.draft_n_accepted for f in finals if f.timings)
                     progress.advance(task)
                 ts = [t / (ns / 1e9) for ns, t in samples_ns]
+                roofline = roofline_fields(cost, n_prompt=p, n_gen=n, n_depth=len(context_ids) or d, concurrency=c,
+                                           tokens_per_s=statistics.fmean(ts), ceilings=limits)
                 results.append({
                     "build_commit": build_id(), "build_number": version_string(),
                     "cpu_info": platform.processor() or platform.machine(),
                     "gpu_info": _gpu_info(torch_device), "backends": loaded.backend,
+                    "device_profile": loaded.device_profile,
                     "model_filename": str(artifact.path), "model_type": f"{artifact.meta.architecture} {artifact.meta.name}",
                     "model_size": size, "model_n_params": n_params, "n_threads": n_threads,
-                    "n_prompt": p, "n_gen": n, "n_concurrency": c,
+                    "n_prompt": p, "n_gen": n, "n_depth": d, "n_concurrency": c,
                     "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                     "avg_ns": int(statistics.fmean(ns for ns, _ in samples_ns)),
                     "stddev_ns": int(statistics.stdev([ns for ns, _ in samples_ns])) if len(samples_ns) > 1 else 0,
@@ -206,6 +286,7 @@ def bench(
                     "samples_ns": [int(ns) for ns, _ in samples_ns], "samples_ts": ts,
                     **({"spec": spec_config.method, "draft_tokens": spec_config.draft_tokens,
                         "draft_n": drafted, "draft_n_accepted": accepted} if spec_config else {}),
+                    **roofline,
                 })
     finally:
         loaded.engine.shutdown()
@@ -241,18 +322,39 @@ def _print(results: list[dict], output: str) -> None:
             print(json.dumps(r))
         return
     show_c = any(r["n_concurrency"] != 1 for r in results)
+    limits = next((r["ceilings"] for r in results if "ceilings" in r), None)
     show_spec = any("spec" in r for r in results)
     header = ["model", "size", "params", "backend", "threads"] + (["conc"] if show_c else []) + ["test", "t/s"] + \
-        (["drafts accepted"] if show_spec else [])
+        (["drafts accepted"] if show_spec else []) + ["MB/tok", "GB/s"] + (["% BW"] if limits else []) + ["GFLOP/tok", "TFLOP/s"] + (["% peak"] if limits else [])
     print("| " + " | ".join(header) + " |")
-    print("| " + " | ".join("---:" if h in ("size", "params", "threads", "conc", "t/s") else "---" for h in header) + " |")
+    print("| " + " | ".join("---" if h in ("model", "backend", "test") else "---:" for h in header) + " |")
     for r in results:
-        test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        test = _test_name(r["n_prompt"], r["n_gen"], r.get("n_depth", 0))
         row = [r["model_type"], f"{r['model_size'] / 2**20:.2f} MiB", f"{r['model_n_params'] / 1e6:.2f} M",
                r["backends"], str(r["n_threads"])] + ([str(r["n_concurrency"])] if show_c else []) + \
               [test, f"{r['avg_ts']:.2f} ± {r['stddev_ts']:.2f}"]
         if show_spec:
             n, a = r.get("draft_n", 0), r.get("draft_n_accepted", 0)
             row.append(f"{a}/{n} ({100 * a / n:.0f} %)" if n else "-")
+        row += _roofline_cells(r, bool(limits))
         print("| " + " | ".join(row) + " |")
+    if limits:
+        probes = "; ".join(f"{k}: {v}" for k, v in limits["probes"].items())
+        print(f"\nceilings ({limits['device']}): read {limits['read_gbs']:.1f} GB/s, matmul "
+              f"{limits['matmul_tflops']:.4g} TFLOP/s {limits['matmul_dtype']} ({probes})")
     print(f"\nbuild: {results[0]['build_number']}", file=sys.stderr)
+
+
+def _roofline_cells(r: dict, ratios: bool) -> list[str]:
+    """tg rows: bytes per token, GB/s (and % of the read bandwidth); pp rows: FLOPs per token,
+    TFLOP/s (and % of the matmul peak); the other group's cells stay empty."""
+    def pct(x: float | None) -> str:
+        return f"{100 * x:.1f} %" if x is not None else ""
+
+    if r["n_prompt"]:
+        flops = [f"{r['flops_per_token'] / 1e9:.4g}", f"{r['achieved_tflops']:.4g}"] + \
+            ([pct(r.get("matmul_ratio"))] if ratios else [])
+        return ["", ""] + ([""] if ratios else []) + flops
+    moved = [f"{r['bytes_per_token'] / 1e6:.2f}", f"{r['achieved_gbs']:.4g}"] + \
+        ([pct(r.get("bandwidth_ratio"))] if ratios else [])
+    return moved + ["", ""] + ([""] if ratios else [])

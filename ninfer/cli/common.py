@@ -12,6 +12,11 @@ from ninfer.errors import ConfigError
 BACKEND = typer.Option("auto", "--backend", help="auto, torch or cuda.")
 DEVICE = typer.Option(0, "--device", help="CUDA device index.")
 NO_CUDA_GRAPH = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend).")
+DEVICE_PROFILE = typer.Option("auto", "--device-profile",
+                              help="cuda route profile: auto (stored one; calibrate a GPU without one), off "
+                                   "(built-in routes), calibrate (measure anew) or a profile file.")
+DEVICE_PROFILE_PATH = typer.Option(None, "--device-profile-path",
+                                   help="Profile file to read and write instead of the user cache.")
 DTYPE = typer.Option("auto", "--dtype", help="Activation and KV-cache dtype: auto (bfloat16), bfloat16 or "
                                              "float32 (exact, slower).")
 THREADS = typer.Option(0, "--threads", "-t", help="CPU threads of the torch backend (0: as many as cores "
@@ -71,3 +76,10 @@ def sampling_from_flags(*, temperature: float | None, top_k: int | None, top_p: 
     except InvalidRequest as e:
         flag = "--" + (e.field or "").replace("_", "-")
         raise ConfigError(f"{flag}: {e.message}") from None
+
+
+def stderr_log(line: str) -> None:
+    """Log lines of run and bench (stdout is the command's output)."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ except KeyboardInterrupt:
 
 app = typer.Typer(
     name="ninfer",
-    help="Local LLM inference: serve, run, tokenize, convert and benchmark models.",
+    help="Local LLM inference: serve, run, tokenize, convert, benchmark and calibrate.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -60,6 +60,10 @@ def _register() -> None:
         pass
     else:
         app.command("bench", help="Benchmark prompt processing and generation (llama-bench style).")(bench)
+    from ninfer.cli.calibrate import calibrate
+
+    app.command("calibrate", help="Time the cuda routes on this GPU for a model's shapes and write its device "
+                                  "profile.")(calibrate)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -8,8 +8,9 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
-                               THREADS, prepare_threads, sampling_from_flags, spec_from_flags, split_model_and_text)
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
+                               THREADS, prepare_threads, sampling_from_flags, spec_from_flags, split_model_and_text,
+                               stderr_log)
 from ninfer.errors import ConfigError
 
 
@@ -38,12 +39,15 @@ def run(
     spec_ngram_min: int = SPEC_NGRAM_MIN,
     spec_ngram_max: int = SPEC_NGRAM_MAX,
     threads: int = THREADS,
+    device_profile: str = DEVICE_PROFILE,
+    device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
 ) -> None:
     prepare_threads(threads, backend, announce=not json_out)
     from ninfer.engine.chat import Message, render
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine
     from ninfer.engine.request import PreparedRequest
+    from ninfer.kernels.profile import ProfileRequest
 
     model, prompt = split_model_and_text(args, "PROMPT")
     if not prompt.strip():
@@ -56,12 +60,13 @@ def run(
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
     sampling_from_flags(**flags)  # bad values fail before the model loads
     schema = _read_schema(json_schema) if json_schema is not None else None
+    profile = ProfileRequest.from_flags(device_profile, device_profile_path)
     if schema is not None and stop:
         raise ConfigError("--stop cannot be combined with --json-schema: the grammar ends the output")
     spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
                          announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype, spec=spec_config,
-                         threads=threads or None)
+                         threads=threads or None, device_profile=profile, log=stderr_log)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:

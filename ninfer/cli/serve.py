@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
                                SPEC_NGRAM_MIN, THREADS, prepare_threads, spec_from_flags)
 from ninfer.errors import ConfigError
 
@@ -104,11 +104,14 @@ def serve(
     spec_ngram_min: int = SPEC_NGRAM_MIN,
     spec_ngram_max: int = SPEC_NGRAM_MAX,
     threads: int = THREADS,
+    device_profile: str = DEVICE_PROFILE,
+    device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
 ) -> None:
     prepare_threads(threads, backend, announce=False)  # before torch loads; the engine logs the choice
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
     from ninfer.engine.rope import RopeOverride
+    from ninfer.kernels.profile import ProfileRequest
     from ninfer.server.config import SamplerOverrides, ServerConfig
     from ninfer.server.runner import serve_forever
 
@@ -117,6 +120,7 @@ def serve(
     if device < 0:
         raise ConfigError("--device must be >= 0")
     resolve_dtype(dtype)  # a bad value fails before the server starts
+    profile = ProfileRequest.from_flags(device_profile, device_profile_path)
     if max_context < 1:
         raise ConfigError("--max-context must be >= 1")
     if seed is not None and seed < 0:
@@ -158,7 +162,7 @@ def serve(
         from ninfer.engine.loader import load_engine
         return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
                            chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype, rope=rope,
-                           spec=spec_config, threads=threads or None)
+                           spec=spec_config, threads=threads or None, device_profile=profile)
 
     def announce(line: str) -> None:
         print(line, flush=True)

@@ -2,7 +2,9 @@
 KV pool, build runner + tokenizer + engine."""
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +16,7 @@ from ninfer.engine.rope import RopeOverride
 from ninfer.engine.models import expected_weights
 from ninfer.errors import ConfigError
 from ninfer.formats import TensorFormat
+from ninfer.kernels.profile import ProfileRequest
 
 if TYPE_CHECKING:  # imported lazily at run time: they pull in torch
     from ninfer.engine.engine import Engine
@@ -53,6 +56,7 @@ class LoadedModel:
     device: str
     facts: ModelFacts
     threads: int = 0  # CPU threads the torch backend computes with (0: not a CPU backend)
+    device_profile: str = ""  # the cuda backend's profile in use (DeviceProfile.source); "" on torch
 
 
 def model_facts(artifact, tokenizer: Tokenizer, max_context: int) -> ModelFacts:
@@ -161,7 +165,9 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                 kv_capacity: int | str | None = None, device: int = 0, chat_template: str | None = None,
                 cache_dir: Path | None = None, announce: bool = True, cuda_graph: bool = True,
                 dtype: str = "auto", rope: RopeOverride | None = None, spec: SpecConfig | None = None,
-                threads: int | None = None) -> LoadedModel:
+                threads: int | None = None,
+                device_profile: ProfileRequest | None = None,
+                log: Callable[[str], None] | None = None) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
     options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec)."""
     if cache_dir is None:
@@ -177,19 +183,24 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
     return start_engine(artifact, backend=backend, torch_device=torch_device,
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
-                        rope=rope, spec=spec, threads=threads)
+                        rope=rope, spec=spec, threads=threads,
+                        device_profile=device_profile, cache_dir=cache_dir, log=log)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
                  kv_capacity: int | str | None, cuda_graph: bool = True,
                  kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None,
-                 spec: SpecConfig | None = None, threads: int | None = None) -> LoadedModel:
+                 spec: SpecConfig | None = None, threads: int | None = None,
+                 device_profile: ProfileRequest | None = None, cache_dir: Path | None = None,
+                 log: Callable[[str], None] | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
     dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
     options (the default context and the KV pool follow the native window whatever they say).
     spec: speculative decoding (--spec); raises ConfigError for a backend the artifact cannot serve.
     threads: CPU threads of the torch backend on CPU (None or 0: the plan `cpu_threads.prepare`
-    made, else chosen now from the free cores)."""
+    made, else chosen now from the free cores). device_profile: how the cuda backend finds its
+    route profile (None: the built-in defaults; the CLI's default is auto); `log` gets the line
+    naming it (default: the "ninfer" logger)."""
     from ninfer.engine import cpu_threads
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
@@ -216,13 +227,22 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         plan = cpu_threads.current()
         if plan is None or (threads and plan.threads != threads):
             plan = cpu_threads.prepare(threads)
+    profile = None
+    if backend == "cuda":
+        from ninfer.engine.backends.calibrate import resolve_device_profile
+        from ninfer.paths import cache_dir as default_cache_dir
+
+        root = cache_dir if cache_dir is not None else default_cache_dir()
+        profile = resolve_device_profile(device_profile or ProfileRequest("off"), artifact, device=torch_device,
+                                         kernel_cache_dir=kernel_cache_dir or root / "kernels", cache_dir=root,
+                                         log=log or logging.getLogger("ninfer").info)
 
     def build_runner():  # runs on the engine's worker thread (Engine.spawn says why)
         if backend == "cuda":
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
-                                   num_state_slots=num_state_slots,
+                                   num_state_slots=num_state_slots, profile=profile,
                                    max_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "lookup" else 0,
                                    **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
@@ -238,7 +258,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts,
-                       threads=plan.threads if plan is not None else 0)
+                       threads=plan.threads if plan is not None else 0,
+                       device_profile=profile.source if profile is not None else "")
 
 
 def check_start_up_inputs(artifact, chat_template_option: str | None) -> None:
