@@ -30,6 +30,8 @@ python3 - "$OUT/bench_llama8b.json" <<'PY' || true
 import json, sys
 for r in json.load(open(sys.argv[1])):
     test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-    print(f"{r['backends']:6} {test:7} conc={r['n_concurrency']} {r['avg_ts']:10.2f} ± {r['stddev_ts']:.2f} tok/s")
+    ratio = (f"{100 * r['matmul_ratio']:.1f} % of matmul peak" if r["n_prompt"] else
+             f"{100 * r['bandwidth_ratio']:.1f} % of read bandwidth") if "ceilings" in r else ""
+    print(f"{r['backends']:6} {test:7} conc={r['n_concurrency']} {r['avg_ts']:10.2f} ± {r['stddev_ts']:.2f} tok/s {ratio}")
 PY
 exit $status
