@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE,
+                               NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
                                THREADS, prepare_threads, sampling_from_flags, spec_from_flags, split_model_and_text,
                                stderr_log)
 from ninfer.errors import ConfigError

@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE,
+                               NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
                                SPEC_NGRAM_MIN, THREADS, prepare_threads, spec_from_flags)
 from ninfer.errors import ConfigError
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.engine.ops.cuda_ops import Weight, block_mm
+from ninfer.engine.ops.cuda_ops import Weight, block_mm, in_features
 from ninfer.engine.quant import DEFAULT_GROUP_SIZE
 from ninfer.errors import ConfigError
 from ninfer.formats import TensorFormat
@@ -109,7 +109,8 @@ def decode_linear_shapes(model, vocab_size: int) -> list[LinearShape]:
     walk(model)
     counts: dict[tuple[int, int], int] = {}
     for w in seen.values():
-        n, k = w.parts[""].shape[0], w.parts[""].shape[1] * (2 if w.fmt.format == "int4" else 1)
+        first = w.segments[0] if w.segments else w  # a fused projection kept as runs of formats
+        n, k = w.rows, in_features(first.fmt, first.parts[""])
         counts[(n, k)] = counts.get((n, k), 0) + 1
     return [LinearShape(n, k, 1 if n == vocab_size else c) for (n, k), c in sorted(counts.items())]
 
