@@ -40,9 +40,10 @@ def layer_matrix_elems() -> int:
     (INT8, 1 + 2 / 32),  # int8 values + one fp16 scale per 32
     (INT4, 0.5 + 2 / 32),  # nibbles + fp16 scales
     (INT4A, 0.5 + 4 / 32),  # nibbles + fp16 scales and mins
+    (TensorFormat("q4_k"), 144 / 256),  # llama.cpp's Q4_K: 144-byte blocks of 256 weights
 ])
 def test_stored_bytes_per_format(fmt: TensorFormat, bytes_per_elem: float) -> None:
-    assert stored_bytes(fmt, (64, 256)) == 64 * 256 * bytes_per_elem
+    assert stored_bytes(fmt, (64, 256)) == pytest.approx(64 * 256 * bytes_per_elem)
     assert stored_bytes(BF16, (7,)) == 14
 
 
