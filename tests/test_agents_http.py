@@ -54,15 +54,19 @@ def agent_server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactor
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600  # a loaded shared machine can take minutes to load the model
-    while True:
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+    try:
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()  # never leave a server behind
+        raise
     yield url
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, log.read_text()

@@ -59,21 +59,25 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     url = f"http://127.0.0.1:{port}"
     loading: list[httpx.Response] = []
     deadline = time.monotonic() + 240
-    with httpx.Client(timeout=5) as client:
-        while True:
-            assert proc.poll() is None, f"serve exited early:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"serve never became ready:\n{log.read_text()}"
-            try:
-                r = client.get(f"{url}/health")
-            except httpx.TransportError:
-                time.sleep(0.02)
-                continue
-            if r.status_code == 200:
-                break
-            loading.append(r)
-            for extra in (client.post(f"{url}/v1/messages", json={}), client.options(f"{url}/v1/models")):
-                if extra.status_code == 503:
-                    loading.append(extra)
+    try:
+        with httpx.Client(timeout=5) as client:
+            while True:
+                assert proc.poll() is None, f"serve exited early:\n{log.read_text()}"
+                assert time.monotonic() < deadline, f"serve never became ready:\n{log.read_text()}"
+                try:
+                    r = client.get(f"{url}/health")
+                except httpx.TransportError:
+                    time.sleep(0.02)
+                    continue
+                if r.status_code == 200:
+                    break
+                loading.append(r)
+                for extra in (client.post(f"{url}/v1/messages", json={}), client.options(f"{url}/v1/models")):
+                    if extra.status_code == 503:
+                        loading.append(extra)
+    except BaseException:
+        proc.kill()  # a failed start-up must not leave the server running
+        raise
     yield Server(url, port, f"http://127.0.0.1:{stats_port}", proc, log, loading, request_log)
     proc.send_signal(signal.SIGINT)  # Ctrl+C twice stops the server
     time.sleep(0.3)
