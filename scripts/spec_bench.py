@@ -80,9 +80,12 @@ def main() -> None:
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--reps", type=int, default=3, help="A/B pairs per workload (after one warm-up pair)")
+    ap.add_argument("--reps", type=int, default=3, help="A/B pairs per workload")
+    ap.add_argument("--warmup", choices=("each", "once"), default="each",
+                    help="an unrecorded warm-up pair before each workload, or only before the first")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--json", default=None, help="also write the per-request records here")
+    ap.add_argument("--arms", default="off,on", help="off,on (A/B) or on alone (acceptance only)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads on CPU (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
@@ -112,10 +115,12 @@ def main() -> None:
                for name, text in WORKLOADS.items() if name in args.workloads.split(",")}
     records = []
     try:
-        for name, ids in prompts.items():
+        for w, (name, ids) in enumerate(prompts.items()):
             outputs = {}
-            for rep in range(args.reps + 1):
-                for arm in (("on", "off") if rep % 2 else ("off", "on")):  # alternate which arm goes first
+            first = 0 if args.warmup == "each" or w == 0 else 1
+            for rep in range(first, args.reps + 1):
+                arms = [a for a in (("on", "off") if rep % 2 else ("off", "on")) if a in args.arms.split(",")]
+                for arm in arms:  # alternate which arm goes first
                     final, out = None, []
                     rid = f"{name}-{arm}-{rep}-{time.monotonic_ns()}"
                     for ev in engine.submit(PreparedRequest(
@@ -124,8 +129,11 @@ def main() -> None:
                         out += ev.token_ids
                         final = ev
                     outputs.setdefault(arm, out)
+                    sp = final.speculative or {}
                     print(f"  {name} {arm} rep {rep}: {final.timings.predicted_n} tokens, "
-                          f"{final.timings.predicted_per_second:.1f} tok/s", file=sys.stderr, flush=True)
+                          f"{final.timings.predicted_per_second:.2f} tok/s, accepted {sp.get('accepted_tokens', 0)}/"
+                          f"{sp.get('drafted_tokens', 0)} in {sp.get('rounds', 0)} rounds, by position "
+                          f"{sp.get('accepted_per_position', [])}", file=sys.stderr, flush=True)
                     if rep == 0:
                         continue  # warm-up pair
                     t, sp = final.timings, final.speculative or {}
@@ -137,8 +145,9 @@ def main() -> None:
                                     "drafted": sp.get("drafted_tokens", 0), "accepted": sp.get("accepted_tokens", 0),
                                     "rounds": sp.get("rounds", 0), "fallback_steps": sp.get("fallback_steps", 0),
                                     "accepted_per_position": sp.get("accepted_per_position", [])})
-            same = outputs["on"] == outputs["off"]
-            print(f"{name}: outputs identical with and without speculation: {same}", flush=True)
+            if len(outputs) == 2:
+                same = outputs["on"] == outputs["off"]
+                print(f"{name}: outputs identical with and without speculation: {same}", flush=True)
     finally:
         engine.shutdown()
     report(records, args.draft_tokens)
@@ -155,6 +164,8 @@ def report(records: list[dict], k: int) -> None:
         rates = {}
         for arm in ("off", "on"):
             rs = [r for r in records if r["workload"] == name and r["arm"] == arm]
+            if not rs:
+                continue
             tps = [r["decode_tok_s"] for r in rs]
             rates[arm] = statistics.fmean(tps)
             drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
@@ -163,7 +174,7 @@ def report(records: list[dict], k: int) -> None:
                    for i in range(k)]
             by_pos = " ".join(f"{p / rounds:.2f}" for p in pos) if rounds else "-"
             sd = statistics.stdev(tps) if len(tps) > 1 else 0.0
-            speed = f"{rates['on'] / rates['off']:.2f}x" if arm == "on" and rates["off"] else ""
+            speed = f"{rates['on'] / rates['off']:.2f}x" if arm == "on" and rates.get("off") else ""
             print(f"| {name} | {arm} | {statistics.fmean(r['output_tokens'] for r in rs):.0f} | "
                   f"{rates[arm]:.1f} ± {sd:.1f} | {statistics.fmean(r['tokens_per_step'] for r in rs):.2f} | "
                   f"{accepted}/{drafted} | {by_pos} | {speed} |")
