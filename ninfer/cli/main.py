@@ -1,11 +1,12 @@
 """The `ninfer` command: one Typer app, one module per command."""
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Optional
 
-try:  # a Ctrl+C while the command's modules import ends it like any other interrupt
+try:  # a Ctrl+C while the command's first modules import ends it like any other interrupt
     import typer
 
     from ninfer.errors import ExitCode
@@ -66,17 +67,25 @@ def _register() -> None:
                                   "profile.")(calibrate)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def _exit_now(signum: int, frame: object) -> None:
+    """SIGINT and SIGTERM until a command installs its own handling: end the process at once
+    with 130. Raising KeyboardInterrupt is not safe while native code imports or loads: torch's
+    pybind11 turns it into "terminate called", and C code can swallow it, leaving a server that
+    ignored the signal. Nothing a command writes needs more (files are written to a temporary
+    name and renamed)."""
+    os.write(2, b"ninfer: interrupted\n")
+    os._exit(ExitCode.INTERRUPTED)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point and the one place that turns outcomes into exit statuses (ExitCode): errors
-    print one line (a traceback only with --debug). SIGTERM ends a command as Ctrl+C does until
-    the command installs its own handling (serve does once its event loop runs)."""
+    print one line (a traceback only with --debug). SIGINT and SIGTERM end a command at once
+    until it installs its own handling (serve does once its event loop runs)."""
     from ninfer.errors import NInferError
 
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _exit_now)
+    signal.signal(signal.SIGTERM, _exit_now)
+
     args = sys.argv[1:] if argv is None else argv
     debug = "--debug" in args
     try:

@@ -168,9 +168,7 @@ def serve(
     def announce(line: str) -> None:
         print(line, flush=True)
 
-    code = serve_forever(config, load, announce)
-    if code:
-        raise typer.Exit(code)
+    serve_forever(config, load, announce)  # ends the process with the server's exit status
 
 
 def _on_off(value: str, option: str) -> bool:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ninfer.errors import ConfigError, ExitCode, NInferError
 from ninfer.server.app import App
@@ -126,8 +126,9 @@ async def _wait_listening(host: str, port: int, deadline: float) -> None:
 
 
 def serve_forever(config: ServerConfig, load: Callable[[], LoadedModel],
-                  announce: Callable[[str], None] = print) -> int:
-    """Bind, load the model in the background, serve until SIGINT/SIGTERM. Returns the exit code."""
+                  announce: Callable[[str], None] = print) -> NoReturn:
+    """Bind, load the model in the background, serve until SIGINT/SIGTERM, then end the process
+    with its exit status (0 stopped, 1 start-up failed, 2 Engine-wide failure, 130 interrupted)."""
     check_bindable(config.host, config.port)
     if config.stats_port is not None:
         check_bindable(config.host, config.stats_port, "--stats-port")
@@ -135,9 +136,21 @@ def serve_forever(config: ServerConfig, load: Callable[[], LoadedModel],
     if config.request_log_jsonl is not None:
         state.reqlog = open_request_log(config.request_log_jsonl, config.model_path)
     try:
-        return asyncio.run(_serve(state, load, announce))
+        code = asyncio.run(_serve(state, load, announce))
     finally:
         state.reqlog.close()
+    _leave(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """End the process without interpreter finalization, everything written and flushed.
+    Granian's Rust worker threads wind down on their own after stop(); one that touches an
+    interpreter which is finalizing panics and aborts the process (exit 134/135 instead of the
+    server's status), which a stop soon after start makes likely."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def open_request_log(value: str, model_path: str) -> RequestLog:
