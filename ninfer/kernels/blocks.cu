@@ -375,15 +375,7 @@ dequant_blocks(const u8* __restrict__ w, const i32* __restrict__ rows, act* __re
 // multiplies the mma result; offsets take sum(x) over the half from a second mma with A = ones. fp32
 // accumulation; column m depends only on x row m, and the warps' sums are added in warp order: batch
 // invariant, like gemv_blocks.
-#define MMA_WARPS 8
-
-__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#define MMA_WARPS 8  // mma16816: common.cuh
 
 // A quad's codes as bf16 pairs (code 0, code 1) and (code 2, code 3), values exact: a code byte
 // (< 128) under 0x4300 is the bf16 128 + code, and one bf16x2 fma takes 128 + BIAS off; iq4 codes

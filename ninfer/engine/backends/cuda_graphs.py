@@ -8,6 +8,7 @@ sampled ids back.
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -106,9 +107,18 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the server's other threads may touch CUDA (stats) while this thread captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.step(n, parts, width)
+        # thread_local: the server's other threads may touch CUDA (stats) while this thread captures.
+        # No garbage collection during the capture (torch collects just before it begins): a cycle
+        # holding an old runner's graphs, collected here, would destroy them mid-capture, which
+        # CUDA forbids and which invalidates this capture.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self.step(n, parts, width)
+        finally:
+            if collecting:
+                gc.enable()
         self._graphs[(n, parts, width)] = graph
         self.captures += 1
         return graph
