@@ -305,26 +305,44 @@ def calibrate(artifact, *, device: torch.device, kernel_cache_dir, key: DeviceKe
     recurrent = state_spec(c).recurrent is not None
     plan = plan.for_model(c.max_position_embeddings)
     quantized = [f.group_size for f in artifact.meta.tensor_formats.values() if f.quantized]
+
+    def scratch_runner(profile: DeviceProfile | None = None) -> CudaModelRunner:
+        return CudaModelRunner(artifact, num_pages=8, page_size=64, device=str(device), cuda_graph=True,
+                               kernel_cache_dir=kernel_cache_dir, num_state_slots=8 if recurrent else 0,
+                               profile=profile)
+
     with torch.cuda.device(device), torch.inference_mode():
-        runner = CudaModelRunner(artifact, num_pages=8, page_size=64, device=str(device), cuda_graph=True,
-                                 kernel_cache_dir=kernel_cache_dir, num_state_slots=8 if recurrent else 0)
+        runner = scratch_runner()
         shapes = decode_linear_shapes(runner.model, c.vocab_size)
         group = quantized[0] if quantized else DEFAULT_GROUP_SIZE
         cal = Calibrator(runner.kc, shapes, c, device, plan, group_size=group, progress=progress)
         if on_plan is not None:
             on_plan(plan.steps(sum(len(gemv_routes(f, shapes)) for f in cal.formats.values()), graph=not recurrent))
-        step = decode_step_times(runner, plan, progress) if not recurrent else None
         del runner
-        gc.collect()  # the runner and its graphs' step function refer to each other
-        torch.cuda.empty_cache()
+        _free_device_memory()
         gemv, cublas = cal.gemv()
         attention = cal.attention()
         prompt = cal.prompt_rows()
-    chosen = choose(gemv, cublas, attention, prompt, step, plan.gemv_policy)
+        chosen = choose(gemv, cublas, attention, prompt, None, plan.gemv_policy)
+        step = None
+        if not recurrent:
+            # whole decode steps on the routes just chosen: padding n rows up to a larger graph
+            # costs what those routes cost at the larger row count (the warp gemv's cost grows with
+            # rows, the mma one's hardly does)
+            runner = scratch_runner(DeviceProfile(**chosen))
+            step = decode_step_times(runner, plan, progress)
+            del runner
+            _free_device_memory()
+            chosen = choose(gemv, cublas, attention, prompt, step, plan.gemv_policy)
     measured = {"gemv": gemv, "cublas": cublas, "attention": attention, "prompt_rows": prompt,
                 "decode_step": step or {}, "shapes": [[s.n, s.k, s.count] for s in shapes]}
     return DeviceProfile(**chosen, device=key, calibrated_on=f"{artifact.meta.name} ({artifact.meta.architecture})",
                          measured=measured)
+
+
+def _free_device_memory() -> None:
+    gc.collect()  # the runner and its graphs' step function refer to each other
+    torch.cuda.empty_cache()
 
 
 def _bytes(fmt: TensorFormat, s: LinearShape) -> int:
@@ -353,6 +371,10 @@ def resolve_device_profile(request: ProfileRequest, artifact, *, device: str, ke
             if profile.device is not None and profile.device != key:
                 log(f"device profile {path} was measured on {profile.device.gpu} (driver {profile.device.driver}, "
                     f"ninfer {profile.device.ninfer}); this is {key.gpu} (driver {key.driver}, ninfer {key.ninfer})")
+            here = f"{artifact.meta.name} ({artifact.meta.architecture})"
+            if profile.calibrated_on and profile.calibrated_on != here:
+                log(f"device profile {path} was calibrated on {profile.calibrated_on}, this is {here}: its graph "
+                    f"sizes follow that model's step times (`ninfer calibrate` this model to re-measure)")
             log(profile.describe())
             return profile
     log(f"calibrating the cuda routes of {key.gpu} for {artifact.meta.name} (device profile {path})")
