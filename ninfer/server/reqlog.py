@@ -106,8 +106,9 @@ class RequestLog:
         self._write("request_error", request_id=n, protocol=protocol, status=err.status, code=err.code,
                     total_seconds=total_seconds)
 
-    def throughput(self, before: Any, after: Any, seconds: float) -> None:
-        """One reporting interval of `seconds` between two engine snapshots; idle ones are omitted."""
+    def throughput(self, before: Any, after: Any, seconds: float, model: str | None = None) -> None:
+        """One reporting interval of `seconds` between two engine snapshots (of `model`, on a
+        router); idle ones are omitted."""
         prefill = after.computed_prefill_tokens - before.computed_prefill_tokens
         decode = after.committed_decode_tokens - before.committed_decode_tokens
         rounds = after.decode_rounds - before.decode_rounds
@@ -115,9 +116,10 @@ class RequestLog:
         if seconds <= 0 or not (prefill or decode or after.running or after.waiting):
             return
         batch = row_rounds / rounds if rounds else 0.0
-        log.info("throughput: prefill %d tok (%.1f tok/s) decode %d tok (%.1f tok/s) batch %.2f running %d waiting %d",
-                 prefill, prefill / seconds, decode, decode / seconds, batch, after.running, after.waiting)
-        self._write("throughput", interval_seconds=seconds,
+        log.info("throughput%s: prefill %d tok (%.1f tok/s) decode %d tok (%.1f tok/s) batch %.2f running %d waiting %d",
+                 f" {model}" if model else "", prefill, prefill / seconds, decode, decode / seconds, batch,
+                 after.running, after.waiting)
+        self._write("throughput", **({"model": model} if model else {}), interval_seconds=seconds,
                     tokens={"prefill": prefill, "decode": decode},
                     decode_batch={"rounds": rounds, "row_rounds": row_rounds,
                                   "average_size": batch if rounds else None},
