@@ -228,6 +228,9 @@ class ModelPool:
         limit = self.options.models_max
         if not limit or self._occupied(slot) < limit:
             return True
+        excess = self._occupied(slot) - limit + 1  # models that must go before this one loads
+        if sum(1 for s in self.slots.values() if s is not slot and s.status == "unloading") >= excess:
+            return False  # the room is on its way
         idle = [s for s in self.slots.values() if s is not slot and s.status == "loaded" and not s.busy]
         if idle:
             victim = min(idle, key=lambda s: s.last_used)
