@@ -28,6 +28,7 @@ class Router:
     url: str
     proc: subprocess.Popen
     log: Path
+    request_log: Path
 
 
 def _wait(predicate, what: str, timeout: float = 120.0):
@@ -68,7 +69,7 @@ model = {tmp / "broken.ninfer"}
     port = free_port()
     log = tmp / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", "--models-preset", str(preset), "--models-max", "1",
-           "--port", str(port), "--log-stats-interval-ms", "0"]
+           "--port", str(port), "--log-stats-interval-ms", "0", "--request-log-jsonl", str(tmp / "requests.jsonl")]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -78,7 +79,7 @@ model = {tmp / "broken.ninfer"}
     except BaseException:
         proc.kill()
         raise
-    yield Router(url, proc, log)
+    yield Router(url, proc, log, tmp / "requests.jsonl")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, log.read_text()
     assert "server stopped" in log.read_text()
@@ -213,3 +214,21 @@ def test_a_swap_never_cuts_a_request_in_flight(router: Router) -> None:
     assert usage is not None and usage.completion_tokens == 48  # not cut
     assert other["r"].model == "beta" and other["at"] >= ended
     assert status(router, "beta") == "loaded" and status(router, "alpha") == "unloaded"
+
+
+def test_request_log_names_each_model_and_its_resolved_budget(router: Router) -> None:
+    c = client(router)
+    seen = len(router.request_log.read_text().splitlines())
+    c.chat.completions.create(model="beta", messages=PROMPT)  # beta's --default-max-tokens 3
+    records = [json.loads(line) for line in router.request_log.read_text().splitlines()]
+    starts = [r for r in records if r["event"] == "server_start"]
+    assert {r["model"] for r in starts} >= {"alpha", "beta"}  # one per load
+    new = records[seen:]
+    start = next(r for r in new if r["event"] == "request_start")
+    done = next(r for r in new if r["event"] == "request_done")
+    assert start["model"] == done["model"] == "beta"
+    assert start["requested_output_tokens"] == 3 and start["requested_max_tokens"] is None
+    assert done["prefix_reuse_path"] in ("root", "private_endpoint", "shared_stable_prefix")
+    assert done["timings_seconds"]["total"] >= done["timings_seconds"]["decode"] >= 0
+    assert done["engine_timing"]["queue_wait_seconds"] >= 0
+    assert "lighthouse" not in router.request_log.read_text()

@@ -98,10 +98,12 @@ class RequestHandle:
     """A submitted request. Iterating blocks and yields its OutputEvents, the last one with
     `finish_reason` set."""
 
-    __slots__ = ("request_id", "_engine", "_events", "_done")
+    __slots__ = ("request_id", "_engine", "_events", "_done", "max_output_tokens", "seed")
 
     def __init__(self, request_id: str, engine: Engine) -> None:
         self.request_id = request_id
+        self.max_output_tokens = 0  # the output budget as resolved at submission (the request log's)
+        self.seed = 0  # the sampling seed as resolved (the request's, or a fresh one)
         self._engine = engine
         self._events: queue.SimpleQueue[OutputEvent] = queue.SimpleQueue()
         self._done = False
@@ -246,6 +248,7 @@ class Engine:
                        stop_token_ids=proc.stop_token_ids, cache_prompt=req.cache_prompt,
                        raw_prompt=req.raw_prompt)
         handle = RequestHandle(req.request_id, self)
+        handle.max_output_tokens, handle.seed = max_out, seed
         now = time.monotonic()
         timeout = self.config.pending_timeout_ms
         live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None,
@@ -599,6 +602,9 @@ class Engine:
                                      logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason, usage=usage,
                                      timings=self._timings(live), error=error, slot_id=seq.slot,
                                      post_thinking_sampling=live.post_thinking,
+                                     reuse_path=seq.reuse_path if live.admitted_at is not None else None,
+                                     queue_wait_seconds=live.admitted_at - live.submitted_at
+                                     if live.admitted_at is not None else None,
                                      speculative=live.spec.to_dict(self.spec.method, self.spec.draft_tokens)
                                      if live.spec is not None else None))
 

@@ -6,6 +6,7 @@ are turned into the protocol's envelope by the app.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -59,6 +60,7 @@ class Call:
     status: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
     pool: ModelPool | None = None  # the server's models (the /models routes, the router)
+    received_at: float = field(default_factory=time.monotonic)  # when the request arrived
     _parsed: dict[str, Any] | None = None
 
     def json(self) -> dict[str, Any]:

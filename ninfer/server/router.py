@@ -284,6 +284,7 @@ class ModelPool:
             self.slots = {state.model_id: slot}
             slot.spec.name = state.model_id
         state.names = slot.names
+        state.log_name = slot.name if self.router else None
         self._log_start(slot, state)
         log.info("model %s loaded in %.1f s (context %d)", slot.name, time.monotonic() - t0,
                  state.loaded.max_context)
@@ -333,6 +334,7 @@ class ModelPool:
             await _in_thread(_free_memory)
         slot.status = "unloaded"
         slot.unloads += 1
+        self.reqlog.forget_model(slot.name)
         log.info("model %s unloaded", slot.name)
         self._publish(slot)
 

@@ -131,7 +131,8 @@ def serve_forever(config: ServerConfig, models: list[ModelSpec], announce: Calla
         check_bindable(config.host, config.stats_port, "--stats-port")
     reqlog = RequestLog()
     if config.request_log_jsonl is not None:
-        reqlog = open_request_log(config.request_log_jsonl, [m.path for m in models])
+        reqlog = open_request_log(config.request_log_jsonl, [m.path for m in models],
+                                  config.request_log_max_mib * 1024 * 1024, config.request_log_keep)
     try:
         code = asyncio.run(_serve(config, models, options or PoolOptions(), reqlog, announce))
     finally:
@@ -150,8 +151,9 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def open_request_log(value: str, model_paths: list[str]) -> RequestLog:
-    """--request-log-jsonl FILE: appended; its folder must exist, and it must not be a model."""
+def open_request_log(value: str, model_paths: list[str], max_bytes: int = 0, keep: int = 4) -> RequestLog:
+    """--request-log-jsonl FILE: appended (rotated at `max_bytes`, 0: never); its folder must
+    exist, and it must not be a model."""
     path = Path(value).expanduser().resolve()
     for model_path in model_paths:
         if model_path and Path(model_path).expanduser().exists() and path == Path(model_path).expanduser().resolve():
@@ -159,7 +161,7 @@ def open_request_log(value: str, model_paths: list[str]) -> RequestLog:
     if not path.parent.is_dir():
         raise ConfigError(f"--request-log-jsonl {value}: the folder {path.parent} does not exist")
     try:
-        return RequestLog(path)
+        return RequestLog(path, max_bytes=max_bytes, keep=keep)
     except OSError as e:
         raise ConfigError(f"--request-log-jsonl {value}: cannot open it ({e.strerror})") from None
 
