@@ -80,7 +80,11 @@ model = {tmp / "broken.ninfer"}
         proc.kill()
         raise
     yield Router(url, proc, log, tmp / "requests.jsonl")
-    proc.send_signal(signal.SIGTERM)
+    feed = httpx.Client(timeout=60)  # an open /models/sse stream ends with the server, never holds its stop
+    with feed.stream("GET", url + "/models/sse") as r:
+        assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        list(r.iter_lines())
     assert proc.wait(timeout=60) == 0, log.read_text()
     assert "server stopped" in log.read_text()
 

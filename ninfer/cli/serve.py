@@ -67,8 +67,10 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="trace|debug|info|warning|error|critical|off"),
     log_stats_interval_ms: int = typer.Option(5000, "--log-stats-interval-ms",
                                               help="Aggregate throughput record interval; 0 disables it."),
-    log_stats_panel: str = typer.Option("off", "--log-stats-panel",
-                                        help="on pins a session statistics panel beneath the log on an interactive terminal."),
+    log_stats_panel: str = typer.Option("on", "--log-stats-panel",
+                                        help="on|off. On (the default) pins the session statistics panel beneath "
+                                             "the log, only on an interactive terminal at info verbosity or more; "
+                                             "redirected output gets plain records."),
     request_log_jsonl: Optional[str] = typer.Option(None, "--request-log-jsonl",
                                                     help="Append full-precision server/request records to FILE."),
     request_log_max_mib: int = typer.Option(0, "--request-log-max-mib",

@@ -63,7 +63,7 @@ class ServerConfig:
     structured_output: bool = False  # enforce JSON response formats with a grammar
     unconstrained_response_format: bool = False  # without it: generate JSON-format requests unconstrained
     log_stats_interval_ms: int = 5000  # throughput record interval; 0: none
-    log_stats_panel: bool = False  # the statistics panel beneath the log, on an interactive terminal
+    log_stats_panel: bool = True  # the statistics panel beneath the log, on an interactive terminal
     request_log_jsonl: str | None = None  # the JSONL measurement log, appended
     request_log_max_mib: int = 0  # rotate the JSONL log at this size (0: one unbounded file)
     request_log_keep: int = 4  # rotated copies kept

@@ -74,7 +74,7 @@ async def handle_sleep(call: Call) -> None:
 
 async def handle_sse(call: Call) -> None:
     """One `data:` event per model status change, `: keep-alive` comments in between; runs until
-    the client disconnects."""
+    the client disconnects or the server stops."""
     pool = call.pool
     queue = pool.subscribe()
     keepalive = pool.config.keepalive_seconds
@@ -86,6 +86,9 @@ async def handle_sse(call: Call) -> None:
             except asyncio.TimeoutError:
                 await call.write(KEEPALIVE)
                 continue
+            if event is None:  # the server is stopping
+                await call.end()
+                return
             await call.write(sse_data(event))
     finally:
         pool.unsubscribe(queue)

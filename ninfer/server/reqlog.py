@@ -124,7 +124,7 @@ class RequestLog:
         """timings_seconds: prepare (arrival to submission), ttft (submission to the first token),
         prefill (admission to the first token), decode (first to last token), total (submission
         to the end); engine_timing.queue_wait_seconds: submission to admission."""
-        self.stats.done(final)
+        self.stats.done(final, model)
         u, t = final.usage, final.timings
         prompt, out, cached = (u.prompt_tokens, u.completion_tokens, u.cached_tokens) if u else (0, 0, 0)
         rates = ""

@@ -132,6 +132,7 @@ class ModelPool:
         self.ready = self.options.router  # a single-model server is ready once its model first loads
         self.on_engine_failure: Callable[[ModelSlot, str], None] | None = None
         self._changed = asyncio.Event() if _has_loop() else None
+        self.closing = False
         self._subscribers: set[asyncio.Queue] = set()
 
     # ---- lookup (the one place a request's model name is resolved) --------------------------
@@ -204,6 +205,8 @@ class ModelPool:
         deadline = time.monotonic() + ROOM_WAIT_SECONDS
         attempt: int | None = None  # the load this request waits on
         while True:
+            if self.closing:
+                raise _error("the server is stopping", 503, "service_unavailable", "service_unavailable", None)
             if slot.status == "loaded" and slot.state is not None:
                 return slot.state
             if slot.status == "unloaded":
@@ -392,6 +395,14 @@ class ModelPool:
 
     def unsubscribe(self, queue: asyncio.Queue) -> None:
         self._subscribers.discard(queue)
+
+    def close(self) -> None:
+        """At stop: requests waiting for a model end with 503 and every /models/sse stream ends
+        (a None tells its handler to finish); no model loads any more."""
+        self.closing = True
+        for queue in self._subscribers:
+            queue.put_nowait(None)
+        self._notify()
 
     def status_event(self, slot: ModelSlot) -> dict[str, Any]:
         data: dict[str, Any] = {"status": slot.status}

@@ -230,10 +230,11 @@ async def _serve(config: ServerConfig, models: list[ModelSpec], options: PoolOpt
         tasks.append(asyncio.ensure_future(pool.watch()))
         if config.log_stats_interval_ms:
             tasks.append(asyncio.ensure_future(_report_throughput(pool, config.log_stats_interval_ms / 1e3)))
-        with _panel(pool):
+        async with _panel(pool, on_interrupt):
             await stop.wait()
         for task in tasks:
             task.cancel()
+        pool.close()
         await pool.unload_all()
         announce("server stopped")
         return outcome["code"]
@@ -254,22 +255,20 @@ def _abandon_start_up(reqlog: RequestLog, announce: Callable[[str], None]) -> No
     os._exit(ExitCode.INTERRUPTED)
 
 
-def _panel(pool: ModelPool) -> contextlib.AbstractContextManager:
-    """The statistics panel when asked for, on an interactive stderr, at info verbosity or more."""
+def _panel(pool: ModelPool, on_interrupt: Callable[[], None]) -> contextlib.AbstractAsyncContextManager:
+    """The Textual statistics panel when on (the default), on an interactive stderr, at info
+    verbosity or more; redirected output gets plain records and no control sequences."""
     config = pool.config
     if not (config.log_stats_panel and sys.stderr.isatty() and config.log_level in ("trace", "debug", "info")):
-        if config.log_stats_panel:
-            log.info("--log-stats-panel on: no panel (stderr is not an interactive terminal, or --log-level "
-                     "is above info)")
         return contextlib.nullcontext()
-    from ninfer.server.panel import StatsPanel
+    from ninfer.cli.panel import stats_panel
 
     def gauges() -> tuple[int, int]:
         snaps = [s.state.loaded.engine.snapshot() for s in pool.slots.values()
                  if s.state is not None and s.state.loaded is not None]
         return sum(s.running for s in snaps), sum(s.waiting for s in snaps)
 
-    return StatsPanel(pool.reqlog.stats, gauges)
+    return stats_panel(pool.reqlog.stats, gauges, on_interrupt)
 
 
 async def _report_throughput(pool: ModelPool, interval: float) -> None:
