@@ -18,6 +18,28 @@ class FakeEngine:
     def __init__(self) -> None:
         self.failed: str | None = None
         self.stopped = False
+        from ninfer.engine.suspend import Residency
+        self.residency = Residency(releasable_bytes=100)
+
+    def suspend(self):
+        import concurrent.futures
+
+        from ninfer.engine.suspend import MemoryMove
+        self.residency.state, self.residency.last_suspend = "suspended", MemoryMove(0.0, 10, 90, 0)
+        self.residency.suspends += 1
+        future = concurrent.futures.Future()
+        future.set_result(self.residency)
+        return future
+
+    def resume(self):
+        import concurrent.futures
+
+        from ninfer.engine.suspend import MemoryMove
+        self.residency.state, self.residency.last_resume = "resident", MemoryMove(0.0, 10, 90, 90)
+        self.residency.resumes += 1
+        future = concurrent.futures.Future()
+        future.set_result(self.residency)
+        return future
 
     def snapshot(self) -> SimpleNamespace:
         return SimpleNamespace(max_concurrency=1, max_pending_requests=4, kv_capacity_tokens=1024, running=0, waiting=0)
@@ -36,7 +58,7 @@ class Loads:
         self.fail: set[str] = set()
         self.gate: dict[str, threading.Event] = {}
 
-    def spec(self, name: str, aliases: tuple[str, ...] = ()) -> ModelSpec:
+    def spec(self, name: str, aliases: tuple[str, ...] = (), suspend: bool = False) -> ModelSpec:
         def load():
             self.started.append(name)
             if name in self.gate:
@@ -48,7 +70,7 @@ class Loads:
             facts = SimpleNamespace(sampler_presets={}, path=f"/m/{name}.ninfer", logits_size=8, max_context=512)
             loaded = SimpleNamespace(engine=engine, facts=facts, model_id=name, backend="torch", device="cpu",
                                      max_context=512, tokenizer=None)
-            return loaded, ServerConfig()
+            return loaded, ServerConfig(model_suspend=suspend)
         return ModelSpec(name=name, path=f"/m/{name}.ninfer", aliases=aliases, load=load)
 
 
@@ -226,5 +248,53 @@ def test_idle_models_unload_after_unload_idle_seconds_and_use_is_only_requests()
         pool.release(a)
         pool.check(now=a.last_used + 5)
         assert a.status == "loaded"
+
+    asyncio.run(main())
+
+
+def test_models_max_puts_a_suspending_model_to_sleep_and_wakes_it() -> None:
+    async def main() -> None:
+        loads = Loads()
+        pool = ModelPool(ServerConfig(), [loads.spec("a", suspend=True), loads.spec("b")],
+                         PoolOptions(router=True, models_max=1))
+        a, b = pool.find("a"), pool.find("b")
+        await pool.acquire(a)
+        pool.release(a)
+        events = pool.subscribe()
+        await pool.acquire(b)  # a sleeps (keeps its Engine) instead of unloading
+        pool.release(b)
+        assert a.status == "sleeping" and not loads.engines["a"][0].stopped
+        assert loads.engines["a"][0].residency.state == "suspended"
+        state = await pool.acquire(a)  # wakes a: b (no --model-suspend) is unloaded for the room
+        pool.release(a)
+        assert state.loaded.engine is loads.engines["a"][0] and loads.started.count("a") == 1
+        assert a.status == "loaded" and b.status == "unloaded"
+        seen = [(e["model"], e["data"]["status"]) for e in [events.get_nowait() for _ in range(events.qsize())]]
+        assert ("a", "sleeping") in seen and seen[-1] == ("a", "loaded")
+        assert pool.residency(a)["state"] == "resident" and pool.residency(a)["resume_count"] == 1
+        with pytest.raises(RequestError) as e:
+            await pool.sleep(b)
+        assert e.value.code == "model_not_loaded"
+        await pool.acquire(a)
+        with pytest.raises(RequestError) as e:
+            await pool.sleep(a)
+        assert (e.value.status, e.value.code) == (409, "model_busy")
+        pool.release(a)
+
+    asyncio.run(main())
+
+
+def test_sleep_idle_seconds_puts_an_idle_suspending_model_to_sleep() -> None:
+    async def main() -> None:
+        loads = Loads()
+        pool = ModelPool(ServerConfig(), [loads.spec("a", suspend=True), loads.spec("b")],
+                         PoolOptions(router=True, models_max=0, sleep_idle_seconds=5))
+        a, b = pool.find("a"), pool.find("b")
+        for slot in (a, b):
+            await pool.acquire(slot)
+            pool.release(slot)
+        pool.check(now=max(a.last_used, b.last_used) + 6)
+        await asyncio.sleep(0.05)
+        assert a.status == "sleeping" and b.status == "loaded"  # b cannot sleep: no --model-suspend
 
     asyncio.run(main())

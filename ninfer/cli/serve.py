@@ -126,17 +126,19 @@ def serve(
     sleep_idle_seconds: float = typer.Option(0, "--sleep-idle-seconds",
                                              help="Put a model idle this long to sleep (needs --model-suspend)."),
     model_suspend: bool = typer.Option(False, "--model-suspend",
-                                       help="Let an idle model give its device memory back (not supported yet)."),
+                                       help="Let an idle model give its memory back (suspend, sleep; torch backend)."),
+    no_auto_resume: bool = typer.Option(False, "--no-auto-resume",
+                                        help="A request to a suspended model fails with 503 instead of resuming it."),
 ) -> None:
     prepare_threads(threads, backend, announce=False)  # before torch loads; the engine logs the choice
     from ninfer.server.router import ModelSpec, PoolOptions
     from ninfer.server.runner import serve_forever
 
-    if model_suspend or sleep_idle_seconds:
-        raise ConfigError("--model-suspend and --sleep-idle-seconds are not supported by this build yet "
-                          "(--unload-idle-seconds unloads an idle model instead)")
     options = PoolOptions(router=bool(models_dir or models_preset), models_max=models_max,
-                          autoload=models_autoload, unload_idle_seconds=unload_idle_seconds)
+                          autoload=models_autoload, unload_idle_seconds=unload_idle_seconds,
+                          sleep_idle_seconds=sleep_idle_seconds)
+    if sleep_idle_seconds and not options.router and not model_suspend:
+        raise ConfigError("--sleep-idle-seconds needs --model-suspend")
     config, load = model_setup(ctx.params)
     if options.router:
         from ninfer.cli.router import router_models
@@ -199,7 +201,8 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
                           log_level=p["log_level"], default_max_tokens=p["default_max_tokens"], sampler=sampler,
                           structured_output=p["structured_output"], log_stats_interval_ms=p["log_stats_interval_ms"],
                           request_log_jsonl=p["request_log_jsonl"], request_log_max_mib=p["request_log_max_mib"],
-                          request_log_keep=p["request_log_keep"],
+                          request_log_keep=p["request_log_keep"], model_suspend=p["model_suspend"],
+                          auto_resume=not p["no_auto_resume"],
                           log_stats_panel=_on_off(p["log_stats_panel"], "--log-stats-panel"),
                           unconstrained_response_format=p["unconstrained_response_format"], model_path=p["model"] or "",
                           no_thinking=p["no_thinking"], preserve_thinking=p["preserve_thinking"],

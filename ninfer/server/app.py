@@ -66,10 +66,13 @@ USE_ROUTES = {
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
     ("POST", "/v1/responses/input_tokens"), ("POST", "/v1/responses/compact"),
 }
+HOST_ROUTES = {("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template")}  # never wake a model
 PEEK_ROUTES = {("GET", "/props"), ("GET", "/v1/load"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/slots")}
 # routes that need no request body (GET) on the stats port
 STATS_ROUTES = {("GET", "/health"), ("GET", "/stats"), ("GET", "/v1/load"), ("GET", "/metrics")}
 _MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
+_MODEL_ACTION = re.compile(r"^/v1/models/([^/]+)/(suspend|resume|residency)$")
+_MODEL_ACTION_METHODS = {"suspend": "POST", "resume": "POST", "residency": "GET"}
 # /v1/responses/{id}[/input_items|/cancel] -> the methods each answers
 _RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]+)(?:/(input_items|cancel))?$")
 _RESPONSE_METHODS = {None: ("GET", "DELETE"), "input_items": ("GET",), "cancel": ("POST",)}
@@ -210,7 +213,7 @@ class App:
 
         async def bound(call: Call) -> None:
             slot = pool.resolve(requested_model(call) if pool.router else None)
-            call.state = await pool.acquire(slot, _autoload(call))
+            call.state = await pool.acquire(slot, _autoload(call), wake=key not in HOST_ROUTES)
             try:
                 await handler(call)
             finally:
@@ -260,15 +263,19 @@ class App:
         handler = ROUTES.get((method, path))
         if handler is not None:
             return handler
+        a = _MODEL_ACTION.match(path)
+        if a and method == _MODEL_ACTION_METHODS[a.group(2)]:
+            call.extra["model_id"], call.extra["action"] = a.group(1), a.group(2)
+            return models_api.handle_model_action
         m = _MODEL_PATH.match(path)
-        if m and method == "GET":
+        if a is None and m and method == "GET":
             call.extra["model_id"] = m.group(1)
             return ops.handle_model
         r = _RESPONSE_PATH.match(path)
         if r and method in _RESPONSE_METHODS[r.group(2)]:
             call.extra["response_id"], call.extra["action"] = r.group(1), r.group(2)
             return responses.handle_resource
-        if any(p == path for _, p in ROUTES) or m or r:
+        if any(p == path for _, p in ROUTES) or a or m or r:
             raise RequestError(f"method {method} is not allowed on {path}", status=405,
                                code="method_not_allowed")
         raise RequestError(f"no route for {method} {path}", status=404, code="not_found")

@@ -67,6 +67,8 @@ class ServerConfig:
     request_log_jsonl: str | None = None  # the JSONL measurement log, appended
     request_log_max_mib: int = 0  # rotate the JSONL log at this size (0: one unbounded file)
     request_log_keep: int = 4  # rotated copies kept
+    model_suspend: bool = False  # the model may give its memory back while idle (suspend, sleep)
+    auto_resume: bool = True  # a request to a suspended model resumes it (else 503)
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
     no_thinking: bool = False  # requests that do not decide start without thinking

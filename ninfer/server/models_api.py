@@ -64,12 +64,32 @@ async def handle_unload(call: Call) -> None:
 
 
 async def handle_sleep(call: Call) -> None:
+    """Put an idle model to sleep (--model-suspend); 409 model_busy while it has requests."""
     slot = _slot(call)
-    if slot.busy:
-        raise RequestError(f"the model {slot.name!r} has requests in flight", status=409, param="model",
-                           code="model_busy")
-    raise RequestError("sleep needs --model-suspend, which this build does not support yet: use "
-                       "POST /models/unload", param="model", code="model_suspend_not_supported")
+    await call.pool.sleep(slot)
+    await call.respond(200, {"success": True, "model": slot.name, "status": slot.status})
+
+
+async def handle_model_action(call: Call) -> None:
+    """POST /v1/models/{id}/suspend ({"auto_resume": bool}), POST .../resume, GET .../residency:
+    each answers with the residency object."""
+    pool = call.pool
+    slot = pool.find(call.extra["model_id"])
+    if slot is None:
+        raise RequestError(f"The model {call.extra['model_id']!r} does not exist", status=404, param="model",
+                           code="model_not_found")
+    action = call.extra["action"]
+    if action == "suspend":
+        body = call.json() if call.body.strip() else {}
+        auto_resume = body.get("auto_resume")
+        if auto_resume is not None and not isinstance(auto_resume, bool):
+            raise RequestError("auto_resume must be a boolean", param="auto_resume", code="invalid_value")
+        report = await pool.sleep(slot, auto_resume)
+    elif action == "resume":
+        report = await pool.wake(slot)
+    else:
+        report = pool.residency(slot)
+    await call.respond(200, report)
 
 
 async def handle_sse(call: Call) -> None:

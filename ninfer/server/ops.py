@@ -33,6 +33,9 @@ API_INDEX = (
     ("POST", "/models/load", "load a model, or wake it"),
     ("POST", "/models/unload", "unload a model once its requests have finished"),
     ("POST", "/models/sleep", "put an idle model to sleep (--model-suspend)"),
+    ("POST", "/v1/models/{id}/suspend", "give an idle model's memory back (--model-suspend)"),
+    ("POST", "/v1/models/{id}/resume", "take it again"),
+    ("GET", "/v1/models/{id}/residency", "resident or suspended, and what a suspend moves"),
     ("GET", "/models/sse", "one server-sent event per model status change"),
     ("POST", "/v1/chat/completions", "OpenAI-style chat generation"),
     ("POST", "/v1/completions", "OpenAI legacy completion of a raw prompt"),
@@ -53,6 +56,9 @@ async def handle_health(call: Call) -> None:
         if failed:
             raise RequestError(f"the engine failed: {failed}", status=503, code="service_unavailable",
                                type="service_unavailable")
+        if slot.status == "sleeping" and not slot.auto_resume:
+            raise RequestError("the model is suspended and auto_resume is off: POST /v1/models/{id}/resume",
+                               status=503, code="model_suspended", type="service_unavailable")
     await call.respond(200, {"status": "ok", "version": version_string()})
 
 

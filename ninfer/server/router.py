@@ -77,6 +77,8 @@ class ModelSlot:
     loads: int = 0
     unloads: int = 0
     unload_task: asyncio.Future | None = field(default=None, repr=False)
+    wake_task: asyncio.Future | None = field(default=None, repr=False)
+    auto_resume: bool = True  # as the last suspend set it
 
     @property
     def name(self) -> str:
@@ -183,13 +185,18 @@ class ModelPool:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    async def acquire(self, slot: ModelSlot, autoload: bool | None = None) -> ServerState:
-        """Hold `slot` for one request, loading it first (making room under --models-max) when
-        allowed. Raises 503 model_not_loaded (no autoload), model_load_failed, or 503 after
-        ROOM_WAIT_SECONDS without room. Pair with `release`."""
+    async def acquire(self, slot: ModelSlot, autoload: bool | None = None, wake: bool = True) -> ServerState:
+        """Hold `slot` for one request, loading or waking it first (making room under --models-max)
+        when allowed; `wake` False runs on a sleeping model as it is (host-only work: tokenize).
+        Raises 503 model_not_loaded (no autoload), model_suspended (no auto-resume),
+        model_load_failed, or 503 after ROOM_WAIT_SECONDS without room. Pair with `release`."""
         slot.waiting += 1
         try:
-            state = await self._until_loaded(slot, self.options.autoload if autoload is None else autoload)
+            if not wake and slot.status == "sleeping" and slot.state is not None:
+                state = slot.state
+            else:
+                state = await self._until_loaded(slot, self.options.autoload if autoload is None else autoload,
+                                                 request=True)
         finally:
             slot.waiting -= 1
         slot.running += 1
@@ -201,7 +208,7 @@ class ModelPool:
         slot.last_used = time.monotonic()
         self._notify()
 
-    async def _until_loaded(self, slot: ModelSlot, autoload: bool) -> ServerState:
+    async def _until_loaded(self, slot: ModelSlot, autoload: bool, request: bool = False) -> ServerState:
         deadline = time.monotonic() + ROOM_WAIT_SECONDS
         attempt: int | None = None  # the load this request waits on
         while True:
@@ -209,6 +216,17 @@ class ModelPool:
                 raise _error("the server is stopping", 503, "service_unavailable", "service_unavailable", None)
             if slot.status == "loaded" and slot.state is not None:
                 return slot.state
+            if slot.status == "sleeping" and (slot.wake_task is None or slot.wake_task.done()):
+                if request and not slot.auto_resume:
+                    raise _error(f"the model {slot.name!r} is suspended and auto_resume is off: resume it first",
+                                 503, "model_suspended", "service_unavailable")
+                if not autoload:
+                    raise _error(f"the model {slot.name!r} is asleep and autoload is off: POST /models/load "
+                                 "first, or send ?autoload=1", 503, "model_not_loaded", "service_unavailable")
+                if self._make_room(slot):
+                    slot.wake_task = asyncio.ensure_future(self._wake(slot))
+                    await asyncio.shield(slot.wake_task)  # a failed resume raises to the waiters
+                    continue
             if slot.status == "unloaded":
                 if attempt is not None and slot.attempts == attempt and slot.failed:
                     raise _error(f"the model {slot.name!r} failed to load: {slot.error}", 503, "model_load_failed",
@@ -223,6 +241,7 @@ class ModelPool:
             await self._wait_change(deadline, slot)
 
     def _occupied(self, exclude: ModelSlot) -> int:
+        """Models holding (or about to hold) their memory; a sleeping one gave it back."""
         return sum(1 for s in self.slots.values() if s is not exclude and s.status in ("loading", "loaded", "unloading"))
 
     def _make_room(self, slot: ModelSlot) -> bool:
@@ -237,6 +256,11 @@ class ModelPool:
         idle = [s for s in self.slots.values() if s is not slot and s.status == "loaded" and not s.busy]
         if idle:
             victim = min(idle, key=lambda s: s.last_used)
+            if victim.state is not None and victim.state.config.model_suspend:
+                log.info("putting model %s to sleep to make room for %s (--models-max %d)", victim.name, slot.name,
+                         limit)
+                self.start_sleep(victim)
+                return self._occupied(slot) < limit
             log.info("unloading model %s to make room for %s (--models-max %d)", victim.name, slot.name, limit)
             self.start_unload(victim)
         return False
@@ -341,6 +365,73 @@ class ModelPool:
         log.info("model %s unloaded", slot.name)
         self._publish(slot)
 
+    # ---- sleep (--model-suspend): the Engine gives its memory back and keeps its state --------
+
+    def start_sleep(self, slot: ModelSlot, auto_resume: bool | None = None) -> asyncio.Future:
+        """Put an idle loaded model to sleep: status sleeping at once (it no longer counts toward
+        --models-max); the suspend itself runs on its Engine's worker. A suspend that fails
+        (a request arrived first) leaves it loaded."""
+        slot.status = "sleeping"
+        slot.auto_resume = slot.state.config.auto_resume if auto_resume is None else auto_resume
+        self._publish(slot)
+        return asyncio.ensure_future(self._sleep(slot))
+
+    async def _sleep(self, slot: ModelSlot) -> dict[str, Any]:
+        engine = slot.state.loaded.engine
+        try:
+            residency = await asyncio.wrap_future(engine.suspend())
+        except BaseException:
+            if slot.status == "sleeping":
+                slot.status = "loaded"
+                self._publish(slot)
+            raise
+        log.info("model %s asleep: %.2f s, %d bytes of state kept", slot.name,
+                 residency.last_suspend.seconds, residency.host_snapshot_bytes)
+        return residency.to_dict()
+
+    async def sleep(self, slot: ModelSlot, auto_resume: bool | None = None) -> dict[str, Any]:
+        """POST /models/sleep, POST /v1/models/{id}/suspend: 409 model_busy with requests in flight."""
+        if slot.status == "sleeping" and slot.state is not None:
+            if auto_resume is not None:
+                slot.auto_resume = auto_resume
+            return self.residency(slot)
+        if slot.status != "loaded" or slot.state is None:
+            raise _error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
+                         "service_unavailable")
+        if not slot.state.config.model_suspend:
+            raise _error(f"the model {slot.name!r} was not started with --model-suspend", 400,
+                         "model_suspend_disabled")
+        if slot.busy:
+            raise _error(f"the model {slot.name!r} has requests in flight", 409, "model_busy")
+        await self.start_sleep(slot, auto_resume)
+        return self.residency(slot)
+
+    async def wake(self, slot: ModelSlot) -> dict[str, Any]:
+        """POST /v1/models/{id}/resume (and /models/load of a sleeping model)."""
+        if slot.status == "sleeping":
+            slot.waiting += 1
+            try:
+                await self._until_loaded(slot, True)
+            finally:
+                slot.waiting -= 1
+        return self.residency(slot)
+
+    async def _wake(self, slot: ModelSlot) -> None:
+        engine = slot.state.loaded.engine
+        residency = await asyncio.wrap_future(engine.resume())  # a failure stays asleep, last_error set
+        slot.status = "loaded"
+        slot.last_used = time.monotonic()
+        log.info("model %s awake: %.2f s", slot.name, residency.last_resume.seconds)
+        self._publish(slot)
+
+    def residency(self, slot: ModelSlot) -> dict[str, Any]:
+        """GET /v1/models/{id}/residency (a loaded or sleeping model)."""
+        if slot.state is None or slot.state.loaded is None:
+            raise _error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
+                         "service_unavailable")
+        return {"model": slot.name, "auto_resume": slot.auto_resume,
+                **slot.state.loaded.engine.residency.to_dict()}
+
     async def unload_all(self) -> None:
         """At stop: shut every loaded Engine down (requests still running end with 503)."""
         for slot in self.slots.values():
@@ -382,9 +473,21 @@ class ModelPool:
                 else:
                     self.start_unload(slot)
                 continue
+            sleep_limit = self.options.sleep_idle_seconds
+            if sleep_limit and slot.state.config.model_suspend and not slot.busy \
+                    and now - slot.last_used >= sleep_limit:
+                log.info("model %s idle for %.0f s: going to sleep (--sleep-idle-seconds)", slot.name, sleep_limit)
+                asyncio.ensure_future(self._sleep_quietly(slot))
+                continue
             if idle_limit and not slot.busy and now - slot.last_used >= idle_limit:
                 log.info("model %s idle for %.0f s: unloading (--unload-idle-seconds)", slot.name, idle_limit)
                 self.start_unload(slot)
+
+    async def _sleep_quietly(self, slot: ModelSlot) -> None:
+        try:
+            await self.start_sleep(slot)
+        except Exception as e:  # noqa: BLE001 - a request came first: it stays awake
+            log.info("model %s stays awake: %s", slot.name, e)
 
     # ---- status reports and the /models/sse feed -----------------------------------------------
 

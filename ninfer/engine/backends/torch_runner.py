@@ -79,6 +79,7 @@ class TorchModelRunner:
                               f"{c.architecture} artifact has none")
         if mtp_draft_tokens >= page_size:
             raise ConfigError(f"--draft-tokens {mtp_draft_tokens} must be below the page size {page_size}")
+        self._artifact, self._pack = artifact, pack  # what a resume after a suspend reads again
         with torch.inference_mode():
             self.ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=pack)
             reader = WeightReader(artifact, self.ops, self.device)
@@ -91,6 +92,56 @@ class TorchModelRunner:
         self.mtp_draft_tokens = mtp_draft_tokens
         self._verify_states: RecurrentStates | None = None  # the last forward's per-token states of verify rows
         self._verify_rows: dict[int, int] = {}  # seq_id -> its first flat row in the last forward
+
+    # ---- suspend (engine/suspend.py): give the memory back, take it again ---------------------
+
+    def resident_bytes(self) -> int:
+        """Bytes a suspend releases: weights, the KV pool and the state pool."""
+        return _tensor_bytes((self.model, self.ops, self.kv.k, self.kv.v,
+                              (self.states.conv, self.states.ssm) if self.states is not None else ()))
+
+    @torch.inference_mode()
+    def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
+        """Copy the live KV pages and state slots to host memory, then drop the weights and the pools.
+        -> (snapshot, its bytes, weight bytes released)."""
+        if self.mtp is not None:
+            from ninfer.engine.errors import SuspendNotSupported
+            raise SuspendNotSupported("--model-suspend is not supported with --spec mtp yet")
+        host = torch.device("cpu")
+        page_ids = torch.tensor(pages, dtype=torch.long, device=self.device)
+        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
+        snapshot = {"pages": pages, "slots": slots,
+                    "k": [t.index_select(0, page_ids).to(host, copy=True) for t in self.kv.k],
+                    "v": [t.index_select(0, page_ids).to(host, copy=True) for t in self.kv.v],
+                    "conv": [t.index_select(0, slot_ids).to(host, copy=True) for t in self.states.conv]
+                    if self.states is not None else [],
+                    "ssm": [t.index_select(0, slot_ids).to(host, copy=True) for t in self.states.ssm]
+                    if self.states is not None else []}
+        state_bytes = sum(t.numel() * t.element_size() for key in ("k", "v", "conv", "ssm") for t in snapshot[key])
+        weight_bytes = _tensor_bytes((self.model, self.ops))
+        self.model = self.ops = self.kv = self.states = None  # type: ignore[assignment]
+        _release(self.device)
+        return snapshot, state_bytes, weight_bytes
+
+    @torch.inference_mode()
+    def restore_memory(self, snapshot: dict) -> tuple[int, int, int]:
+        """Read the weights again, allocate the pools and copy the snapshot back into the same page
+        and slot ids. -> (state bytes copied, weight bytes rebuilt, artifact bytes read)."""
+        c = self.config
+        ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=self._pack)
+        model = architecture(c).model.load(WeightReader(self._artifact, ops, self.device), c)
+        kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device)
+        states = self._states(self.num_state_slots)
+        page_ids = torch.tensor(snapshot["pages"], dtype=torch.long, device=self.device)
+        for cache, saved in zip((*kv.k, *kv.v), (*snapshot["k"], *snapshot["v"])):
+            cache.index_copy_(0, page_ids, saved.to(self.device))
+        if states is not None:
+            slot_ids = torch.tensor(snapshot["slots"], dtype=torch.long, device=self.device)
+            for t, saved in zip((*states.conv, *states.ssm), (*snapshot["conv"], *snapshot["ssm"])):
+                t.index_copy_(0, slot_ids, saved.to(self.device))
+        self.ops, self.model, self.kv, self.states = ops, model, kv, states
+        state_bytes = sum(t.numel() * t.element_size() for key in ("k", "v", "conv", "ssm") for t in snapshot[key])
+        return state_bytes, _tensor_bytes((model, ops)), getattr(self._artifact, "payload_bytes", 0)
 
     def _states(self, slots: int) -> RecurrentStates | None:
         return RecurrentStates(self.spec, slots, self.kv_dtype, self.device) if self.spec.recurrent else None
@@ -214,3 +265,38 @@ class TorchModelRunner:
                 return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
             hidden = hidden[rows] if len(rows) < hidden.shape[0] else hidden
         return self.model.compute_logits(self.ops, hidden)
+
+
+def _tensor_bytes(root: object) -> int:
+    """Bytes of the distinct tensor storages reachable from `root` (objects, lists, dicts)."""
+    seen_storage: set[int] = set()
+    seen: set[int] = set()
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if obj is None or isinstance(obj, (str, bytes, int, float, bool)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen_storage:
+                seen_storage.add(storage.data_ptr())
+                total += storage.nbytes()
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for name in getattr(type(obj), "__slots__", ()):
+                stack.append(getattr(obj, name, None))
+    return total
+
+
+def _release(device: torch.device) -> None:
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
