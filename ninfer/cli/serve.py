@@ -6,6 +6,7 @@ then hands over to ninfer.server.runner, which binds first and loads the model b
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, Optional
@@ -215,11 +216,17 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
         if not Path(p["chat_template"]).expanduser().is_file():
             raise ConfigError(f"--chat-template {p['chat_template']!r}: no such file")
 
+    fault = os.environ.get("NINFER_INJECT_ENGINE_FAULT")  # tests of exit status 2 (engine/fault.py)
+
     def load():
         from ninfer.engine.loader import load_engine
-        return load_engine(p["model"], backend=p["backend"], scheduler=scheduler, kv_capacity=kv, device=p["device"],
-                           chat_template=p["chat_template"], cuda_graph=not p["no_cuda_graph"], dtype=p["dtype"], rope=rope,
-                           spec=spec_config, threads=p["threads"] or None, device_profile=profile)
+        loaded = load_engine(p["model"], backend=p["backend"], scheduler=scheduler, kv_capacity=kv, device=p["device"],
+                             chat_template=p["chat_template"], cuda_graph=not p["no_cuda_graph"], dtype=p["dtype"],
+                             rope=rope, spec=spec_config, threads=p["threads"] or None, device_profile=profile)
+        if fault:
+            from ninfer.engine.fault import fail_after_batches
+            fail_after_batches(loaded.engine, int(fault))
+        return loaded
 
     return config, load
 
