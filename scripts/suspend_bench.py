@@ -1,7 +1,7 @@
-"""Suspend / resume of the default model on the torch backend: durations, bytes moved, and the
+"""Suspend / resume of a model (default: the default model) on the torch or cuda backend: durations, bytes moved, and the
 process's resident memory before a suspend, while suspended and after the resume (docs/PERF.md).
 
-    python scripts/suspend_bench.py [MODEL] [--cycles 3] [--device cpu|cuda]
+    python scripts/suspend_bench.py [MODEL] [--cycles 3] [--backend torch|cuda]
 """
 from __future__ import annotations
 

@@ -113,3 +113,36 @@ def resume(engine: Engine) -> Residency:
     with engine._cv:
         r.state, r.resumes, r.last_error = "resident", r.resumes + 1, None
     return r
+
+
+def take_snapshot(caches: dict[str, list[Any]], pages: list[int], slots: list[int], device: Any) -> dict[str, Any]:
+    """Host copies of the live rows of a runner's caches: {"k": [...], "v": [...]} are paged by page
+    id, {"conv": [...], "ssm": [...]} by state slot. -> {"pages", "slots", name: [host tensors]}."""
+    import torch
+
+    host = torch.device("cpu")
+    index = {"pages": torch.tensor(pages, dtype=torch.long, device=device),
+             "slots": torch.tensor(slots, dtype=torch.long, device=device)}
+    snapshot: dict[str, Any] = {"pages": pages, "slots": slots}
+    for name, tensors in caches.items():
+        ids = index["pages"] if name in ("k", "v") else index["slots"]
+        snapshot[name] = [t.index_select(0, ids).to(host, copy=True) for t in tensors]
+    return snapshot
+
+
+def restore_snapshot(caches: dict[str, list[Any]], snapshot: dict[str, Any], device: Any) -> int:
+    """Copy a snapshot back into freshly allocated caches at the same page and slot ids. -> bytes."""
+    import torch
+
+    index = {"pages": torch.tensor(snapshot["pages"], dtype=torch.long, device=device),
+             "slots": torch.tensor(snapshot["slots"], dtype=torch.long, device=device)}
+    for name, tensors in caches.items():
+        ids = index["pages"] if name in ("k", "v") else index["slots"]
+        for t, saved in zip(tensors, snapshot[name]):
+            t.index_copy_(0, ids, saved.to(device))
+    return snapshot_bytes(snapshot)
+
+
+def snapshot_bytes(snapshot: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for name, ts in snapshot.items() if name not in ("pages", "slots")
+               for t in ts)

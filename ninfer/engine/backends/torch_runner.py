@@ -17,7 +17,9 @@ from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.torch_ops import KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
+from ninfer.engine.errors import SuspendNotSupported
 from ninfer.engine.speculative import sample_rows
+from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError, NInferError
 
 
@@ -97,31 +99,23 @@ class TorchModelRunner:
 
     def resident_bytes(self) -> int:
         """Bytes a suspend releases: weights, the KV pool and the state pool."""
-        return _tensor_bytes((self.model, self.ops, self.kv.k, self.kv.v,
+        return tensor_bytes((self.model, self.ops, self.kv.k, self.kv.v,
                               (self.states.conv, self.states.ssm) if self.states is not None else ()))
+
+    def _caches(self, kv: KVCache, states: RecurrentStates | None) -> dict[str, list[torch.Tensor]]:
+        return {"k": kv.k, "v": kv.v, **({"conv": states.conv, "ssm": states.ssm} if states is not None else {})}
 
     @torch.inference_mode()
     def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
         """Copy the live KV pages and state slots to host memory, then drop the weights and the pools.
         -> (snapshot, its bytes, weight bytes released)."""
         if self.mtp is not None:
-            from ninfer.engine.errors import SuspendNotSupported
             raise SuspendNotSupported("--model-suspend is not supported with --spec mtp yet")
-        host = torch.device("cpu")
-        page_ids = torch.tensor(pages, dtype=torch.long, device=self.device)
-        slot_ids = torch.tensor(slots, dtype=torch.long, device=self.device)
-        snapshot = {"pages": pages, "slots": slots,
-                    "k": [t.index_select(0, page_ids).to(host, copy=True) for t in self.kv.k],
-                    "v": [t.index_select(0, page_ids).to(host, copy=True) for t in self.kv.v],
-                    "conv": [t.index_select(0, slot_ids).to(host, copy=True) for t in self.states.conv]
-                    if self.states is not None else [],
-                    "ssm": [t.index_select(0, slot_ids).to(host, copy=True) for t in self.states.ssm]
-                    if self.states is not None else []}
-        state_bytes = sum(t.numel() * t.element_size() for key in ("k", "v", "conv", "ssm") for t in snapshot[key])
-        weight_bytes = _tensor_bytes((self.model, self.ops))
+        snapshot = take_snapshot(self._caches(self.kv, self.states), pages, slots, self.device)
+        weight_bytes = tensor_bytes((self.model, self.ops))
         self.model = self.ops = self.kv = self.states = None  # type: ignore[assignment]
-        _release(self.device)
-        return snapshot, state_bytes, weight_bytes
+        release_device_memory(self.device)
+        return snapshot, snapshot_bytes(snapshot), weight_bytes
 
     @torch.inference_mode()
     def restore_memory(self, snapshot: dict) -> tuple[int, int, int]:
@@ -132,16 +126,9 @@ class TorchModelRunner:
         model = architecture(c).model.load(WeightReader(self._artifact, ops, self.device), c)
         kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device)
         states = self._states(self.num_state_slots)
-        page_ids = torch.tensor(snapshot["pages"], dtype=torch.long, device=self.device)
-        for cache, saved in zip((*kv.k, *kv.v), (*snapshot["k"], *snapshot["v"])):
-            cache.index_copy_(0, page_ids, saved.to(self.device))
-        if states is not None:
-            slot_ids = torch.tensor(snapshot["slots"], dtype=torch.long, device=self.device)
-            for t, saved in zip((*states.conv, *states.ssm), (*snapshot["conv"], *snapshot["ssm"])):
-                t.index_copy_(0, slot_ids, saved.to(self.device))
+        state_bytes = restore_snapshot(self._caches(kv, states), snapshot, self.device)
         self.ops, self.model, self.kv, self.states = ops, model, kv, states
-        state_bytes = sum(t.numel() * t.element_size() for key in ("k", "v", "conv", "ssm") for t in snapshot[key])
-        return state_bytes, _tensor_bytes((model, ops)), getattr(self._artifact, "payload_bytes", 0)
+        return state_bytes, tensor_bytes((model, ops)), getattr(self._artifact, "payload_bytes", 0)
 
     def _states(self, slots: int) -> RecurrentStates | None:
         return RecurrentStates(self.spec, slots, self.kv_dtype, self.device) if self.spec.recurrent else None
@@ -267,7 +254,7 @@ class TorchModelRunner:
         return self.model.compute_logits(self.ops, hidden)
 
 
-def _tensor_bytes(root: object) -> int:
+def tensor_bytes(root: object) -> int:
     """Bytes of the distinct tensor storages reachable from `root` (objects, lists, dicts)."""
     seen_storage: set[int] = set()
     seen: set[int] = set()
@@ -295,7 +282,7 @@ def _tensor_bytes(root: object) -> int:
     return total
 
 
-def _release(device: torch.device) -> None:
+def release_device_memory(device: torch.device) -> None:
     """Collect the dropped tensors and give their memory back: the CUDA cache on a GPU; on the host,
     glibc's free lists (freed arenas otherwise stay in the process's resident set)."""
     import ctypes
