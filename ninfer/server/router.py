@@ -338,7 +338,9 @@ class ModelPool:
                                  device=loaded.device, max_context=loaded.max_context,
                                  max_concurrency=snap.max_concurrency, max_pending_requests=snap.max_pending_requests,
                                  kv_capacity_tokens=snap.kv_capacity_tokens,
-                                 structured_output=state.config.structured_output)
+                                 structured_output=state.config.structured_output,
+                                 model_suspend=state.config.model_suspend,
+                                 serve_args=list(slot.spec.args))  # the API key's value never appears
 
     def start_unload(self, slot: ModelSlot) -> asyncio.Future:
         """Begin unloading `slot` (status unloading at once); its running requests finish first."""
