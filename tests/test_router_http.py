@@ -186,7 +186,7 @@ def test_load_unload_routes_and_the_status_feed(router: Router) -> None:
     r = httpx.post(router.url + "/models/load", json={"model": "gamma"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = httpx.post(router.url + "/models/sleep", json={"model": other})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "model_suspend_not_supported"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_suspend_disabled"  # no --model-suspend
 
 
 def test_a_swap_never_cuts_a_request_in_flight(router: Router) -> None:

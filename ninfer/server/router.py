@@ -13,112 +13,22 @@ ones to finish.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ninfer.errors import ConfigError, NInferError, RequestError
+from ninfer.errors import NInferError, RequestError
 from ninfer.server.config import ServerConfig
+from ninfer.server.model_slot import (STATUSES, ModelSlot, ModelSpec, PoolOptions, free_memory,  # noqa: F401
+                                      has_loop, in_thread, model_error)
 from ninfer.server.reqlog import RequestLog
 from ninfer.server.response_store import ResponseStore
 from ninfer.server.state import ServerState
 
-if TYPE_CHECKING:
-    from ninfer.engine.loader import LoadedModel
-
 log = logging.getLogger("ninfer.server")
 ROOM_WAIT_SECONDS = 600.0  # a request that needs room waits this long for busy models (spec: ten minutes)
 WATCH_SECONDS = 1.0  # how often engine failures and idle timers are checked
-STATUSES = ("unloaded", "loading", "loaded", "sleeping", "unloading")
-
-
-@dataclass(slots=True)
-class ModelSpec:
-    """One model as configured: its names, where it comes from and how to start it."""
-
-    name: str
-    path: str  # as configured ("" for the default model)
-    load: Callable[[], tuple[LoadedModel, ServerConfig]]  # blocking: a started Engine and its config
-    aliases: tuple[str, ...] = ()
-    args: tuple[str, ...] = ()  # its serve arguments, as GET /models shows them
-    load_on_startup: bool = False
-
-
-@dataclass(slots=True)
-class PoolOptions:
-    router: bool = False  # a catalog (unknown names 404) rather than one model
-    models_max: int = 1  # most models loaded at once; 0: no limit
-    autoload: bool = True  # load a model a request names (?autoload= overrides per request)
-    unload_idle_seconds: float = 0.0  # 0: never
-    sleep_idle_seconds: float = 0.0  # 0: never (needs --model-suspend)
-
-    def __post_init__(self) -> None:
-        if self.models_max < 0:
-            raise ConfigError("--models-max must be >= 0 (0: no limit)")
-        if self.unload_idle_seconds < 0 or self.sleep_idle_seconds < 0:
-            raise ConfigError("--unload-idle-seconds and --sleep-idle-seconds must be >= 0")
-
-
-@dataclass(slots=True)
-class ModelSlot:
-    spec: ModelSpec
-    status: str = "unloaded"
-    state: ServerState | None = None  # while loaded
-    failed: bool = False  # the last load failed, or the Engine failed Engine-wide
-    error: str | None = None
-    attempts: int = 0  # loads started, so a waiter knows whether the one it waited for failed
-    running: int = 0  # requests holding the loaded state
-    waiting: int = 0  # requests waiting for it to load
-    last_used: float = 0.0  # monotonic time of the last request's start or end
-    loads: int = 0
-    unloads: int = 0
-    unload_task: asyncio.Future | None = field(default=None, repr=False)
-    wake_task: asyncio.Future | None = field(default=None, repr=False)
-    auto_resume: bool = True  # as the last suspend set it
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return (self.spec.name, *self.spec.aliases)
-
-    @property
-    def busy(self) -> bool:
-        return self.running > 0 or self.waiting > 0
-
-
-def _error(message: str, status: int, code: str, kind: str = "invalid_request_error",
-           param: str | None = "model") -> RequestError:
-    return RequestError(message, status=status, code=code, type=kind, param=param)
-
-
-def _in_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run `fn` on a daemon thread; the result (or exception) arrives on the running loop."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not future.done():
-            future.set_result(value) if ok else future.set_exception(value)
-
-    def run() -> None:
-        try:
-            value, ok = fn(), True
-        except BaseException as e:  # noqa: BLE001 - delivered to the awaiting coroutine
-            value, ok = e, False
-        try:
-            loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop closed while this ran (a stop during a load)
-            pass
-
-    threading.Thread(target=run, name="ninfer-model", daemon=True).start()
-    return future
 
 
 class ModelPool:
@@ -133,7 +43,7 @@ class ModelPool:
         self.slots: dict[str, ModelSlot] = {s.name: ModelSlot(s) for s in specs}
         self.ready = self.options.router  # a single-model server is ready once its model first loads
         self.on_engine_failure: Callable[[ModelSlot, str], None] | None = None
-        self._changed = asyncio.Event() if _has_loop() else None
+        self._changed = asyncio.Event() if has_loop() else None
         self.closing = False
         self._subscribers: set[asyncio.Queue] = set()
 
@@ -159,7 +69,7 @@ class ModelPool:
         if name:
             slot = self.find(name)
             if slot is None:
-                raise _error(f"The model {name!r} does not exist; GET /models lists the models of this server",
+                raise model_error(f"The model {name!r} does not exist; GET /models lists the models of this server",
                              404, "model_not_found")
             return slot
         loaded = [s for s in self.slots.values() if s.status in ("loaded", "sleeping")]
@@ -167,14 +77,14 @@ class ModelPool:
             return max(loaded, key=lambda s: s.last_used)
         if len(self.slots) == 1:
             return next(iter(self.slots.values()))
-        raise _error("no model is loaded: name one in model (GET /models lists them)", 400,
+        raise model_error("no model is loaded: name one in model (GET /models lists them)", 400,
                      "missing_required_parameter")
 
     def peek(self, name: str | None) -> ServerState:
         """The state of a loaded model for a read-only route; it neither loads nor counts as use."""
         slot = self.resolve(name)
         if slot.state is None:
-            raise _error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
+            raise model_error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
                          "service_unavailable")
         return slot.state
 
@@ -213,15 +123,15 @@ class ModelPool:
         attempt: int | None = None  # the load this request waits on
         while True:
             if self.closing:
-                raise _error("the server is stopping", 503, "service_unavailable", "service_unavailable", None)
+                raise model_error("the server is stopping", 503, "service_unavailable", "service_unavailable", None)
             if slot.status == "loaded" and slot.state is not None:
                 return slot.state
             if slot.status == "sleeping" and (slot.wake_task is None or slot.wake_task.done()):
                 if request and not slot.auto_resume:
-                    raise _error(f"the model {slot.name!r} is suspended and auto_resume is off: resume it first",
+                    raise model_error(f"the model {slot.name!r} is suspended and auto_resume is off: resume it first",
                                  503, "model_suspended", "service_unavailable")
                 if not autoload:
-                    raise _error(f"the model {slot.name!r} is asleep and autoload is off: POST /models/load "
+                    raise model_error(f"the model {slot.name!r} is asleep and autoload is off: POST /models/load "
                                  "first, or send ?autoload=1", 503, "model_not_loaded", "service_unavailable")
                 if self._make_room(slot):
                     slot.wake_task = asyncio.ensure_future(self._wake(slot))
@@ -229,10 +139,10 @@ class ModelPool:
                     continue
             if slot.status == "unloaded":
                 if attempt is not None and slot.attempts == attempt and slot.failed:
-                    raise _error(f"the model {slot.name!r} failed to load: {slot.error}", 503, "model_load_failed",
+                    raise model_error(f"the model {slot.name!r} failed to load: {slot.error}", 503, "model_load_failed",
                                  "service_unavailable")
                 if not autoload:
-                    raise _error(f"the model {slot.name!r} is not loaded and autoload is off: POST /models/load "
+                    raise model_error(f"the model {slot.name!r} is not loaded and autoload is off: POST /models/load "
                                  "first, or send ?autoload=1", 503, "model_not_loaded", "service_unavailable")
                 if self._make_room(slot):
                     self._start_load(slot)
@@ -269,7 +179,7 @@ class ModelPool:
         event = self._event()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise _error(f"no room to load the model {slot.name!r}: the loaded models stayed busy for "
+            raise model_error(f"no room to load the model {slot.name!r}: the loaded models stayed busy for "
                          f"{ROOM_WAIT_SECONDS:.0f} s", 503, "model_not_loaded", "service_unavailable")
         try:
             await asyncio.wait_for(event.wait(), timeout=min(remaining, WATCH_SECONDS))
@@ -297,7 +207,7 @@ class ModelPool:
         log.info("loading model %s%s", slot.name, f" from {slot.spec.path}" if slot.spec.path else "")
         t0 = time.monotonic()
         try:
-            state = await _in_thread(lambda: self._build_state(slot))
+            state = await in_thread(lambda: self._build_state(slot))
         except BaseException as e:  # noqa: BLE001 - a failed load is reported, the server goes on
             slot.status, slot.failed = "unloaded", True
             slot.error = str(e) if isinstance(e, NInferError) else f"{type(e).__name__}: {e}"
@@ -358,9 +268,9 @@ class ModelPool:
         if state is not None and state.loaded is not None:
             engine = state.loaded.engine
             state.loaded = None
-            await _in_thread(engine.shutdown)
+            await in_thread(engine.shutdown)
             del engine, state
-            await _in_thread(_free_memory)
+            await in_thread(free_memory)
         slot.status = "unloaded"
         slot.unloads += 1
         self.reqlog.forget_model(slot.name)
@@ -398,13 +308,13 @@ class ModelPool:
                 slot.auto_resume = auto_resume
             return self.residency(slot)
         if slot.status != "loaded" or slot.state is None:
-            raise _error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
+            raise model_error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
                          "service_unavailable")
         if not slot.state.config.model_suspend:
-            raise _error(f"the model {slot.name!r} was not started with --model-suspend", 400,
+            raise model_error(f"the model {slot.name!r} was not started with --model-suspend", 400,
                          "model_suspend_disabled")
         if slot.busy:
-            raise _error(f"the model {slot.name!r} has requests in flight", 409, "model_busy")
+            raise model_error(f"the model {slot.name!r} has requests in flight", 409, "model_busy")
         await self.start_sleep(slot, auto_resume)
         return self.residency(slot)
 
@@ -429,7 +339,7 @@ class ModelPool:
     def residency(self, slot: ModelSlot) -> dict[str, Any]:
         """GET /v1/models/{id}/residency (a loaded or sleeping model)."""
         if slot.state is None or slot.state.loaded is None:
-            raise _error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
+            raise model_error(f"the model {slot.name!r} is not loaded ({slot.status})", 503, "model_not_loaded",
                          "service_unavailable")
         return {"model": slot.name, "auto_resume": slot.auto_resume,
                 **slot.state.loaded.engine.residency.to_dict()}
@@ -438,7 +348,7 @@ class ModelPool:
         """At stop: shut every loaded Engine down (requests still running end with 503)."""
         for slot in self.slots.values():
             if slot.state is not None and slot.state.loaded is not None:
-                await _in_thread(slot.state.loaded.engine.shutdown)
+                await in_thread(slot.state.loaded.engine.shutdown)
 
     async def start_up(self) -> None:
         """Load the models marked load-on-startup (a single-model server's one model)."""
@@ -531,22 +441,3 @@ class ModelPool:
         event = self._event()
         self._changed = asyncio.Event()
         event.set()
-
-
-def _has_loop() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True
-
-
-def _free_memory() -> None:
-    """Give an unloaded model's memory back: collect its tensors, then the CUDA cache if any."""
-    gc.collect()
-    try:
-        import torch
-    except ImportError:
-        return
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
