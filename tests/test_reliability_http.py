@@ -122,7 +122,7 @@ def test_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
     from ninfer.errors import RequestError
     from ninfer.server import app as app_module
     from ninfer.server.config import ServerConfig
-    from ninfer.server.state import ServerState
+    from ninfer.server.router import ModelPool
 
     seen = []
     original = hmac.compare_digest
@@ -132,7 +132,7 @@ def test_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
         return original(a, b)
 
     monkeypatch.setattr(app_module.hmac, "compare_digest", compare)
-    application = app_module.App(ServerState(ServerConfig(api_key="k3y")))
+    application = app_module.App(ModelPool(ServerConfig(api_key="k3y"), []))
 
     class FakeCall:
         def __init__(self, headers: dict) -> None:

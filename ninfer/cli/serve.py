@@ -6,8 +6,10 @@ then hands over to ninfer.server.runner, which binds first and loads the model b
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import typer
 
@@ -32,6 +34,7 @@ def _kv_capacity(value: Optional[str]) -> int | str | None:
 
 
 def serve(
+    ctx: typer.Context,
     model: Optional[str] = typer.Argument(None, metavar="[MODEL]",
                                           help="A .ninfer file, a GGUF, a Hugging Face folder; default SmolLM2-135M-Instruct."),
     host: str = typer.Option("127.0.0.1", "--host", help="Listen address."),
@@ -65,10 +68,15 @@ def serve(
     log_level: str = typer.Option("info", "--log-level", help="trace|debug|info|warning|error|critical|off"),
     log_stats_interval_ms: int = typer.Option(5000, "--log-stats-interval-ms",
                                               help="Aggregate throughput record interval; 0 disables it."),
-    log_stats_panel: str = typer.Option("off", "--log-stats-panel",
-                                        help="on pins a session statistics panel beneath the log on an interactive terminal."),
+    log_stats_panel: str = typer.Option("on", "--log-stats-panel",
+                                        help="on|off. On (the default) pins the session statistics panel beneath "
+                                             "the log, only on an interactive terminal at info verbosity or more; "
+                                             "redirected output gets plain records."),
     request_log_jsonl: Optional[str] = typer.Option(None, "--request-log-jsonl",
                                                     help="Append full-precision server/request records to FILE."),
+    request_log_max_mib: int = typer.Option(0, "--request-log-max-mib",
+                                            help="Rotate the request log at N MiB: FILE.1 .. FILE.<keep> (0: never)."),
+    request_log_keep: int = typer.Option(4, "--request-log-keep", help="Rotated request logs kept; 0 keeps none."),
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Process-level temperature override."),
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Process-level top-p override."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Process-level top-k override (0..20; 0 is the top-20 cap)."),
@@ -107,68 +115,120 @@ def serve(
     threads: int = THREADS,
     device_profile: str = DEVICE_PROFILE,
     device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
+    models_dir: Optional[str] = typer.Option(None, "--models-dir",
+                                             help="Router: serve every model in DIR (with no MODEL argument)."),
+    models_preset: Optional[str] = typer.Option(None, "--models-preset",
+                                                help="Router: the models and their options in a llama.cpp preset INI."),
+    models_max: int = typer.Option(1, "--models-max", help="Router: most models loaded at once (0: no limit)."),
+    models_autoload: bool = typer.Option(True, "--models-autoload/--no-models-autoload",
+                                         help="Load a model a request names (?autoload=0|1 per request)."),
+    unload_idle_seconds: float = typer.Option(0, "--unload-idle-seconds",
+                                              help="Unload a model idle this long (0: never); it reloads on demand."),
+    sleep_idle_seconds: float = typer.Option(0, "--sleep-idle-seconds",
+                                             help="Put a model idle this long to sleep (needs --model-suspend)."),
+    model_suspend: bool = typer.Option(False, "--model-suspend",
+                                       help="Let an idle model give its memory back (suspend, sleep; torch backend)."),
+    no_auto_resume: bool = typer.Option(False, "--no-auto-resume",
+                                        help="A request to a suspended model fails with 503 instead of resuming it."),
 ) -> None:
     prepare_threads(threads, backend, announce=False)  # before torch loads; the engine logs the choice
+    from ninfer.server.router import ModelSpec, PoolOptions
+    from ninfer.server.runner import serve_forever
+
+    options = PoolOptions(router=bool(models_dir or models_preset), models_max=models_max,
+                          autoload=models_autoload, unload_idle_seconds=unload_idle_seconds,
+                          sleep_idle_seconds=sleep_idle_seconds)
+    if sleep_idle_seconds and not options.router and not model_suspend:
+        raise ConfigError("--sleep-idle-seconds needs --model-suspend")
+    config, load = model_setup(ctx.params)
+    if options.router:
+        from ninfer.cli.router import router_models
+
+        if model is not None:
+            raise ConfigError("a router (--models-dir / --models-preset) takes no MODEL argument")
+        if model_id is not None:
+            raise ConfigError("--model-id names a single model; a router's models are named by their file, "
+                              "folder or preset section (alias = ... adds names)")
+        specs = router_models(ctx, models_dir, models_preset, model_setup)
+    else:
+        from ninfer.cli.router import explicit_argv
+
+        specs = [ModelSpec(name=config.model_id or "", path=model or "", load=lambda: (load(), config),
+                           args=tuple(explicit_argv(ctx)), load_on_startup=True)]
+    level = {"trace": logging.DEBUG, "off": logging.CRITICAL + 10}.get(log_level, getattr(logging, log_level.upper()))
+    logging.basicConfig(level=level, format="%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+
+    def announce(line: str) -> None:
+        print(line, flush=True)
+
+    serve_forever(config, specs, announce, options)  # ends the process with the server's exit status
+
+
+def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
+    """The ServerConfig and the model loader of one set of serve parameters (click's names):
+    every bad value fails here, naming its option."""
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import resolve_dtype
     from ninfer.engine.rope import RopeOverride
     from ninfer.kernels.profile import ProfileRequest
     from ninfer.server.config import SamplerOverrides, ServerConfig
-    from ninfer.server.runner import serve_forever
 
-    if backend not in ("auto", "torch", "cuda"):
-        raise ConfigError(f"--backend must be one of auto, torch, cuda, got {backend!r}")
-    if device < 0:
+    if p["backend"] not in ("auto", "torch", "cuda"):
+        raise ConfigError(f"--backend must be one of auto, torch, cuda, got {p['backend']!r}")
+    if p["device"] < 0:
         raise ConfigError("--device must be >= 0")
-    resolve_dtype(dtype)  # a bad value fails before the server starts
-    profile = ProfileRequest.from_flags(device_profile, device_profile_path)
-    if max_context < 1:
+    resolve_dtype(p["dtype"])  # a bad value fails before the server starts
+    profile = ProfileRequest.from_flags(p["device_profile"], p["device_profile_path"])
+    if p["max_context"] < 1:
         raise ConfigError("--max-context must be >= 1")
-    if seed is not None and seed < 0:
-        seed = None  # negative: a fresh random seed per request, as on the wire
-    kv = _kv_capacity(kv_capacity)
-    rope = RopeOverride(yarn=rope_yarn, yarn_factor=rope_yarn_factor, scaling_factor=rope_scaling_factor,
-                        original_context=rope_scaling_original_context)
-    spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
+    seed = p["seed"] if p["seed"] is None or p["seed"] >= 0 else None  # negative: a fresh random seed per
+    # request, as on the wire
+    kv = _kv_capacity(p["kv_capacity"])
+    rope = RopeOverride(yarn=p["rope_yarn"], yarn_factor=p["rope_yarn_factor"], scaling_factor=p["rope_scaling_factor"],
+                        original_context=p["rope_scaling_original_context"])
+    spec_config = spec_from_flags(p["spec"], p["draft_tokens"], p["spec_ngram_min"], p["spec_ngram_max"])
     scheduler = SchedulerConfig(
-        max_concurrency=max_concurrency, max_pending_requests=max_pending_requests,
-        pending_timeout_ms=pending_timeout_ms, prefill_chunk=prefill_chunk,
-        decode_rounds_per_prefill=decode_rounds_per_prefill or None, concurrent_prefill=concurrent_prefill,
-        max_context=max_context, default_max_tokens=default_max_tokens, prefix_reuse=not no_prefix_reuse,
+        max_concurrency=p["max_concurrency"], max_pending_requests=p["max_pending_requests"],
+        pending_timeout_ms=p["pending_timeout_ms"], prefill_chunk=p["prefill_chunk"],
+        decode_rounds_per_prefill=p["decode_rounds_per_prefill"] or None, concurrent_prefill=p["concurrent_prefill"],
+        max_context=p["max_context"], default_max_tokens=p["default_max_tokens"], prefix_reuse=not p["no_prefix_reuse"],
     )
-    sampler = SamplerOverrides(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                               seed=seed, greedy=greedy)
-    config = ServerConfig(host=host, port=port, api_key=api_key, model_id=model_id, max_request_mib=max_request_mib,
-                          cors=cors, usage_chunk_choice=usage_chunk_choice, stats_port=stats_port,
-                          log_level=log_level, default_max_tokens=default_max_tokens, sampler=sampler,
-                          structured_output=structured_output, log_stats_interval_ms=log_stats_interval_ms,
-                          request_log_jsonl=request_log_jsonl,
-                          log_stats_panel=_on_off(log_stats_panel, "--log-stats-panel"),
-                          unconstrained_response_format=unconstrained_response_format, model_path=model or "",
-                          no_thinking=no_thinking, preserve_thinking=preserve_thinking,
-                          default_thinking_budget=default_thinking_budget,
-                          thinking_budget_message=thinking_budget_message,
-                          post_thinking=_post_thinking(post_thinking, post_thinking_temperature, post_thinking_top_p,
-                                                       post_thinking_top_k, post_thinking_sampler))
-    if chat_template is not None:
+    sampler = SamplerOverrides(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], min_p=p["min_p"],
+                               presence_penalty=p["presence_penalty"], frequency_penalty=p["frequency_penalty"],
+                               seed=seed, greedy=p["greedy"])
+    config = ServerConfig(host=p["host"], port=p["port"], api_key=p["api_key"], model_id=p["model_id"], max_request_mib=p["max_request_mib"],
+                          cors=p["cors"], usage_chunk_choice=p["usage_chunk_choice"], stats_port=p["stats_port"],
+                          log_level=p["log_level"], default_max_tokens=p["default_max_tokens"], sampler=sampler,
+                          structured_output=p["structured_output"], log_stats_interval_ms=p["log_stats_interval_ms"],
+                          request_log_jsonl=p["request_log_jsonl"], request_log_max_mib=p["request_log_max_mib"],
+                          request_log_keep=p["request_log_keep"], model_suspend=p["model_suspend"],
+                          auto_resume=not p["no_auto_resume"],
+                          log_stats_panel=_on_off(p["log_stats_panel"], "--log-stats-panel"),
+                          unconstrained_response_format=p["unconstrained_response_format"], model_path=p["model"] or "",
+                          no_thinking=p["no_thinking"], preserve_thinking=p["preserve_thinking"],
+                          default_thinking_budget=p["default_thinking_budget"],
+                          thinking_budget_message=p["thinking_budget_message"],
+                          post_thinking=_post_thinking(p["post_thinking"], p["post_thinking_temperature"], p["post_thinking_top_p"],
+                                                       p["post_thinking_top_k"], p["post_thinking_sampler"]))
+    if p["chat_template"] is not None:
         from pathlib import Path
-        if not Path(chat_template).expanduser().is_file():
-            raise ConfigError(f"--chat-template {chat_template!r}: no such file")
-    level = {"trace": logging.DEBUG, "off": logging.CRITICAL + 10}.get(log_level, getattr(logging, log_level.upper()))
-    logging.basicConfig(level=level, format="%(asctime)s.%(msecs)03d %(levelname)s %(message)s",
-                        datefmt="%Y-%m-%d %H:%M:%S", stream=sys.stderr)
+        if not Path(p["chat_template"]).expanduser().is_file():
+            raise ConfigError(f"--chat-template {p['chat_template']!r}: no such file")
+
+    fault = os.environ.get("NINFER_INJECT_ENGINE_FAULT")  # tests of exit status 2 (engine/fault.py)
 
     def load():
         from ninfer.engine.loader import load_engine
-        return load_engine(model, backend=backend, scheduler=scheduler, kv_capacity=kv, device=device,
-                           chat_template=chat_template, cuda_graph=not no_cuda_graph, dtype=dtype, rope=rope,
-                           spec=spec_config, threads=threads or None, device_profile=profile)
+        loaded = load_engine(p["model"], backend=p["backend"], scheduler=scheduler, kv_capacity=kv, device=p["device"],
+                             chat_template=p["chat_template"], cuda_graph=not p["no_cuda_graph"], dtype=p["dtype"],
+                             rope=rope, spec=spec_config, threads=p["threads"] or None, device_profile=profile)
+        if fault:
+            from ninfer.engine.fault import fail_after_batches
+            fail_after_batches(loaded.engine, int(fault))
+        return loaded
 
-    def announce(line: str) -> None:
-        print(line, flush=True)
-
-    serve_forever(config, load, announce)  # ends the process with the server's exit status
+    return config, load
 
 
 def _on_off(value: str, option: str) -> bool:

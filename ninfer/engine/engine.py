@@ -9,6 +9,7 @@ EngineSnapshot at every step boundary.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import random
 import threading
@@ -31,7 +32,9 @@ from ninfer.engine.reasoning import ReasoningSplitter, effective_budget
 from ninfer.engine.sampler import mask_words, single_token_mask
 from ninfer.engine.request import OutputEvent, PreparedRequest, PromptProgress, Timings, TokenLogprob, Usage
 from ninfer.engine.scheduler import Scheduler, Sequence, SeqStatus, derive_output_limit
-from ninfer.engine.errors import ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded
+from ninfer.engine import suspend as suspend_mod
+from ninfer.engine.errors import (ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded,
+                                  EngineSuspended)
 from ninfer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -98,10 +101,12 @@ class RequestHandle:
     """A submitted request. Iterating blocks and yields its OutputEvents, the last one with
     `finish_reason` set."""
 
-    __slots__ = ("request_id", "_engine", "_events", "_done")
+    __slots__ = ("request_id", "_engine", "_events", "_done", "max_output_tokens", "seed")
 
     def __init__(self, request_id: str, engine: Engine) -> None:
         self.request_id = request_id
+        self.max_output_tokens = 0  # the output budget as resolved at submission (the request log's)
+        self.seed = 0  # the sampling seed as resolved (the request's, or a fresh one)
         self._engine = engine
         self._events: queue.SimpleQueue[OutputEvent] = queue.SimpleQueue()
         self._done = False
@@ -164,6 +169,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._failed: str | None = None
+        self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()  # run on the worker
+        resident = getattr(runner, "resident_bytes", None)
+        self.residency = suspend_mod.Residency(releasable_bytes=resident() if resident is not None else 0)
         self._snapshot = self._make_snapshot()
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -208,6 +216,9 @@ class Engine:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join()
+        for _, future in self._calls:
+            future.set_exception(EngineNotRunning("engine_shutdown"))
+        self._calls.clear()
         for live in list(self._live.values()):
             self._finalize(live, "error", error="engine_shutdown")
 
@@ -246,6 +257,7 @@ class Engine:
                        stop_token_ids=proc.stop_token_ids, cache_prompt=req.cache_prompt,
                        raw_prompt=req.raw_prompt)
         handle = RequestHandle(req.request_id, self)
+        handle.max_output_tokens, handle.seed = max_out, seed
         now = time.monotonic()
         timeout = self.config.pending_timeout_ms
         live = _Live(req, seq, proc, sink or handle._put, now, now + timeout / 1e3 if timeout > 0 else None,
@@ -260,6 +272,8 @@ class Engine:
         with self._cv:
             if self._stopping or self._thread is None:
                 raise EngineNotRunning(self._failed)
+            if self.residency.state != "resident":
+                raise EngineSuspended()
             capacity = self.config.max_concurrency + self.config.max_pending_requests
             if self._admitted >= capacity:
                 self._rejected += 1
@@ -273,6 +287,27 @@ class Engine:
             self._inbox.append(live)
             self._cv.notify_all()
         return handle
+
+    def call_on_worker(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the worker thread between steps (where every torch call of the model runs);
+        the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._stopping or self._thread is None:
+                future.set_exception(EngineNotRunning(self._failed))
+                return future
+            self._calls.append((fn, future))
+            self._cv.notify_all()
+        return future
+
+    def suspend(self) -> concurrent.futures.Future:
+        """Give the model's memory back while idle (engine/suspend.py); -> Future[Residency].
+        Raises (through the future) EngineBusy with work in flight, SuspendNotSupported."""
+        return self.call_on_worker(lambda: suspend_mod.suspend(self))
+
+    def resume(self) -> concurrent.futures.Future:
+        """Take the memory again and restore the retained state; -> Future[Residency]."""
+        return self.call_on_worker(lambda: suspend_mod.resume(self))
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request at the next step boundary; unknown or finished ids are ignored."""
@@ -335,6 +370,7 @@ class Engine:
                 arrived = list(self._inbox)
                 self._inbox.clear()
                 cancels, self._cancels = self._cancels, []
+                calls, self._calls = list(self._calls), deque()
             for live in arrived:
                 self._by_seq[live.seq.seq_id] = live
                 if live.seq.max_output_tokens <= 0:
@@ -344,6 +380,11 @@ class Engine:
                     self.scheduler.add(live.seq)
             for request_id in cancels:
                 self._cancel_now(request_id)
+            for fn, future in calls:
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(exc)
             self._expire_waiting()
             batch = self.scheduler.schedule()
             admitted_at = time.monotonic()
@@ -357,7 +398,7 @@ class Engine:
             if batch is None:
                 self._publish()
                 with self._cv:
-                    if not self._inbox and not self._cancels and not self._stopping:
+                    if not self._inbox and not self._cancels and not self._calls and not self._stopping:
                         self._cv.wait(self._idle_wait())
                 continue
             self._step(batch)
@@ -599,6 +640,9 @@ class Engine:
                                      logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason, usage=usage,
                                      timings=self._timings(live), error=error, slot_id=seq.slot,
                                      post_thinking_sampling=live.post_thinking,
+                                     reuse_path=seq.reuse_path if live.admitted_at is not None else None,
+                                     queue_wait_seconds=live.admitted_at - live.submitted_at
+                                     if live.admitted_at is not None else None,
                                      speculative=live.spec.to_dict(self.spec.method, self.spec.draft_tokens)
                                      if live.spec is not None else None))
 

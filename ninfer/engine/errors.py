@@ -75,3 +75,21 @@ class EngineNotRunning(EngineError):
     def __init__(self, reason: str | None = None) -> None:
         super().__init__("the engine is not running" + (f" ({reason})" if reason else ""))
         self.reason = reason
+
+
+class EngineBusy(EngineError):
+    """A suspend asked while requests are queued, admitted or running (a suspend never cancels work)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"the model is busy ({what}); suspend it once it is idle")
+
+
+class EngineSuspended(EngineError):
+    """A request submitted while the model is suspended (resume it first)."""
+
+    def __init__(self) -> None:
+        super().__init__("the model is suspended; resume it first")
+
+
+class SuspendNotSupported(EngineError):
+    """This runner cannot give its memory back (say which and why)."""

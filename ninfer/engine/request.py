@@ -175,3 +175,5 @@ class OutputEvent:
     progress: PromptProgress | None = None  # a prompt-progress event (hints["return_progress"]): no tokens
     slot_id: int | None = None  # final event: the context-cache slot the session was retained in
     post_thinking_sampling: bool = False  # final event: the sampler switched after the reasoning closed
+    reuse_path: str | None = None  # final event: the context-cache path admission took (root, ...)
+    queue_wait_seconds: float | None = None  # final event: submission to admission (None: never admitted)

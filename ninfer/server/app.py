@@ -15,10 +15,11 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
-from ninfer.server import anthropic, llamacpp, openai_chat, openai_completions, openapi, ops, responses
+from ninfer.server import (anthropic, llamacpp, models_api, openai_chat, openai_completions, openapi, ops,
+                           responses)
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, Headers
-from ninfer.server.state import ServerState
+from ninfer.server.router import ModelPool
 from ninfer.version import version_string
 
 log = logging.getLogger("ninfer.server")
@@ -50,10 +51,28 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/v1/responses"): responses.handle_create,
     ("POST", "/v1/responses/input_tokens"): responses.handle_input_tokens,
     ("POST", "/v1/responses/compact"): responses.handle_compact,
+    ("GET", "/models"): models_api.handle_list,
+    ("POST", "/models/load"): models_api.handle_load,
+    ("POST", "/models/unload"): models_api.handle_unload,
+    ("POST", "/models/sleep"): models_api.handle_sleep,
+    ("GET", "/models/sse"): models_api.handle_sse,
 }
+# How a route finds its model. USE: it runs on the model its body's `model` (or ?model=) names,
+# loaded first when allowed, and counts as use. PEEK: it reads the named (or most recently used)
+# loaded model without loading or waking it. Every other route needs no model.
+USE_ROUTES = {
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/completion"),
+    ("POST", "/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"),
+    ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
+    ("POST", "/v1/responses/input_tokens"), ("POST", "/v1/responses/compact"),
+}
+HOST_ROUTES = {("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template")}  # never wake a model
+PEEK_ROUTES = {("GET", "/props"), ("GET", "/v1/load"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/slots")}
 # routes that need no request body (GET) on the stats port
 STATS_ROUTES = {("GET", "/health"), ("GET", "/stats"), ("GET", "/v1/load"), ("GET", "/metrics")}
 _MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
+_MODEL_ACTION = re.compile(r"^/v1/models/([^/]+)/(suspend|resume|residency)$")
+_MODEL_ACTION_METHODS = {"suspend": "POST", "resume": "POST", "residency": "GET"}
 # /v1/responses/{id}[/input_items|/cancel] -> the methods each answers
 _RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]+)(?:/(input_items|cancel))?$")
 _RESPONSE_METHODS = {None: ("GET", "DELETE"), "input_items": ("GET",), "cancel": ("POST",)}
@@ -79,15 +98,37 @@ def _not_supported_route(path: str) -> str | None:
     return None
 
 
+def requested_model(call: Call) -> str | None:
+    """The model a request names: its body's `model` (POST), else the `model` query parameter."""
+    if call.method == "POST":
+        model = call.json().get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError("model must be a string", param="model", code="invalid_value")
+        if model:
+            return model
+    return call.query.get("model") or None
+
+
+def _autoload(call: Call) -> bool | None:
+    """?autoload=0|1 overrides --models-autoload for one request (None: the server's default)."""
+    value = call.query.get("autoload")
+    if value is None:
+        return None
+    if value not in ("0", "1", "true", "false"):
+        raise RequestError("autoload must be 0 or 1", param="autoload", code="invalid_value")
+    return value in ("1", "true")
+
+
 class ClientGone(Exception):
     """The client disconnected before the request was read."""
 
 
 class App:
-    """The ASGI callable. `stats_only` serves only /health, /stats, /v1/load and /metrics."""
+    """The ASGI callable over the server's models. `stats_only` serves only /health, /stats, /v1/load
+    and /metrics."""
 
-    def __init__(self, state: ServerState, *, stats_only: bool = False) -> None:
-        self.state = state
+    def __init__(self, pool: ModelPool, *, stats_only: bool = False) -> None:
+        self.pool = pool
         self.stats_only = stats_only
         self._version = version_string().encode()
 
@@ -108,8 +149,7 @@ class App:
                 return
 
     async def _http(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-        state = self.state
-        cfg = state.config
+        cfg = self.pool.config
         method = scope["method"].upper()
         if method == "HEAD":  # a GET whose body the HTTP layer drops (headers and length kept)
             method = "GET"
@@ -129,7 +169,7 @@ class App:
                 base.append((b"access-control-allow-credentials", b"true"))
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         call = Call(method=method, path=path, query=query, headers=headers, request_id=request_id,
-                    state=state, send=send, base_headers=base, anthropic=is_anthropic)
+                    state=None, send=send, base_headers=base, anthropic=is_anthropic, pool=self.pool)
         try:
             await self._dispatch(call, receive)
         except CLIENT_ERRORS as e:
@@ -149,8 +189,7 @@ class App:
                 await call.end()
 
     async def _dispatch(self, call: Call, receive: Callable) -> None:
-        state = self.state
-        if not state.ready:
+        if not self.pool.ready:
             raise RequestError(LOADING_MESSAGE, status=503, code="model_loading", type="service_unavailable")
         if call.method == "OPTIONS":
             await self._preflight(call)
@@ -159,11 +198,32 @@ class App:
             self._authenticate(call)
         handler = self._route(call)
         call.body = await self._read_body(call, receive)
-        await self._run(call, handler, receive)
+        await self._run(call, self._bind(call, handler), receive)
+
+    def _bind(self, call: Call, handler: Handler) -> Handler:
+        """The handler with its model bound to the call (see USE_ROUTES)."""
+        pool = self.pool
+        key = (call.method, call.path)
+        if key in PEEK_ROUTES:
+            call.state = pool.peek(call.query.get("model"))
+            return handler
+        if key not in USE_ROUTES:
+            call.state = pool.default_state()
+            return handler
+
+        async def bound(call: Call) -> None:
+            slot = pool.resolve(requested_model(call) if pool.router else None)
+            call.state = await pool.acquire(slot, _autoload(call), wake=key not in HOST_ROUTES)
+            try:
+                await handler(call)
+            finally:
+                pool.release(slot)
+
+        return bound
 
     async def _preflight(self, call: Call) -> None:
         headers: Headers = []
-        if self.state.config.cors:
+        if self.pool.config.cors:
             requested = call.headers.get("access-control-request-headers", "")
             allow = CORS_ALLOW_HEADERS + (", " + requested if requested else "")
             headers = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"),
@@ -175,7 +235,7 @@ class App:
         """The key as an OpenAI bearer token or an Anthropic x-api-key header: either one that
         matches admits the request (a stale Authorization does not override a right x-api-key).
         Compared in constant time, every offered value, so timing tells nothing about the key."""
-        key = self.state.config.api_key
+        key = self.pool.config.api_key
         if key is None:
             return
         expected = key.encode()
@@ -203,25 +263,29 @@ class App:
         handler = ROUTES.get((method, path))
         if handler is not None:
             return handler
+        a = _MODEL_ACTION.match(path)
+        if a and method == _MODEL_ACTION_METHODS[a.group(2)]:
+            call.extra["model_id"], call.extra["action"] = a.group(1), a.group(2)
+            return models_api.handle_model_action
         m = _MODEL_PATH.match(path)
-        if m and method == "GET":
+        if a is None and m and method == "GET":
             call.extra["model_id"] = m.group(1)
             return ops.handle_model
         r = _RESPONSE_PATH.match(path)
         if r and method in _RESPONSE_METHODS[r.group(2)]:
             call.extra["response_id"], call.extra["action"] = r.group(1), r.group(2)
             return responses.handle_resource
-        if any(p == path for _, p in ROUTES) or m or r:
+        if any(p == path for _, p in ROUTES) or a or m or r:
             raise RequestError(f"method {method} is not allowed on {path}", status=405,
                                code="method_not_allowed")
         raise RequestError(f"no route for {method} {path}", status=404, code="not_found")
 
     async def _read_body(self, call: Call, receive: Callable) -> bytes:
         """The whole body, or 413 request_too_large as soon as it passes --max-request-mib."""
-        limit = self.state.config.max_request_bytes
+        limit = self.pool.config.max_request_bytes
         declared = call.headers.get("content-length")
         too_large = RequestError(f"the request body exceeds --max-request-mib "
-                                 f"({self.state.config.max_request_mib} MiB)", status=413,
+                                 f"({self.pool.config.max_request_mib} MiB)", status=413,
                                  code="request_too_large")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large

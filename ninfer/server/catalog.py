@@ -23,8 +23,13 @@ from ninfer.errors import ConfigError
 
 MODEL_SUFFIXES = (".ninfer", ".gguf")
 SECTION_KEYS = ("model", "alias", "load-on-startup")  # a model section's own keys, not serve options
+# the router process's own options, never a model's: listener, auth, limits on every body, logs, the
+# catalog and its timers, CPU threads (one plan for the process), the public name (a model's is its
+# file, folder or section name)
 ROUTER_ONLY = ("host", "port", "api-key", "models-dir", "models-preset", "models-max", "models-autoload",
-               "no-models-autoload")  # the router's, never a model's
+               "no-models-autoload", "stats-port", "cors", "max-request-mib", "log-level", "log-stats-interval-ms",
+               "log-stats-panel", "request-log-jsonl", "request-log-max-mib", "request-log-keep", "threads",
+               "model-id", "unload-idle-seconds", "sleep-idle-seconds")
 
 
 @dataclass(slots=True)

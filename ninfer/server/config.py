@@ -63,8 +63,12 @@ class ServerConfig:
     structured_output: bool = False  # enforce JSON response formats with a grammar
     unconstrained_response_format: bool = False  # without it: generate JSON-format requests unconstrained
     log_stats_interval_ms: int = 5000  # throughput record interval; 0: none
-    log_stats_panel: bool = False  # the statistics panel beneath the log, on an interactive terminal
+    log_stats_panel: bool = True  # the statistics panel beneath the log, on an interactive terminal
     request_log_jsonl: str | None = None  # the JSONL measurement log, appended
+    request_log_max_mib: int = 0  # rotate the JSONL log at this size (0: one unbounded file)
+    request_log_keep: int = 4  # rotated copies kept
+    model_suspend: bool = False  # the model may give its memory back while idle (suspend, sleep)
+    auto_resume: bool = True  # a request to a suspended model resumes it (else 503)
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
     no_thinking: bool = False  # requests that do not decide start without thinking
@@ -94,6 +98,12 @@ class ServerConfig:
             raise ConfigError("--default-max-tokens must be >= 1")
         if self.log_stats_interval_ms < 0:
             raise ConfigError("--log-stats-interval-ms must be >= 0 (0 disables the throughput record)")
+        if self.request_log_max_mib < 0:
+            raise ConfigError("--request-log-max-mib must be >= 0 (0: one unbounded file)")
+        if self.request_log_max_mib and self.request_log_jsonl is None:
+            raise ConfigError("--request-log-max-mib requires --request-log-jsonl")
+        if self.request_log_keep < 0:
+            raise ConfigError("--request-log-keep must be >= 0")
         if self.default_thinking_budget is not None and self.default_thinking_budget < 1:
             raise ConfigError("--default-thinking-budget must be a positive integer")
         if self.thinking_budget_message is not None and not self.thinking_budget_message.strip():

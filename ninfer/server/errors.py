@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 
-from ninfer.engine.errors import (ContextLengthExceeded, EngineError, EngineOverloaded, InvalidRequest,
-                                  SchemaError)
+from ninfer.engine.errors import (ContextLengthExceeded, EngineBusy, EngineError, EngineOverloaded,
+                                  EngineSuspended, InvalidRequest, SchemaError, SuspendNotSupported)
 from ninfer.errors import RequestError
 
 log = logging.getLogger("ninfer.server")
@@ -22,6 +22,9 @@ HTTP_FACTS: dict[type[EngineError], tuple[int, str, str | None]] = {
     SchemaError: (400, "invalid_request_error", "invalid_json_schema"),
     InvalidRequest: (400, "invalid_request_error", None),
     EngineOverloaded: (429, "server_error", "server_overloaded"),
+    EngineBusy: (409, "invalid_request_error", "model_busy"),
+    EngineSuspended: (503, "service_unavailable", "model_suspended"),
+    SuspendNotSupported: (400, "invalid_request_error", "suspend_not_supported"),
 }
 
 

@@ -105,7 +105,7 @@ class Generation:
             state.requests_failed += 1
             state.reqlog.request_error(
                 self._n, self.protocol, RequestError("the client disconnected", status=499, code="client_closed"),
-                time.monotonic() - self._t0)
+                time.monotonic() - self._t0, model=state.log_name)
         if self._entered:
             self.call.state.leave()
 
@@ -117,15 +117,20 @@ class Generation:
         engine = state.loaded.engine
         pump = EventPump(engine, self.req.request_id)
         try:
-            engine.submit(self.req, pump.sink)
+            handle = engine.submit(self.req, pump.sink)
         except EngineError as e:
             err = http_error(e)
             state.reject(self.protocol, err)
             raise err
         self._pump = pump
         self._n = state.reqlog.next_id()
-        state.reqlog.request_start(self._n, self.protocol, self.req, self.stream)
+        self._t0 = time.monotonic()  # submission: ttft and total count from here
+        prepare = self._t0 - self.call.received_at
+        state.reqlog.request_start(self._n, self.protocol, self.req, self.stream, model=state.log_name,
+                                   max_output_tokens=handle.max_output_tokens, seed=handle.seed,
+                                   prepare_seconds=prepare)
         heard = False  # an engine event arrived: the request was admitted
+        ttft: float | None = None
         while (item := await pump.next(keepalive)) is not None:
             if item is TIMEOUT and not heard and not self._in_a_lane():
                 # Queued: no keep-alive yet, so the response has not started and a queue timeout is
@@ -135,15 +140,18 @@ class Generation:
             if item is not TIMEOUT:
                 heard = True
                 assert isinstance(item, OutputEvent)
+                if ttft is None and item.token_ids:
+                    ttft = time.monotonic() - self._t0
                 if item.finish_reason is not None:
                     state.requests_total += 1
                     elapsed = time.monotonic() - self._t0
                     if item.finish_reason == "error":
                         state.requests_failed += 1
                         err = event_error(item)
-                        state.reqlog.request_error(self._n, self.protocol, err, elapsed)
+                        state.reqlog.request_error(self._n, self.protocol, err, elapsed, model=state.log_name)
                         raise err
-                    state.reqlog.request_done(self._n, self.protocol, item, elapsed)
+                    state.reqlog.request_done(self._n, self.protocol, item, elapsed, model=state.log_name,
+                                              prepare_seconds=prepare, ttft_seconds=ttft)
             yield item
 
     def _in_a_lane(self) -> bool:

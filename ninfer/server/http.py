@@ -6,6 +6,7 @@ are turned into the protocol's envelope by the app.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -14,6 +15,7 @@ import orjson
 from ninfer.errors import RequestError
 
 if TYPE_CHECKING:
+    from ninfer.server.router import ModelPool
     from ninfer.server.state import ServerState
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -48,7 +50,7 @@ class Call:
     query: dict[str, str]
     headers: dict[str, str]  # lower-case names
     request_id: str
-    state: ServerState
+    state: ServerState | None  # the model this call runs on (None: a route that needs none, none loaded)
     send: Send
     base_headers: Headers  # version, request id, CORS: on every response of this call
     anthropic: bool = False  # answer errors in Anthropic's envelope
@@ -57,9 +59,17 @@ class Call:
     finished: bool = False
     status: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    pool: ModelPool | None = None  # the server's models (the /models routes, the router)
+    received_at: float = field(default_factory=time.monotonic)  # when the request arrived
+    _parsed: dict[str, Any] | None = None
 
     def json(self) -> dict[str, Any]:
-        """The body as a JSON object, or a 400 naming what is wrong with it."""
+        """The body as a JSON object, or a 400 naming what is wrong with it (parsed once)."""
+        if self._parsed is None:
+            self._parsed = self._parse()
+        return self._parsed
+
+    def _parse(self) -> dict[str, Any]:
         if not self.body.strip():
             raise RequestError("the request body is empty; send a JSON object", code="invalid_json")
         try:

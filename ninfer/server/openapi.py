@@ -149,6 +149,9 @@ DETOKENIZE = {"type": "object", "required": ["tokens"],
 APPLY_TEMPLATE = {"type": "object", "required": ["messages"],
                   "properties": {"messages": CHAT["properties"]["messages"]}}
 
+MODEL_NAME = {"type": "object", "required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}}}
+SUSPEND = {"type": "object", "properties": {"auto_resume": BOOL}}
+
 JSON_OK = {"description": "OK", "content": {"application/json": {"schema": {"type": ["object", "array"]}}}}
 ERROR = {"description": "an error in the protocol's envelope",
          "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -160,7 +163,7 @@ SSE_OR_JSON = {"description": "OK: JSON, or server-sent events with stream: true
 def _op(summary: str, body: dict[str, Any] | None = None, ok: dict[str, Any] = JSON_OK,
         params: list[dict[str, Any]] | None = None, security: bool = True) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary,
-                          "responses": {"200": ok, "400": ERROR, "401": ERROR, "404": ERROR, "413": ERROR,
+                          "responses": {"200": ok, "400": ERROR, "401": ERROR, "404": ERROR, "409": ERROR, "413": ERROR,
                                         "429": ERROR, "503": ERROR, "504": ERROR, "529": ERROR}}
     if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
@@ -211,6 +214,18 @@ def document() -> dict[str, Any]:
                 {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
                 {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
                 {"name": "after", "in": "query", "schema": STR}])},
+        "/models": {"get": _op("every catalog model with its status (llama.cpp's router API)")},
+        "/models/load": {"post": _op("load a model, or wake it", MODEL_NAME)},
+        "/models/unload": {"post": _op("unload a model once its requests have finished", MODEL_NAME)},
+        "/models/sleep": {"post": _op("put an idle model to sleep (--model-suspend)", MODEL_NAME)},
+        "/models/sse": {"get": _op("one server-sent event per model status change",
+                                   ok={"description": "OK", "content": {"text/event-stream": {"schema": STR}}})},
+        "/v1/models/{model_id}/suspend": {"post": _op("give an idle model's memory back (--model-suspend)",
+                                                      SUSPEND, params=[_path_param("model_id")])},
+        "/v1/models/{model_id}/resume": {"post": _op("take the memory again and restore the retained state",
+                                                     params=[_path_param("model_id")])},
+        "/v1/models/{model_id}/residency": {"get": _op("resident or suspended, and what a suspend moves",
+                                                       params=[_path_param("model_id")])},
         "/v1/responses/{response_id}/cancel": {"post": _op("refused: background execution is not supported",
                                                            params=[_path_param("response_id")])},
     }

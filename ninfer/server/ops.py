@@ -15,6 +15,8 @@ from ninfer.version import version_string
 
 if TYPE_CHECKING:
     from ninfer.engine.loader import ModelFacts
+    from ninfer.server.router import ModelPool, ModelSlot
+    from ninfer.server.state import ServerState
 
 API_INDEX = (
     ("GET", "/health", "process health and build version"),
@@ -27,6 +29,14 @@ API_INDEX = (
     ("GET", "/v1", "this endpoint index"),
     ("GET", "/v1/models", "the served model alias, context limit, modalities and meta"),
     ("GET", "/v1/models/{id}", "lookup of the served alias"),
+    ("GET", "/models", "every model of the catalog with its status (llama.cpp's router API)"),
+    ("POST", "/models/load", "load a model, or wake it"),
+    ("POST", "/models/unload", "unload a model once its requests have finished"),
+    ("POST", "/models/sleep", "put an idle model to sleep (--model-suspend)"),
+    ("POST", "/v1/models/{id}/suspend", "give an idle model's memory back (--model-suspend)"),
+    ("POST", "/v1/models/{id}/resume", "take it again"),
+    ("GET", "/v1/models/{id}/residency", "resident or suspended, and what a suspend moves"),
+    ("GET", "/models/sse", "one server-sent event per model status change"),
     ("POST", "/v1/chat/completions", "OpenAI-style chat generation"),
     ("POST", "/v1/completions", "OpenAI legacy completion of a raw prompt"),
     ("POST", "/completion", "llama.cpp's native completion of a raw prompt (also /completions)"),
@@ -37,16 +47,23 @@ API_INDEX = (
 
 
 async def handle_health(call: Call) -> None:
-    loaded = call.state.loaded
-    failed = getattr(loaded.engine, "failed", None) if loaded is not None else None
-    if failed:
-        raise RequestError(f"the engine failed: {failed}", status=503, code="service_unavailable",
-                           type="service_unavailable")
+    """200 while the server serves. A single-model server whose Engine failed answers 503 (a
+    router reports a failed model in GET /models and loads it again on its next request)."""
+    pool = call.pool
+    if not pool.router:
+        slot = next(iter(pool.slots.values()))
+        failed = getattr(slot.state.loaded.engine, "failed", None) if slot.state is not None else None
+        if failed:
+            raise RequestError(f"the engine failed: {failed}", status=503, code="service_unavailable",
+                               type="service_unavailable")
+        if slot.status == "sleeping" and not slot.auto_resume:
+            raise RequestError("the model is suspended and auto_resume is off: POST /v1/models/{id}/resume",
+                               status=503, code="model_suspended", type="service_unavailable")
     await call.respond(200, {"status": "ok", "version": version_string()})
 
 
-def model_object(call: Call) -> dict[str, Any]:
-    state = call.state
+def model_object(state: ServerState) -> dict[str, Any]:
+    """A loaded model's GET /v1/models entry."""
     assert state.loaded is not None
     facts = state.loaded.facts
     return {
@@ -63,6 +80,17 @@ def model_object(call: Call) -> dict[str, Any]:
     }
 
 
+def catalog_object(pool: ModelPool, slot: ModelSlot) -> dict[str, Any]:
+    """A model's GET /v1/models entry: the loaded model's facts, else its name; a router adds its
+    aliases and status."""
+    entry = model_object(slot.state) if slot.state is not None and slot.state.loaded is not None \
+        else {"id": slot.name, "object": "model", "created": 0, "owned_by": "ninfer"}
+    if pool.router:
+        entry["aliases"] = list(slot.spec.aliases)
+        entry["status"] = {"value": slot.status}
+    return entry
+
+
 def model_meta(facts: ModelFacts) -> dict[str, Any]:
     """llama.cpp's `meta` object of a model entry, from the engine's facts."""
     return {"n_vocab": facts.vocab_size, "n_ctx": facts.max_context, "n_ctx_train": facts.trained_context,
@@ -71,21 +99,24 @@ def model_meta(facts: ModelFacts) -> dict[str, Any]:
 
 
 async def handle_models(call: Call) -> None:
-    await call.respond(200, {"object": "list", "data": [model_object(call)]})
+    pool = call.pool
+    await call.respond(200, {"object": "list", "data": [catalog_object(pool, s) for s in pool.slots.values()]})
 
 
 async def handle_model(call: Call) -> None:
     model_id = call.extra["model_id"]
-    if model_id != call.state.model_id:
+    slot = call.pool.find(model_id)
+    if slot is None:
         raise RequestError(f"The model {model_id!r} does not exist", status=404, param="model",
                            code="model_not_found")
-    await call.respond(200, model_object(call))
+    await call.respond(200, catalog_object(call.pool, slot))
 
 
 async def handle_index(call: Call) -> None:
     await call.respond(200, {
         "object": "ninfer.api_index",
-        "model": call.state.model_id,
+        "model": call.state.model_id if call.state is not None else None,
+        "models": [s.name for s in call.pool.slots.values()],
         "version": version_string(),
         "endpoints": [{"method": m, "path": p, "description": d} for m, p, d in API_INDEX],
     })

@@ -1,20 +1,14 @@
-"""The session statistics panel (--log-stats-panel on): a table pinned beneath the scrolling log
-records on an interactive terminal, redrawn as requests complete and left on screen at exit.
-
-It reads the same outcomes as the req#N done records (`SessionStats`, fed by the request log) and
-changes no request behaviour. Rich's Live display does the pinning: records print above it and
-stay in the scrollback.
+"""What the session statistics panel (--log-stats-panel) shows: the outcomes of completed
+requests (`SessionStats`, fed by the request log as it writes the req#N done records) and the
+spec's columns over them. Pure data and text; the Textual app that pins it beneath the log is
+ninfer/cli/panel.py. It changes no request behaviour.
 """
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
 
-from rich.console import Console
-from rich.live import Live
 from rich.table import Table
 
 from ninfer.engine.request import OutputEvent
@@ -47,8 +41,9 @@ class SessionStats:
         self.completed = self.failed = self.cancelled = self.rejected = 0
         self._all: list[Outcome] = []
         self._recent: deque[Outcome] = deque(maxlen=RECENT)
+        self._by_model: dict[str, list[Outcome]] = {}  # a router's models, in first-completion order
 
-    def done(self, final: OutputEvent) -> None:
+    def done(self, final: OutputEvent, model: str | None = None) -> None:
         t, u = final.timings, final.usage
         with self._lock:
             if final.finish_reason == "cancelled":
@@ -63,6 +58,8 @@ class SessionStats:
                               spec.get("drafted_tokens", 0), spec.get("accepted_tokens", 0), spec.get("rounds", 0))
             self._all.append(outcome)
             self._recent.append(outcome)
+            if model is not None:
+                self._by_model.setdefault(model, []).append(outcome)
 
     def error(self, cancelled: bool) -> None:
         with self._lock:
@@ -80,6 +77,7 @@ class SessionStats:
             rows = [("all", list(self._all))]
             if len(self._all) > RECENT:
                 rows.append((f"last {RECENT}", list(self._recent)))
+            rows += [(model, list(outcomes)) for model, outcomes in self._by_model.items()]
             return rows
 
 
@@ -87,25 +85,29 @@ def _rate(tokens: float, seconds: float) -> str:
     return f"{tokens / seconds:,.1f}" if seconds > 0 else "-"
 
 
-def render(stats: SessionStats, running: int | None = None, waiting: int | None = None) -> Table:
-    """The panel: title counts, then one row over every completed request (and one over the last ten).
-    Ratios and rates divide summed tokens by summed seconds, so each request weighs by its size."""
-    title = (f"{stats.completed} completed, {stats.failed} failed, {stats.cancelled} cancelled, "
-             f"{stats.rejected} rejected")
+def title(stats: SessionStats, running: int | None = None, waiting: int | None = None) -> str:
+    """completed/failed/cancelled/rejected counts, and the running/waiting gauges when known."""
+    text = (f"{stats.completed} completed, {stats.failed} failed, {stats.cancelled} cancelled, "
+            f"{stats.rejected} rejected")
     if running is not None:
-        title += f" | {running} running, {waiting} waiting"
-    table = Table(title=title, title_justify="left", min_width=PANEL_WIDTH)
+        text += f" | {running} running, {waiting} waiting"
+    return text
+
+
+def table(stats: SessionStats) -> tuple[list[tuple[str, str]], list[list[str]]]:
+    """(columns as (name, justify), rows): one row over every completed request, one over the last
+    ten once more than ten completed, one per model on a router. Ratios and rates divide summed
+    tokens by summed seconds, so each request weighs by its size."""
     rows = stats.rows()
     speculative = any(o.speculative for _, outcomes in rows for o in outcomes)
     columns = [("", "left"), ("n", "right"), ("TTFT", "right"), ("cached", "right"),
                ("prefill tok/s", "right"), ("decode tok/s", "right")]
     if speculative:  # the spec's "ngram, ng rnds": accepted / drafted lookup tokens, verify rounds
         columns.append(("ngram, ng rnds", "right"))
-    for name, justify in columns:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    cells_of: list[list[str]] = []
     for name, outcomes in rows:
         if not outcomes:
-            table.add_row(name, "0", *["-"] * (len(columns) - 2))
+            cells_of.append([name, "0", *["-"] * (len(columns) - 2)])
             continue
         prompt = sum(o.prompt_tokens for o in outcomes)
         cached = sum(o.cached_tokens for o in outcomes)
@@ -118,53 +120,16 @@ def render(stats: SessionStats, running: int | None = None, waiting: int | None 
             drafted, accepted = sum(o.drafted for o in outcomes), sum(o.accepted for o in outcomes)
             cells.append(f"{accepted:,}/{drafted:,} ({100 * accepted / drafted:.0f} %), "
                          f"{sum(o.rounds for o in outcomes):,}" if drafted else "-")
-        table.add_row(*cells)
-    return table
+        cells_of.append(cells)
+    return columns, cells_of
 
 
-class _PanelHandler(logging.Handler):
-    """Prints each log record above the live panel."""
-
-    def __init__(self, live: Live, formatter: logging.Formatter | None) -> None:
-        super().__init__()
-        self.live = live
-        if formatter is not None:
-            self.setFormatter(formatter)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.live.console.print(self.format(record), markup=False, highlight=False, soft_wrap=True)
-        except Exception:  # noqa: BLE001 - logging must never raise into the server
-            self.handleError(record)
-
-
-class StatsPanel:
-    """The live panel for the duration of a `with` block: while it is open, log records of the
-    root logger print above it instead of straight to stderr."""
-
-    def __init__(self, stats: SessionStats, gauges: Callable[[], tuple[int, int] | None]) -> None:
-        self.stats = stats
-        self.gauges = gauges
-        self._live: Live | None = None
-        self._saved: list[logging.Handler] = []
-
-    def __rich__(self) -> Any:
-        g = self.gauges()
-        return render(self.stats, *(g if g is not None else (None, None)))
-
-    def __enter__(self) -> StatsPanel:
-        console = Console(stderr=True)
-        self._live = Live(self, console=console, refresh_per_second=2, transient=False,
-                          redirect_stdout=True, redirect_stderr=True)
-        self._live.__enter__()
-        root = logging.getLogger()
-        self._saved = list(root.handlers)
-        formatter = self._saved[0].formatter if self._saved else None
-        root.handlers = [_PanelHandler(self._live, formatter)]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger().handlers = self._saved
-        if self._live is not None:
-            self._live.__exit__(None, None, None)
-            self._live = None
+def render(stats: SessionStats, running: int | None = None, waiting: int | None = None) -> Table:
+    """The panel as a Rich table (what is left on screen at exit, and the text capture)."""
+    out = Table(title=title(stats, running, waiting), title_justify="left", min_width=PANEL_WIDTH)
+    columns, rows = table(stats)
+    for name, justify in columns:
+        out.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for cells in rows:
+        out.add_row(*cells)
+    return out

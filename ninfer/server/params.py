@@ -94,7 +94,8 @@ def parse_stop(value: Any, max_n: int, param: str = "stop") -> list[str]:
 
 
 def check_model(body: dict[str, Any], state: ServerState, *, required: bool = False) -> None:
-    """A missing, null or empty model is the loaded one; any other name must be the public id."""
+    """A missing, null or empty model is the loaded one; any other name must be the public id (or,
+    on a router, one of the model's aliases: the router resolved the name to this model)."""
     model = body.get("model")
     if model is None or model == "":
         if required:
@@ -102,7 +103,7 @@ def check_model(body: dict[str, Any], state: ServerState, *, required: bool = Fa
         return
     if not isinstance(model, str):
         raise bad("model", "model must be a string")
-    if model != state.model_id:
+    if model != state.model_id and model not in state.names:
         raise RequestError(f"The model {model!r} does not exist; this server serves {state.model_id!r}",
                            param="model", code="model_not_found", status=404)
 

@@ -601,7 +601,7 @@ async def handle_input_tokens(call: Call) -> None:
 async def handle_resource(call: Call) -> None:
     """GET / DELETE /v1/responses/{id}, GET .../input_items, POST .../cancel."""
     response_id, action = call.extra["response_id"], call.extra["action"]
-    store = call.state.responses
+    store = call.pool.responses  # the server's, whichever model answered
     if action == "cancel":
         raise RequestError("background execution is not supported, so there is no running response to cancel",
                            param="response_id", code="background_not_supported")

@@ -17,21 +17,17 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
-from ninfer.errors import ConfigError, ExitCode, NInferError
+from ninfer.errors import ConfigError, ExitCode
 from ninfer.server.app import App
 from ninfer.server.config import ServerConfig
 from ninfer.server.reqlog import RequestLog
-from ninfer.server.state import ServerState
+from ninfer.server.router import ModelPool, ModelSpec, PoolOptions
 from ninfer.version import version_string
-
-if TYPE_CHECKING:
-    from ninfer.engine.loader import LoadedModel
 
 log = logging.getLogger("ninfer.server")
 CONFIRM_SECONDS = 5.0  # the window for the second Ctrl+C
@@ -125,20 +121,22 @@ async def _wait_listening(host: str, port: int, deadline: float) -> None:
         return
 
 
-def serve_forever(config: ServerConfig, load: Callable[[], LoadedModel],
-                  announce: Callable[[str], None] = print) -> NoReturn:
-    """Bind, load the model in the background, serve until SIGINT/SIGTERM, then end the process
-    with its exit status (0 stopped, 1 start-up failed, 2 Engine-wide failure, 130 interrupted)."""
+def serve_forever(config: ServerConfig, models: list[ModelSpec], announce: Callable[[str], None] = print,
+                  options: PoolOptions | None = None) -> NoReturn:
+    """Bind, load the start-up models in the background, serve until SIGINT/SIGTERM, then end the
+    process with its exit status (0 stopped, 1 start-up failed, 2 Engine-wide failure, 130
+    interrupted). `config` is the process's (listener, auth, logs); each model carries its own."""
     check_bindable(config.host, config.port)
     if config.stats_port is not None:
         check_bindable(config.host, config.stats_port, "--stats-port")
-    state = ServerState(config)
+    reqlog = RequestLog()
     if config.request_log_jsonl is not None:
-        state.reqlog = open_request_log(config.request_log_jsonl, config.model_path)
+        reqlog = open_request_log(config.request_log_jsonl, [m.path for m in models],
+                                  config.request_log_max_mib * 1024 * 1024, config.request_log_keep)
     try:
-        code = asyncio.run(_serve(state, load, announce))
+        code = asyncio.run(_serve(config, models, options or PoolOptions(), reqlog, announce))
     finally:
-        state.reqlog.close()
+        reqlog.close()
     _leave(code)
 
 
@@ -153,25 +151,28 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def open_request_log(value: str, model_path: str) -> RequestLog:
-    """--request-log-jsonl FILE: appended; its folder must exist, and it must not be the model."""
+def open_request_log(value: str, model_paths: list[str], max_bytes: int = 0, keep: int = 4) -> RequestLog:
+    """--request-log-jsonl FILE: appended (rotated at `max_bytes`, 0: never); its folder must
+    exist, and it must not be a model."""
     path = Path(value).expanduser().resolve()
-    if model_path and Path(model_path).expanduser().exists() and path == Path(model_path).expanduser().resolve():
-        raise ConfigError(f"--request-log-jsonl {value}: that is the model file")
+    for model_path in model_paths:
+        if model_path and Path(model_path).expanduser().exists() and path == Path(model_path).expanduser().resolve():
+            raise ConfigError(f"--request-log-jsonl {value}: that is the model file")
     if not path.parent.is_dir():
         raise ConfigError(f"--request-log-jsonl {value}: the folder {path.parent} does not exist")
     try:
-        return RequestLog(path)
+        return RequestLog(path, max_bytes=max_bytes, keep=keep)
     except OSError as e:
         raise ConfigError(f"--request-log-jsonl {value}: cannot open it ({e.strerror})") from None
 
 
-async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: Callable[[str], None]) -> int:
-    config = state.config
+async def _serve(config: ServerConfig, models: list[ModelSpec], options: PoolOptions, reqlog: RequestLog,
+                 announce: Callable[[str], None]) -> int:
     loop = asyncio.get_running_loop()
-    servers = [_granian_server(App(state), config.host, config.port, config.log_level)]
+    pool = ModelPool(config, models, options, reqlog)
+    servers = [_granian_server(App(pool), config.host, config.port, config.log_level)]
     if config.stats_port is not None:
-        servers.append(_granian_server(App(state, stats_only=True), config.host, config.stats_port,
+        servers.append(_granian_server(App(pool, stats_only=True), config.host, config.stats_port,
                                        config.log_level))
     stop = asyncio.Event()
     outcome = {"code": ExitCode.OK}
@@ -189,65 +190,52 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         if stop.is_set():
             os._exit(ExitCode.INTERRUPTED)
         now = time.monotonic()
-        if state.ready and not (last_press and now - last_press[-1] <= CONFIRM_SECONDS):
+        if pool.ready and not (last_press and now - last_press[-1] <= CONFIRM_SECONDS):
             last_press[:] = [now]
             log.warning("Press Ctrl+C again within %g s to close", CONFIRM_SECONDS)
             return
         request_stop()
 
+    def on_engine_failure(slot: Any, failed: str) -> None:
+        """A single-model server stops with status 2 (a supervisor restarts it)."""
+        print(f"error: the engine failed: {failed}", file=sys.stderr)
+        request_stop(ExitCode.ENGINE_FAILED)
+
+    pool.on_engine_failure = on_engine_failure
     loop.add_signal_handler(signal.SIGINT, on_interrupt)
     loop.add_signal_handler(signal.SIGTERM, request_stop)  # stops at once
     serving = [asyncio.ensure_future(s.serve()) for s in servers]
+    tasks: list[asyncio.Future] = []
     try:
         await _wait_listening(config.host, config.port, time.monotonic() + 10)
         announce(f"ninfer {version_string()} listening on {config.host}:{config.port}"
                  + (f" (stats on port {config.stats_port})" if config.stats_port else ""))
         announce(f"API base: {api_base(config.host, config.port)}")
-        loaded_box: dict[str, Any] = {}
-
-        def load_in_background() -> None:
-            try:
-                loaded_box["model"] = load()
-            except BaseException as e:  # noqa: BLE001 - reported on the loop thread
-                loaded_box["error"] = e
-            loop.call_soon_threadsafe(loaded_event.set)
-
-        loaded_event = asyncio.Event()
-        threading.Thread(target=load_in_background, name="ninfer-load", daemon=True).start()
-        waiter = asyncio.ensure_future(loaded_event.wait())
+        starting = asyncio.ensure_future(pool.start_up())
         stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            _abandon_start_up(state, announce)
+        await asyncio.wait({starting, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set() and not starting.done():
+            _abandon_start_up(reqlog, announce)
         stopper.cancel()
-        if "error" in loaded_box:
-            e = loaded_box["error"]
-            msg = str(e) if isinstance(e, NInferError) else f"{type(e).__name__}: {e}"
-            print(f"error: {msg}", file=sys.stderr)
+        if starting.exception() is not None:  # a single-model server's model failed to load
+            slot = next(iter(pool.slots.values()))
+            print(f"error: {slot.error}", file=sys.stderr)
             return ExitCode.FAILED
-        loaded = loaded_box["model"]
-        try:
-            state.set_ready(loaded)
-        except NInferError as e:  # a start-up input only the loaded model can check (sampler presets)
-            print(f"error: {e}", file=sys.stderr)
-            await asyncio.to_thread(loaded.engine.shutdown)
-            return ExitCode.FAILED
-        snap = loaded.engine.snapshot()
-        state.reqlog.server_start(artifact=loaded.facts.path, model=state.model_id, backend=loaded.backend,
-                                  device=loaded.device, max_context=loaded.max_context,
-                                  max_concurrency=snap.max_concurrency,
-                                  max_pending_requests=snap.max_pending_requests,
-                                  kv_capacity_tokens=snap.kv_capacity_tokens,
-                                  structured_output=config.structured_output)
-        announce(f"model {state.model_id} ready (context {loaded.max_context}); serving")
-        tasks = [asyncio.ensure_future(_watch_engine(loaded, request_stop))]
+        if pool.router:
+            announce(f"router ready: {len(pool.slots)} models ({', '.join(pool.slots)}); "
+                     f"at most {options.models_max or 'unlimited'} loaded; serving")
+        else:
+            state = next(iter(pool.slots.values())).state
+            announce(f"model {state.model_id} ready (context {state.loaded.max_context}); serving")
+        tasks.append(asyncio.ensure_future(pool.watch()))
         if config.log_stats_interval_ms:
-            tasks.append(asyncio.ensure_future(_report_throughput(state, config.log_stats_interval_ms / 1e3)))
-        with _panel(state):
+            tasks.append(asyncio.ensure_future(_report_throughput(pool, config.log_stats_interval_ms / 1e3)))
+        async with _panel(pool, on_interrupt):
             await stop.wait()
         for task in tasks:
             task.cancel()
-        await asyncio.to_thread(loaded.engine.shutdown)
+        pool.close()
+        await pool.unload_all()
         announce("server stopped")
         return outcome["code"]
     finally:
@@ -256,51 +244,48 @@ async def _serve(state: ServerState, load: Callable[[], LoadedModel], announce: 
         await asyncio.gather(*serving, return_exceptions=True)
 
 
-def _abandon_start_up(state: ServerState, announce: Callable[[str], None]) -> None:
+def _abandon_start_up(reqlog: RequestLog, announce: Callable[[str], None]) -> None:
     """A stop before ready: say so and leave at once with 130. The loading thread may be deep in
     torch or a converter and cannot be stopped; exiting the interpreter around it would abort
     natively ("terminate called without an active exception"), so the process ends here."""
     announce("stopped during start-up")
-    state.reqlog.close()
+    reqlog.close()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(ExitCode.INTERRUPTED)
 
 
-def _panel(state: ServerState) -> contextlib.AbstractContextManager:
-    """The statistics panel when asked for, on an interactive stderr, at info verbosity or more."""
-    config = state.config
+def _panel(pool: ModelPool, on_interrupt: Callable[[], None]) -> contextlib.AbstractAsyncContextManager:
+    """The Textual statistics panel when on (the default), on an interactive stderr, at info
+    verbosity or more; redirected output gets plain records and no control sequences."""
+    config = pool.config
     if not (config.log_stats_panel and sys.stderr.isatty() and config.log_level in ("trace", "debug", "info")):
-        if config.log_stats_panel:
-            log.info("--log-stats-panel on: no panel (stderr is not an interactive terminal, or --log-level "
-                     "is above info)")
         return contextlib.nullcontext()
-    from ninfer.server.panel import StatsPanel
+    from ninfer.cli.panel import stats_panel
 
     def gauges() -> tuple[int, int]:
-        snap = state.loaded.engine.snapshot()
-        return snap.running, snap.waiting
+        snaps = [s.state.loaded.engine.snapshot() for s in pool.slots.values()
+                 if s.state is not None and s.state.loaded is not None]
+        return sum(s.running for s in snaps), sum(s.waiting for s in snaps)
 
-    return StatsPanel(state.reqlog.stats, gauges)
+    return stats_panel(pool.reqlog.stats, gauges, on_interrupt)
 
 
-async def _report_throughput(state: ServerState, interval: float) -> None:
-    """The throughput record every `interval` seconds, from engine snapshot deltas."""
-    engine = state.loaded.engine
-    before, t0 = engine.snapshot(), time.monotonic()
+async def _report_throughput(pool: ModelPool, interval: float) -> None:
+    """The throughput record of each loaded model every `interval` seconds, from engine snapshot
+    deltas (a model loaded meanwhile starts its first interval now)."""
+    before: dict[int, tuple[Any, float]] = {}  # id(engine) -> (snapshot, time)
     while True:
         await asyncio.sleep(interval)
-        after, t1 = engine.snapshot(), time.monotonic()
-        state.reqlog.throughput(before, after, t1 - t0)
-        before, t0 = after, t1
-
-
-async def _watch_engine(loaded: LoadedModel, request_stop: Callable[[int], None]) -> None:
-    """An engine-wide failure stops the server with exit status 2 (a supervisor restarts it)."""
-    while True:
-        await asyncio.sleep(1.0)
-        failed = getattr(loaded.engine, "failed", None)
-        if failed:
-            print(f"error: the engine failed: {failed}", file=sys.stderr)
-            request_stop(ExitCode.ENGINE_FAILED)
-            return
+        now = time.monotonic()
+        current: dict[int, tuple[Any, float]] = {}
+        for slot in pool.slots.values():
+            if slot.state is None or slot.state.loaded is None:
+                continue
+            engine = slot.state.loaded.engine
+            after = engine.snapshot()
+            if id(engine) in before:
+                snap0, t0 = before[id(engine)]
+                pool.reqlog.throughput(snap0, after, now - t0, model=slot.name if pool.router else None)
+            current[id(engine)] = (after, now)
+        before = current

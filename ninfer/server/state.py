@@ -26,6 +26,8 @@ class ServerState:
     """Readiness, the loaded model and the HTTP-side counters /v1/load, /stats and /metrics read."""
 
     config: ServerConfig
+    names: tuple[str, ...] = ()  # the names a router resolves to this model (its id and aliases)
+    log_name: str | None = None  # a router's model: named in its request records
     started_at: float = field(default_factory=time.monotonic)
     loaded: LoadedModel | None = None
     ready_at: float | None = None  # monotonic time warm-up ended

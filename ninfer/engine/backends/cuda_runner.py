@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ninfer.engine.backends.cuda_graphs import MAX_DECODE_ROWS, DecodeGraphs, DecodeState
-from ninfer.engine.backends.torch_runner import check_state_slots
+from ninfer.engine.backends.torch_runner import check_state_slots, release_device_memory, tensor_bytes
 from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models import architecture, state_spec
@@ -33,6 +33,7 @@ from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.cuda_ops import DTYPES, CudaContext, CudaOps
 from ninfer.engine.sampler import fill_mask_row, logprob_records
 from ninfer.engine.speculative import MAX_DRAFT_TOKENS, commit, position_rows
+from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler, default_cache_dir
@@ -58,6 +59,11 @@ class CudaModelRunner:
                  cuda_graph: bool = True, kernel_cache_dir: Path | None = None,
                  dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0, max_draft_tokens: int = 0,
                  profile: DeviceProfile | None = None) -> None:
+        # what a resume after a suspend builds again (engine/suspend.py)
+        self._build_args = (artifact, dict(num_pages=num_pages, page_size=page_size, device=device,
+                                           cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir, dtype=dtype,
+                                           num_state_slots=num_state_slots, max_draft_tokens=max_draft_tokens,
+                                           profile=profile))
         if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"max_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}")
         self.max_draft_tokens = max_draft_tokens
@@ -99,6 +105,41 @@ class CudaModelRunner:
         self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
         self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=cuda_graph,
                                    preserve=self._preserve_states if self.spec.recurrent else None)
+
+    # ---- suspend (engine/suspend.py): give the device memory back, take it again -------------
+
+    def _caches(self) -> dict[str, list[torch.Tensor]]:
+        return {"k": self.k_cache, "v": self.v_cache, **({"conv": self.conv, "ssm": self.ssm} if self.conv else {})}
+
+    def resident_bytes(self) -> int:
+        """Device bytes a suspend releases: weights, KV and state pools, step inputs (graph pools not counted)."""
+        return tensor_bytes((self.model, self.ops, self.k_cache, self.v_cache, self.conv, self.ssm, self.state,
+                             self.verify_conv, self.verify_ssm))
+
+    @torch.inference_mode()
+    def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
+        """Copy the live KV pages and state slots to host memory, then drop weights, pools, step
+        state and CUDA graphs (their memory pools with them). -> (snapshot, its bytes, weight bytes)."""
+        with torch.cuda.device(self.device):
+            snapshot = take_snapshot(self._caches(), pages, slots, self.device)
+            torch.cuda.synchronize(self.device)
+            weight_bytes = tensor_bytes((self.model, self.ops))
+            for name in ("model", "ops", "k_cache", "v_cache", "conv", "ssm", "state", "verify_conv",
+                         "verify_ssm", "graphs"):
+                setattr(self, name, None)
+            release_device_memory(self.device)
+        return snapshot, snapshot_bytes(snapshot), weight_bytes
+
+    @torch.inference_mode()
+    def restore_memory(self, snapshot: dict) -> tuple[int, int, int]:
+        """Build the runner again (weights read from the artifact, fresh pools; graphs are captured
+        again on first use) and copy the snapshot into the same page and slot ids."""
+        artifact, kwargs = self._build_args
+        self.__init__(artifact, **kwargs)
+        with torch.cuda.device(self.device):
+            state_bytes = restore_snapshot(self._caches(), snapshot, self.device)
+            torch.cuda.synchronize(self.device)
+        return state_bytes, tensor_bytes((self.model, self.ops)), getattr(artifact, "payload_bytes", 0)
 
     def _check_shapes(self, c: ModelConfig) -> None:
         gqa = c.num_attention_heads // c.num_key_value_heads

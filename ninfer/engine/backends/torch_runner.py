@@ -17,7 +17,9 @@ from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.torch_ops import KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
+from ninfer.engine.errors import SuspendNotSupported
 from ninfer.engine.speculative import sample_rows
+from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError, NInferError
 
 
@@ -79,6 +81,7 @@ class TorchModelRunner:
                               f"{c.architecture} artifact has none")
         if mtp_draft_tokens >= page_size:
             raise ConfigError(f"--draft-tokens {mtp_draft_tokens} must be below the page size {page_size}")
+        self._artifact, self._pack = artifact, pack  # what a resume after a suspend reads again
         with torch.inference_mode():
             self.ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=pack)
             reader = WeightReader(artifact, self.ops, self.device)
@@ -91,6 +94,41 @@ class TorchModelRunner:
         self.mtp_draft_tokens = mtp_draft_tokens
         self._verify_states: RecurrentStates | None = None  # the last forward's per-token states of verify rows
         self._verify_rows: dict[int, int] = {}  # seq_id -> its first flat row in the last forward
+
+    # ---- suspend (engine/suspend.py): give the memory back, take it again ---------------------
+
+    def resident_bytes(self) -> int:
+        """Bytes a suspend releases: weights, the KV pool and the state pool."""
+        return tensor_bytes((self.model, self.ops, self.kv.k, self.kv.v,
+                              (self.states.conv, self.states.ssm) if self.states is not None else ()))
+
+    def _caches(self, kv: KVCache, states: RecurrentStates | None) -> dict[str, list[torch.Tensor]]:
+        return {"k": kv.k, "v": kv.v, **({"conv": states.conv, "ssm": states.ssm} if states is not None else {})}
+
+    @torch.inference_mode()
+    def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
+        """Copy the live KV pages and state slots to host memory, then drop the weights and the pools.
+        -> (snapshot, its bytes, weight bytes released)."""
+        if self.mtp is not None:
+            raise SuspendNotSupported("--model-suspend is not supported with --spec mtp yet")
+        snapshot = take_snapshot(self._caches(self.kv, self.states), pages, slots, self.device)
+        weight_bytes = tensor_bytes((self.model, self.ops))
+        self.model = self.ops = self.kv = self.states = None  # type: ignore[assignment]
+        release_device_memory(self.device)
+        return snapshot, snapshot_bytes(snapshot), weight_bytes
+
+    @torch.inference_mode()
+    def restore_memory(self, snapshot: dict) -> tuple[int, int, int]:
+        """Read the weights again, allocate the pools and copy the snapshot back into the same page
+        and slot ids. -> (state bytes copied, weight bytes rebuilt, artifact bytes read)."""
+        c = self.config
+        ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=self._pack)
+        model = architecture(c).model.load(WeightReader(self._artifact, ops, self.device), c)
+        kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device)
+        states = self._states(self.num_state_slots)
+        state_bytes = restore_snapshot(self._caches(kv, states), snapshot, self.device)
+        self.ops, self.model, self.kv, self.states = ops, model, kv, states
+        return state_bytes, tensor_bytes((model, ops)), getattr(self._artifact, "payload_bytes", 0)
 
     def _states(self, slots: int) -> RecurrentStates | None:
         return RecurrentStates(self.spec, slots, self.kv_dtype, self.device) if self.spec.recurrent else None
@@ -214,3 +252,46 @@ class TorchModelRunner:
                 return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
             hidden = hidden[rows] if len(rows) < hidden.shape[0] else hidden
         return self.model.compute_logits(self.ops, hidden)
+
+
+def tensor_bytes(root: object) -> int:
+    """Bytes of the distinct tensor storages reachable from `root` (objects, lists, dicts)."""
+    seen_storage: set[int] = set()
+    seen: set[int] = set()
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if obj is None or isinstance(obj, (str, bytes, int, float, bool)) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen_storage:
+                seen_storage.add(storage.data_ptr())
+                total += storage.nbytes()
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for name in getattr(type(obj), "__slots__", ()):
+                stack.append(getattr(obj, name, None))
+    return total
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Collect the dropped tensors and give their memory back: the CUDA cache on a GPU; on the host,
+    glibc's free lists (freed arenas otherwise stay in the process's resident set)."""
+    import ctypes
+    import gc
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+        pass

@@ -1,0 +1,61 @@
+"""Model suspend on the cuda backend (engine/suspend.py, CudaModelRunner.release_memory /
+restore_memory): a suspend gives the device memory back (measured with torch.cuda.mem_get_info),
+a resume restores the retained conversation into the same pages, so the next turn reuses its prefix
+and produces the tokens an Engine that was never suspended produces (CUDA graphs captured again)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.loader import load_engine
+from ninfer.engine.request import PreparedRequest, SamplingParams
+
+
+def _run(engine, prompt: list[int], rid: str) -> tuple[list[int], object]:
+    out, final = [], None
+    for event in engine.submit(PreparedRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=16)):
+        out += event.token_ids
+        if event.finish_reason is not None:
+            final = event
+    return out, final
+
+
+def _used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def test_cuda_suspend_gives_device_memory_back_and_keeps_prefixes(smollm2_artifact: Path) -> None:
+    def load():
+        return load_engine(str(smollm2_artifact), backend="cuda", scheduler=SchedulerConfig(max_context=4096),
+                           announce=False)
+
+    m = load()
+    engine = m.engine
+    prompt = m.tokenizer.encode("The lighthouse keeper climbed the stairs and looked out at the sea. " * 12)
+    first, _ = _run(engine, prompt, "a")
+    try:
+        before = _used()
+        r = engine.suspend().result(120)
+        during = _used()
+        assert r.state == "suspended" and r.host_snapshot_bytes > 0
+        # the weights and the KV pool (at least) left the device
+        assert before - during >= 0.8 * r.last_suspend.weight_bytes, (before, during, r.to_dict())
+        r = engine.resume().result(300)
+        assert r.state == "resident" and _used() >= during
+        second, final = _run(engine, prompt + first, "b")
+        assert final.usage.cached_tokens >= len(prompt)
+        print(f"suspend {r.last_suspend.seconds * 1e3:.0f} ms, resume {r.last_resume.seconds * 1e3:.0f} ms, "
+              f"device used {before / 2**20:.0f} -> {during / 2**20:.0f} MiB")
+    finally:
+        engine.shutdown()
+    ref = load()
+    try:
+        ref_first, _ = _run(ref.engine, prompt, "a")
+        ref_second, ref_final = _run(ref.engine, prompt + ref_first, "b")
+    finally:
+        ref.engine.shutdown()
+    assert (first, second) == (ref_first, ref_second)
+    assert final.usage.cached_tokens == ref_final.usage.cached_tokens

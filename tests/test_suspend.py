@@ -1,0 +1,140 @@
+"""Model suspend on the torch backend (engine/suspend.py): in-process on the default model, the
+retained conversation's prefix is reused exactly after a resume; then `ninfer serve --model-suspend`
+as a real process: the /v1/models/{id}/suspend|resume|residency routes, auto_resume, 409 model_busy
+while a stream runs, and a router's sleep under --models-max."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_server_http import free_port
+
+openai = pytest.importorskip("openai")
+
+
+def _run(engine, prompt: list[int], rid: str) -> tuple[list[int], object]:
+    from ninfer.engine.request import PreparedRequest, SamplingParams
+
+    out, final = [], None
+    for event in engine.submit(PreparedRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=12)):
+        out += event.token_ids
+        if event.finish_reason is not None:
+            final = event
+    return out, final
+
+
+def test_suspend_keeps_retained_prefixes_exactly(smollm2_artifact: Path) -> None:
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.errors import EngineSuspended
+    from ninfer.engine.loader import load_engine
+    from ninfer.engine.request import PreparedRequest, SamplingParams
+
+    def load():
+        return load_engine(str(smollm2_artifact), backend="torch", scheduler=SchedulerConfig(max_context=1024),
+                           announce=False)
+
+    m = load()
+    engine = m.engine
+    prompt = m.tokenizer.encode("The lighthouse keeper climbed the stairs and looked out at the sea. " * 6)
+    first, _ = _run(engine, prompt, "a")
+    try:
+        r = engine.suspend().result(60)
+        assert r.state == "suspended" and r.host_snapshot_bytes > 0 and r.last_suspend.weight_bytes > 0
+        with pytest.raises(EngineSuspended):
+            engine.submit(PreparedRequest("x", prompt, SamplingParams(temperature=0.0), max_tokens=2))
+        r = engine.resume().result(120)
+        assert r.state == "resident" and (r.suspends, r.resumes) == (1, 1)
+        assert r.last_resume.state_bytes == r.last_suspend.state_bytes and r.last_resume.artifact_read_bytes > 0
+        second, final = _run(engine, prompt + first, "b")
+        assert final.usage.cached_tokens >= len(prompt)  # the retained conversation's prefix is reused
+    finally:
+        engine.shutdown()
+    # the same two turns on an Engine that was never suspended
+    ref = load()
+    try:
+        ref_first, _ = _run(ref.engine, prompt, "a")
+        ref_second, ref_final = _run(ref.engine, prompt + ref_first, "b")
+    finally:
+        ref.engine.shutdown()
+    assert (first, second) == (ref_first, ref_second)
+    assert final.usage.cached_tokens == ref_final.usage.cached_tokens
+
+
+@pytest.fixture(scope="module")
+def suspending(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("suspend")
+    port = free_port()
+    log = tmp / "serve.log"
+    cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--model-id", "smol",
+           "--model-suspend", "--max-context", "2048", "--port", str(port), "--log-stats-interval-ms", "0"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while "serving" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        raise
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, log.read_text()
+
+
+CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Tell me about lighthouses."}], "max_tokens": 8,
+        "temperature": 0}
+
+
+def test_suspend_resume_routes_and_auto_resume(suspending: str) -> None:
+    url = suspending
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    first = c.chat.completions.create(**CHAT)
+    r = httpx.get(url + "/v1/models/smol/residency").json()
+    assert r["state"] == "resident" and r["releasable_device_bytes"] > 0 and r["suspend_count"] == 0
+    r = httpx.post(url + "/v1/models/smol/suspend", json={}, timeout=60).json()
+    assert r["state"] == "suspended" and r["auto_resume"] is True and r["host_snapshot_bytes"] > 0
+    assert r["last_suspend"]["weight_bytes"] > 0
+    assert httpx.get(url + "/models").json()["data"][0]["status"]["value"] == "sleeping"
+    assert httpx.post(url + "/tokenize", json={"content": "hi"}).status_code == 200  # host work: no wake
+    assert httpx.get(url + "/v1/models/smol/residency").json()["state"] == "suspended"
+    again = c.chat.completions.create(**CHAT)  # auto_resume: resumed, then run, prefix reused
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    r = httpx.get(url + "/v1/models/smol/residency").json()
+    assert r["state"] == "resident" and r["resume_count"] == 1 and r["last_resume"]["artifact_read_bytes"] > 0
+    # auto_resume off: requests fail with 503 and /health reports the server unavailable
+    r = httpx.post(url + "/v1/models/smol/suspend", json={"auto_resume": False}, timeout=60).json()
+    assert r["state"] == "suspended" and r["auto_resume"] is False
+    with pytest.raises(openai.APIStatusError) as e:
+        c.chat.completions.create(**CHAT)
+    assert e.value.status_code == 503 and e.value.body["code"] == "model_suspended"
+    assert httpx.get(url + "/health").status_code == 503
+    r = httpx.post(url + "/v1/models/smol/resume", json={}, timeout=120).json()
+    assert r["state"] == "resident"
+    assert httpx.get(url + "/health").status_code == 200
+    assert c.chat.completions.create(**CHAT).choices[0].message.content == first.choices[0].message.content
+    r = httpx.post(url + "/v1/models/other/suspend", json={})
+    assert r.status_code == 404
+
+
+def test_suspend_while_a_stream_runs_is_409_model_busy(suspending: str) -> None:
+    url = suspending
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    stream = c.chat.completions.create(**{**CHAT, "max_tokens": 64}, stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    r = httpx.post(url + "/v1/models/smol/suspend", json={})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "model_busy"
+    r = httpx.post(url + "/models/sleep", json={"model": "smol"})
+    assert r.status_code == 409
+    chunks = list(stream)  # never cut
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert httpx.get(url + "/v1/models/smol/residency").json()["state"] == "resident"
