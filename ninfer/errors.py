@@ -23,13 +23,15 @@ class RequestError(NInferError):
     """Invalid client input, with the HTTP status, OpenAI error type, code and param."""
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = "invalid_request_error") -> None:
+                 status: int = 400, type: str = "invalid_request_error",
+                 extra: dict[str, object] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
         self.status = status
         self.type = type
+        self.extra = extra or {}  # further fields of the OpenAI-shaped error object (llama-server's)
 
 
 class ExitCode:

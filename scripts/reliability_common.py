@@ -25,6 +25,10 @@ def seed_bodies(model: str) -> dict[str, dict[str, Any]]:
         "/v1/responses": {"model": model, "input": "Name a colour.", "max_output_tokens": 4, "store": False},
         "/v1/responses/input_tokens": {"model": model, "input": "Count this."},
         "/v1/responses/compact": {"model": model, "input": "x"},
+        "/v1/embeddings": {"model": model, "input": ["Hello world", "The sky is blue"]},
+        "/v1/rerank": {"model": model, "query": "What colour is the sky?", "top_n": 1,
+                       "documents": ["The sky is blue.", {"text": "Paris is in France."}]},
+        "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4},
     }
 
 

@@ -142,3 +142,14 @@ def test_chat_protocols_import_no_other_protocol(protocol: str) -> None:
     names = [name for _, name in imported_modules(path.read_text(), f"ninfer.server.{protocol}")]
     assert [n for n in names if any(n == o or n.startswith(o + ".") for o in others)] == []
     assert "ninfer.server.chat_run.run_chat" in names  # the one generation loop
+
+
+def test_the_server_app_imports_without_torch() -> None:
+    """torch loads with the model, after the listener is up: a server module that imports it at
+    module level delays start-up and races a failed load's shutdown (a Granian abort was seen)."""
+    import subprocess
+    import sys
+
+    code = "import sys, ninfer.server.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -7,6 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from ninfer.engine.counters import ContinuationInfo, EngineSnapshot
+from ninfer.engine.request import SamplingParams
+from ninfer.server.config import ServerConfig
 from ninfer.server.generate import session_digest
 from ninfer.server.ops import handle_slots, load_report, metrics_text
 
@@ -15,7 +17,8 @@ def fake_call(snap: EngineSnapshot) -> Any:
     engine = SimpleNamespace(snapshot=lambda: snap)
     state = SimpleNamespace(loaded=SimpleNamespace(engine=engine), model_id="m", uptime=lambda: 1.0,
                             admitted=0, requests_total=0, requests_failed=0, requests_rejected=0,
-                            slot_digests={})
+                            slot_digests={}, base_sampling=SamplingParams(), config=ServerConfig(),
+                            slot_params={}, running_params={})
     call = SimpleNamespace(state=state, sent=None)
 
     async def respond(status: int, body: Any) -> None:
@@ -44,7 +47,8 @@ def test_state_pool_in_load_metrics_and_slots() -> None:
     assert 'ninfer:context_occupancy{pool="device_state_slots"} 1' in lines
     assert "ninfer:state_slots_total 6" in lines and "ninfer:state_slots_used 1" in lines
     asyncio.run(handle_slots(call))
-    status, (cell,) = call.sent
+    status, (cell, *idle) = call.sent  # one entry per cell: the retained one, then 3 idle
+    assert [c["id"] for c in idle] == [1, 2, 3] and not any(c["retained"] for c in idle)
     assert status == 200 and [(c["frontier"], c["state_slot"]) for c in cell["checkpoints"]] == [(4, 3), (5, 2)]
     assert [c["session_digest"] for c in cell["checkpoints"]] == [session_digest([1, 2, 3, 4]),
                                                                   session_digest([1, 2, 3, 4, 5])]

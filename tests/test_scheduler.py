@@ -510,3 +510,41 @@ def test_hybrid_no_page_checkpoint_without_a_spare_slot() -> None:
         finish(sched, a)
     assert s.prefix_cache.entries()[0].checkpoints() == [(11, 0)]
     assert pure.prefix_cache.entries()[0].checkpoints() == []  # pure attention: KV only
+
+
+def test_short_packable_prompts_share_one_prefill_unit_generation_does_not() -> None:
+    s = make(max_concurrency=3, prefill_chunk=8)
+    a = seq(0, [10, 11, 12], max_out=1, return_hidden=True, cache_prompt=False, packable=True)
+    b = seq(1, [20, 21, 22, 23], max_out=1, return_hidden=True, cache_prompt=False, packable=True)
+    c = seq(2, [30, 31], max_out=1, return_hidden=True, cache_prompt=False, packable=True)
+    for x in (a, b, c):
+        s.add(x)
+    first = run(s)  # the unit is the shortest (c); a fits the 6 tokens left, then b (4) not the 3 left
+    assert [(w.seq_id, w.token_ids, w.start_pos, w.sample, w.return_hidden) for w in first.seqs] == [
+        (2, [30, 31], 0, True, True), (0, [10, 11, 12], 0, True, True)]
+    assert a.finished and c.finished and not b.finished  # one sampled token each ends them
+    assert [(w.seq_id, w.token_ids, w.start_pos, w.sample) for w in run(s).seqs] == [(1, [20, 21, 22, 23], 0, True)]
+    # a generation request is never packed, and a staged one holds admission back as before
+    s = make(max_concurrency=3, prefill_chunk=8)
+    g = seq(0, [10, 11, 12], max_out=4)
+    e = seq(1, [20, 21], max_out=1, return_hidden=True, cache_prompt=False, packable=True)
+    s.add(g)
+    s.add(e)
+    assert [w.seq_id for w in run(s).seqs] == [0]
+
+
+def test_packed_judgements_resume_a_shared_prefix_with_their_page_copies() -> None:
+    s = Scheduler(SchedulerConfig(max_concurrency=2, prefill_chunk=8, decode_rounds_per_prefill=1, prefix_reuse=True),
+                  PagePool(16, P), copy_on_write=True)
+    s.add(seq(0, [1, 2, 3, 4, 5, 6], max_out=1))  # the judging prefix, retained
+    run(s)
+    x = seq(1, [1, 2, 3, 4, 5, 6, 7], max_out=1, packable=True, retain=False)
+    y = seq(2, [1, 2, 3, 4, 5, 6, 8, 9], max_out=1, packable=True, retain=False)
+    s.add(x)
+    s.add(y)
+    batch = run(s)
+    assert [(w.seq_id, w.token_ids, w.start_pos) for w in batch.seqs] == [(1, [7], 6), (2, [8, 9], 6)]
+    # each resumed inside the prefix's second page: a private copy of it, made before the forward
+    shared = s.prefix_cache.entries()[0].pages[1]
+    assert sorted(batch.page_copies) == sorted((shared, w.block_table[1]) for w in batch.seqs)
+    assert x.finished and y.finished and len(s.prefix_cache) == 1  # the judgements retained nothing

@@ -228,9 +228,6 @@ def test_doubled_v1_base_and_models(server: Server) -> None:
 
 def test_openai_errors_are_typed(server: Server) -> None:
     c = client(server)
-    with pytest.raises(openai.NotFoundError) as e:
-        c.chat.completions.create(**{**CHAT, "model": "gpt-4o"})
-    assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(**CHAT, n=2)
     assert e.value.body["code"] == "n_not_supported" and e.value.body["param"] == "n"
@@ -266,7 +263,7 @@ def test_llamacpp_completion_stream(server: Server) -> None:
     with httpx.stream("POST", server.url + "/completion", json=body, headers=AUTH, timeout=120) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
-    assert all("tokens" not in e for e in events[:-1])
+    assert all(e["tokens"] == [] for e in events[:-1])  # llama-server's array, empty without return_tokens
     final = events[-1]
     assert final["stop"] is True and final["content"] == "" and len(final["tokens"]) == 3
     text = "".join(e["content"] for e in events[:-1])
@@ -284,7 +281,7 @@ def test_llamacpp_prompt_forms_and_refusals(server: Server) -> None:
                        ({"prompt": [49152]}, "invalid_prompt"),
                        ({"prompt": "x", "repeat_penalty": 1.1}, "repeat_penalty_not_supported"),
                        ({"prompt": "x", "mirostat": 2}, "mirostat_not_supported"),
-                       ({"prompt": "x", "grammar": "root ::= \"a\""}, "grammar_not_supported")]:
+                       ({"prompt": "x", "grammar": "root ::= a"}, "invalid_grammar")]:
         r = _post(server, "/completion", body)
         assert r.status_code == 400 and r.json()["error"]["code"] == code, (body, r.text)
     r = _post(server, "/v1/completions", {"prompt": "x", "suffix": "y"})
@@ -440,8 +437,9 @@ def test_props_load_stats_slots_index(server: Server) -> None:
     stats = _get(server, "/stats").json()
     assert stats["object"] == "ninfer.stats" and stats["requests"]["peak_admitted"] >= 1
     assert stats["queue"]["depth"] == 0 and stats["queue"]["entries"] == []
-    slots = _get(server, "/slots").json()
-    assert slots and all(s["retained"] for s in slots) and slots[0]["n_prompt_tokens"] > 0
+    slots = _get(server, "/slots").json()  # one entry per cell (2 a lane), idle ones included
+    assert [s["id"] for s in slots] == [0, 1] and all("params" in s for s in slots)
+    assert any(s["retained"] and s["n_prompt_tokens"] > 0 for s in slots)
     index = _get(server, "/v1").json()
     assert index["model"] == MODEL
     assert any(e["method"] == "POST" and e["path"] == "/v1/chat/completions" for e in index["endpoints"])
@@ -501,8 +499,9 @@ def test_cors_preflight_needs_no_key(server: Server) -> None:
     r = httpx.options(server.url + "/v1/chat/completions",
                       headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
                                "Access-Control-Request-Headers": "x-conversation-id"})
-    assert r.status_code == 204
+    assert r.status_code == 200  # as llama-server answers a preflight
     assert r.headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert "DELETE" in r.headers["access-control-allow-methods"]
     assert "x-conversation-id" in r.headers["access-control-allow-headers"]
     assert "authorization" in r.headers["access-control-allow-headers"]
 
@@ -700,7 +699,8 @@ def test_responses_errors_name_the_field(server: Server, body: dict, param: str,
 
 
 def test_responses_resources(server: Server) -> None:
-    assert _post(server, "/v1/responses", {"model": "other", "input": "hi"}).status_code == 404
+    other = _post(server, "/v1/responses", {"model": "other", "input": "hi", "max_output_tokens": 1})
+    assert other.status_code == 200 and other.json()["model"] == MODEL  # any name: the one model answers
     assert _post(server, "/v1/responses/compact", {}).json()["error"]["code"] == "compaction_not_supported"
     assert _post(server, "/v1/responses/resp_x/cancel", {}).json()["error"]["code"] == "background_not_supported"
     assert _get(server, "/v1/responses/resp_missing").json()["error"]["code"] == "response_not_found"
@@ -892,7 +892,7 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
         "response_format": [{"type": "json_schema"}, "x", {}, {"type": "json_schema", "json_schema": {"schema": 5}},
                             {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}], "tools": ["x", [{"type": "function"}]],
         "tool_choice": ["required", {"type": "function"}], "ignore_eos": ["x", 1],
-        "model": ["other", 5, [], {}], "chat_template_kwargs": ["x", {"messages": 1}],
+        "model": [5, [], {}], "chat_template_kwargs": ["x", {"messages": 1}],
         "guided_json": [{"type": "object"}], "grammar": ["x"], "audio": [{"voice": "a"}],
     }
     bodies: list[tuple[str, bytes]] = []
@@ -929,7 +929,7 @@ def _hostile_bodies() -> list[tuple[str, bytes]]:
                    "store": ["x"], "metadata": ["x", {"a": 5}], "reasoning": ["x", {"summary": "x"}],
                    "text": ["x", {"format": {"type": "json_schema"}}], "tool_choice": ["required"],
                    "top_logprobs": [21, "x"], "include": ["x", ["x"]], "service_tier": ["flex"],
-                   "model": [None, "", 5, "other"], "user": [5], "nonsense": [1]}
+                   "model": [None, "", 5], "user": [5], "nonsense": [1]}
     for field, values in resp_fields.items():
         for v in values:
             bodies.append(("/v1/responses", json.dumps({**resp, field: v}).encode()))

@@ -146,7 +146,7 @@ def test_messages_normalized_and_media_refused() -> None:
 @pytest.mark.parametrize("body, code", [
     ({"n": 2}, "n_not_supported"), ({"logit_bias": {"5": 2}}, "logit_bias_not_supported"),
     ({"guided_json": {"type": "object"}}, "guided_json_not_supported"),
-    ({"grammar": "root ::= x"}, "grammar_not_supported"),
+    ({"guided_grammar": "root ::= x"}, "guided_grammar_not_supported"),
     ({"audio": {"voice": "x"}}, "audio_not_supported"), ({"store": True}, "store_not_supported"),
     ({"modalities": ["text", "audio"]}, "modalities_not_supported"),
 ])
@@ -214,7 +214,7 @@ def test_anthropic_status_mapping() -> None:
 
 
 @pytest.mark.parametrize("err, status, kind, code, param, message", [
-    (ContextLengthExceeded(9000, 8192), 400, "invalid_request_error", "context_length_exceeded", "prompt",
+    (ContextLengthExceeded(9000, 8192), 400, "exceed_context_size_error", "context_length_exceeded", "prompt",
      "the prompt has 9000 tokens, but the context holds 8192 (prompt plus at least one output token)"),
     (EngineOverloaded(12), 429, "server_error", "server_overloaded", None, "the server is at capacity; retry shortly"),
     (DuplicateRequest("abc"), 400, "invalid_request_error", None, "request_id", "request id 'abc' is already in flight"),
@@ -238,8 +238,9 @@ def test_engine_errors_map_to_http_at_the_edge(err: EngineError, status: int, ki
     assert not hasattr(err, "status") and not hasattr(err, "code")  # the engine error carries no HTTP facts
     mapped = http_error(err)
     assert (mapped.status, mapped.type, mapped.code, mapped.param, mapped.message) == (status, kind, code, param, message)
+    extra = {"n_prompt_tokens": 9000, "n_ctx": 8192} if isinstance(err, ContextLengthExceeded) else {}  # llama-server's
     assert orjson.loads(openai_error_body(mapped)) == {"error": {"message": message, "type": kind, "param": param,
-                                                                 "code": code}}
+                                                                 "code": code, **extra}}
     own = RequestError("suffix must be a string", param="suffix", code="invalid_value")
     assert http_error(own) is own  # the server's own errors pass through
 

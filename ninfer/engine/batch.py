@@ -54,6 +54,7 @@ class SequenceWork:
     # structured output with drafts: the mask of each position 1..num_drafts (position 0 is
     # token_mask); a position whose draft the grammar refuses has none (None) and ends the drafts
     draft_masks: list[Any] = field(default_factory=list)
+    return_hidden: bool = False  # an embedding's prompt: hand back this row's final normed hidden states
 
     @property
     def drafts(self) -> list[int]:
@@ -90,6 +91,9 @@ class StepOutput:
     verified_logprobs: dict[int, list[TokenLogprob | None]] = field(default_factory=dict)
     # a runner that drafts (an MTP head): seq_id -> the drafts it proposes after the committed tokens
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # rows with return_hidden: seq_id -> the final normed hidden states of its tokens, [tokens, hidden]
+    # (a view the next step may overwrite: read it before then)
+    hidden: dict[int, Any] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):

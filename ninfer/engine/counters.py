@@ -75,7 +75,8 @@ class EngineSnapshot:
     prefill_units: int = 0
     prompt_tokens_total: int = 0  # llamacpp:prompt_tokens_total
     prompt_seconds_total: float = 0.0
-    predicted_tokens_total: int = 0  # llamacpp:tokens_predicted_total
+    predicted_tokens_total: int = 0  # llamacpp:tokens_predicted_total: every generated token
+    max_sequence_tokens: int = 0  # llamacpp:n_tokens_max: the most tokens one sequence held in the KV cache
     predicted_seconds_total: float = 0.0
     requests_finished: int = 0  # ended with stop or length
     requests_cancelled: int = 0
@@ -117,6 +118,8 @@ class EngineCounters:
 
     computed_prefill_tokens: int = 0
     committed_decode_tokens: int = 0
+    predicted_tokens: int = 0  # every generated token (first tokens included)
+    max_sequence_tokens: int = 0
     reused_prompt_tokens: int = 0
     decode_rounds: int = 0
     decode_row_rounds: int = 0

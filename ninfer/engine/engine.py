@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import TYPE_CHECKING, Any
 
-from ninfer.engine.batch import ModelRunner, ScheduledBatch
+from ninfer.engine.batch import ModelRunner, ScheduledBatch, StepOutput
 from ninfer.engine.config import SchedulerConfig, SpecConfig
 from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnapshot, LaneInfo,
                                     QueueEntry)
@@ -68,6 +68,7 @@ class _Live:
     post_thinking: bool = False  # the sampler switched after the reasoning closed
     tokens_seen: int = 0  # output tokens handed to the output processor
     spec: SpecStats | None = None  # speculative decoding (--spec)
+    pooled: Any = None  # an embedding: the pooled hidden state so far (a sum for mean), float32 [hidden]
 
 
 @dataclass(slots=True, eq=False)
@@ -254,8 +255,10 @@ class Engine:
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.randrange(1 << 63)
         seq = Sequence(seq_id=-1, request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
                        max_output_tokens=max_out, sampling=req.sampling, seed=seed,
-                       stop_token_ids=proc.stop_token_ids, cache_prompt=req.cache_prompt,
-                       raw_prompt=req.raw_prompt)
+                       stop_token_ids=proc.stop_token_ids,
+                       cache_prompt=req.cache_prompt and req.pooling is None,  # every row computed: no reuse
+                       raw_prompt=req.raw_prompt, return_hidden=req.pooling is not None, retain=req.retain,
+                       packable=max_out == 1 and (req.pooling is not None or req.batch_prefill))
         handle = RequestHandle(req.request_id, self)
         handle.max_output_tokens, handle.seed = max_out, seed
         now = time.monotonic()
@@ -447,9 +450,16 @@ class Engine:
                 live = self._by_seq.get(seq_id)
                 if live is not None and live.spec is not None:
                     self.drafter.offer(live.spec.state, drafts)
+        if output.hidden:
+            self._pool(batch, output)
         sampled = self.scheduler.update(batch, output)
+        c.predicted_tokens += len(sampled)  # every generated token, a prefill's first token included
         if not is_prefill:
             c.committed_decode_tokens += len(sampled)
+        for work in batch.seqs:  # llama.cpp's n_tokens_max: the longest sequence seen in the KV cache
+            live = self._by_seq.get(work.seq_id)
+            if live is not None:
+                c.max_sequence_tokens = max(c.max_sequence_tokens, live.seq.num_computed_tokens)
         if is_prefill:  # the unit committed: its progress precedes the first token it may have sampled
             self._progress(first, now)
         round_index: dict[int, int] = {}  # seq_id -> tokens of this step handed on so far
@@ -461,6 +471,22 @@ class Engine:
             logprob = output.logprobs.get(seq.seq_id) if i == 0 else output.verified_logprobs[seq.seq_id][i - 1]
             last = j + 1 == len(sampled) or sampled[j + 1][0] is not seq  # the row's last token of this step
             self._on_token(live, token, logprob, now, last)
+
+    def _pool(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Fold an embedding's rows of this step into its pooled state (mean: a running sum)."""
+        for work in batch.seqs:
+            rows = output.hidden.get(work.seq_id)
+            live = self._by_seq.get(work.seq_id)
+            if rows is None or live is None:
+                continue
+            pooling = live.req.pooling
+            if pooling == "mean":
+                total = rows.float().sum(0)
+                live.pooled = total if live.pooled is None else live.pooled + total
+            elif pooling == "last":
+                live.pooled = rows[-1].float().clone()
+            elif work.start_pos == 0:  # cls: the first position
+                live.pooled = rows[0].float().clone()
 
     def _draft(self, batch: ScheduledBatch) -> None:
         """Speculative decoding: attach each decode row's drafts (and their grammar masks)."""
@@ -639,12 +665,19 @@ class Engine:
         self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, reasoning=reasoning,
                                      logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason, usage=usage,
                                      timings=self._timings(live), error=error, slot_id=seq.slot,
-                                     post_thinking_sampling=live.post_thinking,
+                                     post_thinking_sampling=live.post_thinking, embedding=self._embedding(live),
                                      reuse_path=seq.reuse_path if live.admitted_at is not None else None,
                                      queue_wait_seconds=live.admitted_at - live.submitted_at
                                      if live.admitted_at is not None else None,
                                      speculative=live.spec.to_dict(self.spec.method, self.spec.draft_tokens)
                                      if live.spec is not None else None))
+
+    def _embedding(self, live: _Live) -> Any:
+        """An embedding request's pooled vector (None for any other request, or one that never ran)."""
+        if live.pooled is None:
+            return None
+        pooled = live.pooled / live.seq.prompt_len if live.req.pooling == "mean" else live.pooled
+        return pooled.cpu()
 
     def _emit(self, live: _Live, event: OutputEvent) -> None:
         try:
@@ -709,7 +742,8 @@ class Engine:
             prefill_units=c.prefill_units,
             prompt_tokens_total=c.computed_prefill_tokens,
             prompt_seconds_total=c.prompt_seconds_total,
-            predicted_tokens_total=c.committed_decode_tokens,
+            predicted_tokens_total=c.predicted_tokens,
+            max_sequence_tokens=c.max_sequence_tokens,
             predicted_seconds_total=c.predicted_seconds_total,
             requests_finished=c.requests_finished,
             requests_cancelled=c.requests_cancelled,

@@ -61,6 +61,10 @@ class SchemaError(InvalidRequest):
     """A JSON Schema that is not an object, or that the grammar compiler cannot enforce."""
 
 
+class GrammarError(InvalidRequest):
+    """A GBNF grammar the grammar compiler cannot read."""
+
+
 class EngineOverloaded(EngineError):
     """Every lane and every pending place is taken; `capacity` is their number."""
 

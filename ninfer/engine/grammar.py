@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import xgrammar as xg
 
-from ninfer.engine.errors import SchemaError
+from ninfer.engine.errors import GrammarError, SchemaError
 from ninfer.engine.schema_subset import check_schema
 
 
@@ -43,11 +43,17 @@ class JsonGrammars:
         try:
             compiled = self._compiler.compile_json_schema(json.dumps(schema), strict_mode=strict)
         except (RuntimeError, ValueError, TypeError) as e:
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)  # XGrammar's "[time] file.cc:line: "
-            raise SchemaError(f"{param} cannot be enforced: {reason[:300]}", field=param) from None
+            raise SchemaError(f"{param} cannot be enforced: {_reason(e)}", field=param) from None
         return Grammar(compiled, self.vocab_size)
 
+    def gbnf(self, text: str, param: str) -> Grammar:
+        """A sentence of the GBNF grammar `text` (llama.cpp's grammar field; XGrammar reads GBNF
+        as its EBNF, root rule `root`); `param` names it in errors."""
+        try:
+            compiled = self._compiler.compile_grammar(xg.Grammar.from_ebnf(text))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarError(f"{param} does not compile: {_reason(e)}", field=param) from None
+        return Grammar(compiled, self.vocab_size)
 
     def tool_call(self, tools: list[tuple[str, dict[str, Any]]], opener: str = "<tool_call>\n",
                   closer: str = "\n</tool_call>") -> Grammar:
@@ -66,6 +72,12 @@ class JsonGrammars:
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)
             raise SchemaError(f"tools: a parameters schema cannot be enforced: {reason[:300]}", field="tools") from None
         return Grammar(compiled, self.vocab_size)
+
+
+def _reason(e: Exception) -> str:
+    """XGrammar's message without its "[time] file.cc:line: " prefix, one line, bounded."""
+    reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", reason)[:300]
 
 
 class Grammar:

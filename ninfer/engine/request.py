@@ -52,6 +52,9 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+POOLINGS = ("mean", "last", "cls")
+
+
 @dataclass(slots=True)
 class PreparedRequest:
     """What the engine runs. `max_tokens` None means the default output limit."""
@@ -65,15 +68,24 @@ class PreparedRequest:
     grammar: Any = None  # structured output: a grammar.Grammar the output must follow
     ignore_eos: bool = False
     cache_prompt: bool = True  # False keeps the request out of the context cache
+    retain: bool = True  # False: it may reuse a cached prefix but its own KV is not retained (a rerank judgement)
+    # a one-token request that may share a prefill unit with others like it (a rerank judgement;
+    # embeddings always may)
+    batch_prefill: bool = False
     raw_prompt: bool = False  # a raw (non-chat) prompt: long ones keep a one-short checkpoint
     hints: dict[str, Any] = field(default_factory=dict)  # protocol hints the engine passes through
     reasoning: Any = None  # a chat request's reasoning.ReasoningSpec: split <think> output (None: no split)
+    # an embedding: the final normed hidden states of the prompt pooled "mean", "last" or "cls" (the
+    # first position), handed back on the final event (the prompt runs whole: no prefix reuse)
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidRequest("the prompt is empty", field="prompt")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise InvalidRequest("max_tokens must be >= 0", field="max_tokens")
+        if self.pooling not in (None, *POOLINGS):
+            raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}", field="pooling")
 
 
 @dataclass(slots=True, frozen=True)
@@ -177,3 +189,4 @@ class OutputEvent:
     post_thinking_sampling: bool = False  # final event: the sampler switched after the reasoning closed
     reuse_path: str | None = None  # final event: the context-cache path admission took (root, ...)
     queue_wait_seconds: float | None = None  # final event: submission to admission (None: never admitted)
+    embedding: Any = None  # final event of a request with `pooling`: float32 [hidden] on the CPU

@@ -54,6 +54,11 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     cache_prompt: bool = True
     raw_prompt: bool = False
+    return_hidden: bool = False  # an embedding: every prompt row's hidden states come back
+    # a one-token request (an embedding, a rerank judgement): its whole prompt may share a prefill
+    # unit with others like it, since none of them decodes
+    packable: bool = False
+    retain: bool = True  # False: reuse a cached prefix, but leave nothing retained at the end
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -164,7 +169,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self._release(seq, retain=self.prefix_cache is not None and seq.cache_prompt)
+        self._release(seq, retain=self.prefix_cache is not None and seq.cache_prompt and seq.retain)
 
     def _release(self, seq: Sequence, *, retain: bool) -> None:
         if seq.copy_src is not None:
@@ -273,17 +278,20 @@ class Scheduler:
         seq.num_cached_tokens = reused
         seq.reuse_path = reuse_path(matched, match.entry_tokens, seq.prompt_len, seq.raw_prompt) \
             if match and reused else "root"
-        if state and cache is not None and seq.cache_prompt:  # it may be retained: plan its page checkpoint
+        if state and cache is not None and seq.cache_prompt and seq.retain:  # it may be retained: plan its page checkpoint
             boundary = (seq.prompt_len - 1) // P * P  # <= prompt_len - 1, below any frontier it retains
             seq.checkpoint_at = boundary if boundary >= P and boundary > reused else 0
         return True
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_concurrency:
-            if not self.config.concurrent_prefill and any(
-                    s.status is SeqStatus.PREFILLING for s in self.running):
-                return  # a staged prefill holds admission back until it finishes
             seq = self.waiting[0]
+            staged = [s for s in self.running if s.status is SeqStatus.PREFILLING]
+            # a staged prefill holds admission back until it finishes, except that packable requests
+            # join staged packable ones: their whole prompts share one prefill unit (schedule)
+            if not self.config.concurrent_prefill and staged and not (
+                    seq.packable and all(s.packable for s in staged)):
+                return
             if not self._try_admit(seq):
                 return  # FIFO: the head waits until its entitlement fits
             self.waiting.popleft()
@@ -307,7 +315,7 @@ class Scheduler:
             seq_id=seq.seq_id, token_ids=[seq.token_at(i) for i in range(start, end)], start_pos=start,
             block_table=list(seq.block_table), sample=sample, sampling=seq.sampling,
             output_token_ids=list(seq.output_token_ids), seed=seq.seed, state_slot=seq.state_slot,
-            stop_token_ids=seq.stop_token_ids)
+            stop_token_ids=seq.stop_token_ids, return_hidden=seq.return_hidden and start < seq.prompt_len)
 
     def draft_limit(self, seq: Sequence) -> int:
         """The most drafts a decode row of `seq` may verify: its round must not pass the output
@@ -363,6 +371,8 @@ class Scheduler:
                     s.passed_over = 0 if s is unit else s.passed_over + 1
                 start = unit.num_computed_tokens
                 batch = ScheduledBatch([self._work(unit, start, start + n, start + n == unit.prompt_len)])
+                if unit.packable and start + n == unit.prompt_len:
+                    self._pack(batch, staged, unit, self.config.prefill_chunk - n)
                 if unit.copy_src is not None:  # the partially reused page: copy before writing into it
                     batch.page_copies.append((unit.copy_src, unit.block_table[start // self.page_size]))
                 if unit.state_copy_src is not None:  # resume from the entry's checkpoint
@@ -373,6 +383,23 @@ class Scheduler:
             return self._with_captures(ScheduledBatch(
                 [self._work(s, s.num_computed_tokens, s.num_computed_tokens + 1, True) for s in decoding]))
         return None
+
+    def _pack(self, batch: ScheduledBatch, staged: list[Sequence], unit: Sequence, budget: int) -> None:
+        """Packable requests are prefill only (their one sampled token ends them): other staged
+        ones whose whole remaining prompt fits the chunk's spare tokens run in the same forward,
+        their copy-on-write page and checkpoint copies with it."""
+        for s in staged:
+            rest = s.remaining_prompt
+            if s is unit or not s.packable or rest > budget or s.checkpoint_at:
+                continue
+            start = s.num_computed_tokens
+            batch.seqs.append(self._work(s, start, s.prompt_len, True))
+            if s.copy_src is not None:
+                batch.page_copies.append((s.copy_src, s.block_table[start // self.page_size]))
+            if s.state_copy_src is not None:
+                batch.state_copies.append((s.state_copy_src, s.state_slot))
+            s.passed_over = 0
+            budget -= rest
 
     def _with_captures(self, batch: ScheduledBatch) -> ScheduledBatch:
         # pending page-checkpoint captures run first: they read working slots no row has advanced yet

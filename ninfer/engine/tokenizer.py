@@ -107,6 +107,10 @@ class Tokenizer:
         """The spellings of the special (control) tokens, e.g. "<|im_end|>"."""
         return tuple(self._added[i] for i in sorted(self._special_ids) if self._added.get(i))
 
+    def added_token_id(self, spelling: str) -> int | None:
+        """The id of the added (control) token spelled exactly `spelling`, or None."""
+        return next((i for i, text in self._added.items() if text == spelling), None)
+
     @property
     def add_bos_token(self) -> bool:
         return self._special.add_bos_token
@@ -188,7 +192,8 @@ class Tokenizer:
         `apply_chat_template(..., tokenize=False)` would. Raises TemplateError when the template
         raises or the model has none."""
         template = self._compiled(chat_template)
-        context: dict[str, Any] = {}
+        # llama.cpp's date_string (Llama 3.x templates print it; without it they fall back to a fixed date)
+        context: dict[str, Any] = {"date_string": datetime.now().strftime("%d %b %Y")}
         for name in ("bos_token", "eos_token"):
             value = getattr(self._special, name)
             if value is not None:

@@ -242,6 +242,7 @@ def decode_messages(call: Call, body: dict[str, Any], generate: bool = True) -> 
         raise bad("model", "model is required", code="missing_required_parameter")
     if not isinstance(model, str) or not model:
         raise bad("model", "model must be a non-empty string")
+    state.resolve_model(model)  # any label on a single-model server (echoed back); --strict-model-name checks it
     turns, prefill = conversation(body)
     check_capabilities(body)
     fmt = anthropic_format(body.get("output_config")) if generate else None

@@ -15,8 +15,8 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
-from ninfer.server import (anthropic, llamacpp, models_api, openai_chat, openai_completions, openapi, ops,
-                           responses)
+from ninfer.server import (anthropic, embeddings, infill, llamacpp, models_api, openai_chat, openai_completions,
+                           openapi, ops, rerank, responses)
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, Headers
 from ninfer.server.router import ModelPool
@@ -27,6 +27,7 @@ Handler = Callable[[Call], Awaitable[None]]
 
 LOADING_MESSAGE = "The model is still loading. Retry shortly."
 CORS_ALLOW_HEADERS = "authorization, content-type, x-api-key, x-request-id, anthropic-version, anthropic-beta"
+CORS_ALLOW_METHODS = b"GET, POST, DELETE, OPTIONS"
 
 # (method, path) -> handler; the /v1/v1/... doubling is folded before the lookup
 ROUTES: dict[tuple[str, str], Handler] = {
@@ -40,15 +41,24 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("GET", "/metrics"): ops.handle_metrics,
     ("GET", "/slots"): ops.handle_slots,
     ("POST", "/v1/chat/completions"): openai_chat.handle_chat,
+    ("POST", "/chat/completions"): openai_chat.handle_chat,  # llama-server's un-prefixed alias
     ("POST", "/v1/completions"): openai_completions.handle_completions,
     ("POST", "/completion"): llamacpp.handle_completion,
     ("POST", "/completions"): llamacpp.handle_completion,
+    ("POST", "/infill"): infill.handle_infill,
+    ("POST", "/v1/embeddings"): embeddings.handle_embeddings,
+    ("POST", "/embeddings"): embeddings.handle_embeddings,
+    ("POST", "/v1/rerank"): rerank.handle_rerank,
+    ("POST", "/rerank"): rerank.handle_rerank,
+    ("POST", "/v1/reranking"): rerank.handle_rerank,
+    ("POST", "/reranking"): rerank.handle_rerank,
     ("POST", "/tokenize"): llamacpp.handle_tokenize,
     ("POST", "/detokenize"): llamacpp.handle_detokenize,
     ("POST", "/apply-template"): openai_chat.handle_apply_template,
     ("POST", "/v1/messages"): anthropic.handle_messages,
     ("POST", "/v1/messages/count_tokens"): anthropic.handle_count_tokens,
     ("POST", "/v1/responses"): responses.handle_create,
+    ("POST", "/responses"): responses.handle_create,  # llama-server's un-prefixed alias
     ("POST", "/v1/responses/input_tokens"): responses.handle_input_tokens,
     ("POST", "/v1/responses/compact"): responses.handle_compact,
     ("GET", "/models"): models_api.handle_list,
@@ -65,6 +75,10 @@ USE_ROUTES = {
     ("POST", "/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template"),
     ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"), ("POST", "/v1/responses"),
     ("POST", "/v1/responses/input_tokens"), ("POST", "/v1/responses/compact"),
+    # llama-server's un-prefixed aliases and the routes issue 11 added
+    ("POST", "/chat/completions"), ("POST", "/responses"), ("POST", "/infill"), ("POST", "/v1/embeddings"),
+    ("POST", "/embeddings"), ("POST", "/v1/rerank"), ("POST", "/rerank"), ("POST", "/v1/reranking"),
+    ("POST", "/reranking"),
 }
 HOST_ROUTES = {("POST", "/tokenize"), ("POST", "/detokenize"), ("POST", "/apply-template")}  # never wake a model
 PEEK_ROUTES = {("GET", "/props"), ("GET", "/v1/load"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/slots")}
@@ -89,6 +103,14 @@ def normalize_path(path: str) -> str:
     if len(path) > 1 and path.endswith("/"):
         path = path.rstrip("/") or "/"
     return path
+
+
+def cors_allowed(cors: bool, origins: tuple[str, ...], origin: str | None) -> bool:
+    """Whether a request gets CORS headers: --cors on, and its Origin in --cors-origin when that
+    lists any (a request without an Origin is not a cross-origin browser request)."""
+    if not cors:
+        return False
+    return not origins or origin is None or origin.rstrip("/") in origins
 
 
 def _not_supported_route(path: str) -> str | None:
@@ -161,7 +183,8 @@ class App:
         request_id = ("req_" if is_anthropic else "") + uuid.uuid4().hex
         base: Headers = [(b"x-ninfer-version", self._version),
                          (b"request-id" if is_anthropic else b"x-request-id", request_id.encode())]
-        if cfg.cors:
+        cors = cors_allowed(cfg.cors, cfg.cors_origins, headers.get("origin"))
+        if cors:
             base += [(b"access-control-allow-origin", headers.get("origin", "*").encode("latin-1")),
                      (b"access-control-expose-headers", b"x-request-id, request-id, x-ninfer-version"),
                      (b"vary", b"origin")]
@@ -170,6 +193,7 @@ class App:
         query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
         call = Call(method=method, path=path, query=query, headers=headers, request_id=request_id,
                     state=None, send=send, base_headers=base, anthropic=is_anthropic, pool=self.pool)
+        call.extra["cors"] = cors
         try:
             await self._dispatch(call, receive)
         except CLIENT_ERRORS as e:
@@ -222,14 +246,20 @@ class App:
         return bound
 
     async def _preflight(self, call: Call) -> None:
+        """200 (as llama-server answers) with the allowed methods and headers under --cors; an
+        origin outside --cors-origin gets 403, so the browser's refusal has a reason on the wire."""
+        cfg = self.pool.config
+        if cfg.cors and not call.extra["cors"]:
+            raise RequestError(f"origin {call.headers.get('origin')!r} is not allowed (--cors-origin)",
+                               status=403, code="cors_origin_not_allowed", type="permission_error")
         headers: Headers = []
-        if self.pool.config.cors:
+        if cfg.cors:
             requested = call.headers.get("access-control-request-headers", "")
             allow = CORS_ALLOW_HEADERS + (", " + requested if requested else "")
-            headers = [(b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            headers = [(b"access-control-allow-methods", CORS_ALLOW_METHODS),
                        (b"access-control-allow-headers", allow.encode("latin-1")),
                        (b"access-control-max-age", b"86400")]
-        await call.respond_raw(204, b"", headers)
+        await call.respond_raw(200, b"", headers)
 
     def _authenticate(self, call: Call) -> None:
         """The key as an OpenAI bearer token or an Anthropic x-api-key header: either one that

@@ -70,11 +70,13 @@ def reasoning_spec(state: ServerState, chat: ChatRequest, thinking: bool, opens:
     return spec
 
 
-def render_chat(state: ServerState, chat: ChatRequest) -> tuple[Rendered, dict[str, Any]]:
-    """The request's prompt (and the template kwargs it was rendered with)."""
+def render_chat(state: ServerState, chat: ChatRequest,
+                add_generation_prompt: bool = True) -> tuple[Rendered, dict[str, Any]]:
+    """The request's prompt (and the template kwargs it was rendered with). Without the generation
+    prompt (/apply-template's add_generation_prompt false) the prompt ends after the last turn."""
     kwargs = template_kwargs(state, chat)
     rendered = render(state.loaded.tokenizer, with_instruction(chat.messages, chat.response_format), tools=chat.tools,
-                      kwargs=kwargs, prefill=chat.prefill)
+                      kwargs=kwargs, prefill=chat.prefill, add_generation_prompt=add_generation_prompt)
     return rendered, kwargs
 
 

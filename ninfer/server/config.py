@@ -6,6 +6,7 @@ the HTTP layer decides. Validated on construction with the option's name in the 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from ninfer.errors import ConfigError
@@ -53,8 +54,10 @@ class ServerConfig:
     port: int = 8080
     api_key: str | None = None
     model_id: str | None = None  # None: the artifact's identity.model_id
+    strict_model_name: bool = False  # a request naming another model: 404 model_not_found (else served anyway)
     max_request_mib: int = 384
     cors: bool = False
+    cors_origins: tuple[str, ...] = ()  # --cors-origin: the origins CORS answers (empty: any)
     usage_chunk_choice: bool = False
     stats_port: int | None = None
     log_level: str = "info"
@@ -71,6 +74,7 @@ class ServerConfig:
     auto_resume: bool = True  # a request to a suspended model resumes it (else 503)
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
+    assistant_prefill: bool = False  # a final assistant Chat message is continued in place
     no_thinking: bool = False  # requests that do not decide start without thinking
     preserve_thinking: bool = False  # closed-turn reasoning kept in the prompt by default
     default_thinking_budget: int | None = None  # the cap of a thinking request that names none
@@ -90,6 +94,9 @@ class ServerConfig:
             raise ConfigError("--api-key must not be empty")
         if self.model_id is not None and not self.model_id.strip():
             raise ConfigError("--model-id must not be empty")
+        for origin in self.cors_origins:
+            if not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ConfigError(f"--cors-origin {origin!r} must be an origin: scheme://host[:port], no path")
         if not 1 <= self.max_request_mib <= 65536:
             raise ConfigError("--max-request-mib must be in 1..65536")
         if self.log_level not in LOG_LEVELS:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from ninfer.engine.errors import (ContextLengthExceeded, EngineBusy, EngineError, EngineOverloaded,
-                                  EngineSuspended, InvalidRequest, SchemaError, SuspendNotSupported)
+                                  EngineSuspended, GrammarError, InvalidRequest, SchemaError, SuspendNotSupported)
 from ninfer.errors import RequestError
 
 log = logging.getLogger("ninfer.server")
@@ -18,8 +18,8 @@ CLIENT_ERRORS = (RequestError, EngineError)  # what a handler answers the client
 # DuplicateRequest, TemplateError and TokenOutOfRange answer as InvalidRequest. EngineNotRunning
 # and any class not listed answer 500, as any unexpected failure does.
 HTTP_FACTS: dict[type[EngineError], tuple[int, str, str | None]] = {
-    ContextLengthExceeded: (400, "invalid_request_error", "context_length_exceeded"),
     SchemaError: (400, "invalid_request_error", "invalid_json_schema"),
+    GrammarError: (400, "invalid_request_error", "invalid_grammar"),
     InvalidRequest: (400, "invalid_request_error", None),
     EngineOverloaded: (429, "server_error", "server_overloaded"),
     EngineBusy: (409, "invalid_request_error", "model_busy"),
@@ -33,6 +33,10 @@ def http_error(err: RequestError | EngineError) -> RequestError:
     through HTTP_FACTS, its message kept and its `field` as the param."""
     if isinstance(err, RequestError):
         return err
+    if isinstance(err, ContextLengthExceeded):  # llama-server's type and counts, the spec's code
+        return RequestError(err.message, param=err.field, code="context_length_exceeded", status=400,
+                            type="exceed_context_size_error",
+                            extra={"n_prompt_tokens": err.prompt_tokens, "n_ctx": err.limit})
     for cls in type(err).__mro__:
         facts = HTTP_FACTS.get(cls)
         if facts is not None:

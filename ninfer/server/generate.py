@@ -9,14 +9,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ninfer.engine.errors import EngineError
-from ninfer.engine.request import OutputEvent, PreparedRequest, TokenLogprob, Usage
+from ninfer.engine.request import OutputEvent, PreparedRequest, SamplingParams, TokenLogprob, Usage
 from ninfer.errors import RequestError
 from ninfer.server.errors import http_error
 from ninfer.server.http import Call
 from ninfer.server.sse import TIMEOUT, EventPump, Timeout
+from ninfer.version import version_string
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
+
+
+def system_fingerprint() -> str:
+    """OpenAI's system_fingerprint: the backend build (llama-server reports its build the same way)."""
+    return f"ninfer-{version_string()}"
 
 
 def new_request_id() -> str:
@@ -30,6 +36,21 @@ def session_digest(token_ids: list[int]) -> str:
         for b in int(tid).to_bytes(4, "little", signed=False):
             h = ((h ^ b) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
     return f"{h:016x}"
+
+
+def sampler_params(s: SamplingParams, max_tokens: int | None = None, stop: list[str] | None = None,
+                   ignore_eos: bool = False) -> dict[str, Any]:
+    """llama.cpp's generation settings of a request (or, with the process sampler, of the server):
+    /completion's generation_settings and each /slots entry's params."""
+    return {"n_predict": -1 if max_tokens is None else max_tokens,
+            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+            "seed": -1 if s.seed is None else s.seed, "n_probs": s.top_logprobs,
+            "stop": list(stop or []), "ignore_eos": ignore_eos}
+
+
+def request_params(req: PreparedRequest) -> dict[str, Any]:
+    return sampler_params(req.sampling, req.max_tokens, req.stop, req.ignore_eos)
 
 
 def event_error(event: OutputEvent) -> RequestError:
@@ -81,10 +102,11 @@ class Generation:
     """One request through the engine. Use as an async context manager: entering takes an
     ingress place (429 when full), leaving releases it and cancels an unfinished request."""
 
-    def __init__(self, call: Call, req: PreparedRequest, stream: bool = False) -> None:
+    def __init__(self, call: Call, req: PreparedRequest, stream: bool = False, ingress: bool = True) -> None:
         self.call = call
         self.req = req
         self.stream = stream
+        self.ingress = ingress  # False: one of several engine requests of one HTTP request (fanout.py)
         self.protocol = str(req.hints.get("protocol", ""))
         self.created = int(time.time())
         self._pump: EventPump | None = None
@@ -93,8 +115,9 @@ class Generation:
         self._t0 = time.monotonic()
 
     async def __aenter__(self) -> Generation:
-        self.call.state.enter(self.protocol)
-        self._entered = True
+        if self.ingress:
+            self.call.state.enter(self.protocol)
+            self._entered = True
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -106,6 +129,7 @@ class Generation:
             state.reqlog.request_error(
                 self._n, self.protocol, RequestError("the client disconnected", status=499, code="client_closed"),
                 time.monotonic() - self._t0, model=state.log_name)
+        self.call.state.running_params.pop(self.req.request_id, None)
         if self._entered:
             self.call.state.leave()
 
@@ -123,6 +147,7 @@ class Generation:
             state.reject(self.protocol, err)
             raise err
         self._pump = pump
+        state.running_params[self.req.request_id] = request_params(self.req)  # /slots of its lane
         self._n = state.reqlog.next_id()
         self._t0 = time.monotonic()  # submission: ttft and total count from here
         prepare = self._t0 - self.call.received_at
@@ -144,6 +169,9 @@ class Generation:
                     ttft = time.monotonic() - self._t0
                 if item.finish_reason is not None:
                     state.requests_total += 1
+                    params = state.running_params.pop(self.req.request_id, None)
+                    if item.slot_id is not None and params is not None:  # the cell its session went to
+                        state.slot_params[item.slot_id] = params
                     elapsed = time.monotonic() - self._t0
                     if item.finish_reason == "error":
                         state.requests_failed += 1

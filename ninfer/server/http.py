@@ -26,7 +26,7 @@ JSON_TYPE = (b"content-type", b"application/json")
 
 def openai_error_body(err: RequestError) -> bytes:
     return orjson.dumps({"error": {"message": err.message, "type": err.type,
-                                   "param": err.param, "code": err.code}})
+                                   "param": err.param, "code": err.code, **err.extra}})
 
 
 def anthropic_error_type(err: RequestError) -> str:

@@ -5,7 +5,7 @@ from typing import Any
 
 from ninfer.engine.request import OutputEvent, PreparedRequest
 from ninfer.server.errors import CLIENT_ERRORS, http_error
-from ninfer.server.generate import Generation, new_request_id, prompt_progress
+from ninfer.server.generate import Generation, new_request_id, prompt_progress, request_params
 from ninfer.server.http import Call
 from ninfer.server.params import bad, check_id_slot, check_model, opt_bool, opt_int
 from ninfer.server.raw_prompt import prepare_raw
@@ -56,13 +56,8 @@ def _select(obj: dict[str, Any], fields: list[str]) -> dict[str, Any]:
 
 
 def _settings(call: Call, req: PreparedRequest, stream: bool) -> dict[str, Any]:
-    s = req.sampling
-    return {"n_predict": -1 if req.max_tokens is None else req.max_tokens,
-            "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
-            "seed": -1 if s.seed is None else s.seed, "stop": list(req.stop), "ignore_eos": req.ignore_eos,
-            "stream": stream, "cache_prompt": req.cache_prompt, "n_ctx": call.state.loaded.max_context,
-            "model": call.state.model_id}
+    return {**request_params(req), "stream": stream, "cache_prompt": req.cache_prompt,
+            "n_ctx": call.state.loaded.max_context, "model": call.state.model_id}
 
 
 def _final_object(call: Call, req: PreparedRequest, final: OutputEvent, content: str, token_ids: list[int],
@@ -84,8 +79,8 @@ def _final_object(call: Call, req: PreparedRequest, final: OutputEvent, content:
         "stopping_word": word,
         "tokens_cached": usage.cached_tokens if usage else 0,
     }
-    if return_tokens or stream:
-        obj["tokens"] = token_ids
+    # llama-server always has the array ([] unless asked); the last streamed object carries every id (spec)
+    obj["tokens"] = token_ids if return_tokens or stream else []
     # llama.cpp always names a slot; -1 (its "any slot") when the context cache retained nothing
     obj["id_slot"] = final.slot_id if final.slot_id is not None else -1
     if final.timings is not None:
@@ -94,7 +89,11 @@ def _final_object(call: Call, req: PreparedRequest, final: OutputEvent, content:
 
 
 async def handle_completion(call: Call) -> None:
-    body = call.json()
+    await run_completion(call, call.json())
+
+
+async def run_completion(call: Call, body: dict[str, Any]) -> None:
+    """A llama.cpp completion of `body` (its prompt already in place: /completion, /infill)."""
     state = call.state
     rid = new_request_id()
     try:
@@ -123,6 +122,7 @@ async def handle_completion(call: Call) -> None:
             await call.respond(200, shape(obj))
             return
         token_ids: list[int] = []
+        unsent: list[int] = []
         predicted = 0
         try:
             async for event in gen.events(state.config.keepalive_seconds):
@@ -136,10 +136,13 @@ async def handle_completion(call: Call) -> None:
                     await call.write(sse_data({"index": 0, "content": "", "stop": False, **piece}))
                     continue
                 token_ids.extend(event.token_ids)
+                unsent.extend(event.token_ids)  # ids whose text is held back (partial UTF-8, a stop prefix)
                 predicted += len(event.token_ids)
                 if event.text:  # the last piece of text may arrive with the final event
                     data: dict[str, Any] = {"index": 0, "content": event.text, "stop": False,
+                                            "tokens": unsent if return_tokens else [],
                                             "tokens_predicted": predicted}
+                    unsent = []
                     if opts.timings_per_token and event.timings is not None:
                         data["timings"] = event.timings.to_dict()
                     await call.write(sse_data(data))

@@ -15,19 +15,19 @@ from ninfer.server.chat_output import ChatResult, Piece
 from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking,
                                        parse_thinking_budget)
 from ninfer.server.chat_run import ChatEncoder, render_chat, run_chat
-from ninfer.server.generate import logprob_records, prompt_progress, slot_extras, usage_dict
+from ninfer.server.generate import logprob_records, prompt_progress, slot_extras, system_fingerprint, usage_dict
 from ninfer.server.http import Call
 from ninfer.server.params import (bad, check_id_slot, check_logit_bias, check_model, join_text_parts, message_role,
                                   opt_bool, opt_int, opt_object, parse_logprobs, parse_stop, reject_present,
                                   sampling_from, unsupported)
 from ninfer.server.sse import DONE, KEEPALIVE, sse_data, sse_error
-from ninfer.server.structured import chat_format, refuse_with_grammar
+from ninfer.server.structured import refuse_with_grammar, request_format
 from ninfer.server.tools import chat_tool_choice, chat_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_CHAT_STOPS = 4
-_CONSTRAINED = ("grammar", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar")
+# vLLM's constrained-decoding extensions (llama.cpp's grammar and json_schema are served: structured.py)
+_CONSTRAINED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _chat_part(part: dict[str, Any], p: str) -> str:
@@ -129,6 +129,26 @@ def history_calls(calls: Any, where: str) -> list[ToolCall]:
     return out
 
 
+def final_prefill(call: Call, body: dict[str, Any], messages: list[Message]) -> tuple[list[Message], str | None]:
+    """A final assistant message continued in place (an assistant prefill, as on /v1/messages):
+    with continue_final_message true (vLLM's switch) or the server's --assistant-prefill. Returns
+    the turns the template renders and the prefill text (None: a new assistant turn follows)."""
+    asked = opt_bool(body, "continue_final_message")
+    if asked is False or (asked is None and not call.state.config.assistant_prefill):
+        return messages, None
+    last = messages[-1]
+    if last.role != "assistant":
+        if asked:
+            raise bad("continue_final_message", "continue_final_message needs a final assistant message")
+        return messages, None
+    if last.tool_calls or last.reasoning:
+        raise RequestError("an assistant prefill is text only: the final assistant message has tool calls or "
+                           "reasoning", param=f"messages[{len(messages) - 1}]", code="assistant_prefill_not_supported")
+    if len(messages) == 1:
+        raise bad("messages", "an assistant prefill needs a turn before it")
+    return messages[:-1], last.content
+
+
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs plus the typed top-level switches the templates read."""
     kwargs = merge_template_kwargs(opt_object(body, "chat_template_kwargs"),
@@ -150,7 +170,7 @@ def check_capabilities(body: dict[str, Any]) -> None:
         if any(m != "text" for m in modalities):
             raise unsupported("modalities", "only text output is supported")
     reject_present(body, _CONSTRAINED, "these constrained-decoding extensions are not available; "
-                                       "structured JSON is requested through response_format")
+                                       "use response_format, json_schema or a GBNF grammar")
     reject_present(body, ("functions",), "legacy function calling is not supported")
     fcall = body.get("function_call")
     if fcall is not None and fcall not in ("none", "auto"):
@@ -175,7 +195,7 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
     loaded = state.loaded
     assert loaded is not None
     check_model(body, state)
-    messages = normalize_messages(body.get("messages"))
+    messages, prefill = final_prefill(call, body, normalize_messages(body.get("messages")))
     check_capabilities(body)
     check_id_slot(body, loaded.engine.snapshot().max_private_continuations)
     max_tokens = opt_int(body, "max_completion_tokens", lo=-1)
@@ -185,9 +205,12 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
         max_tokens = None  # llama.cpp's "no limit": the derived default budget
     stop = parse_stop(body.get("stop"), MAX_CHAT_STOPS)
     ignore_eos = opt_bool(body, "ignore_eos") or False
-    fmt = chat_format(body)
+    fmt = request_format(body)
     if fmt is not None and (state.grammars is not None):
         refuse_with_grammar(stop, ignore_eos, fmt)
+    if fmt is not None and prefill is not None:
+        raise RequestError(f"an assistant prefill cannot be combined with {fmt.param}: the constrained value "
+                           "starts the answer", param="messages", code="assistant_prefill_not_supported")
     stream = opt_bool(body, "stream") or False
     stream_options = opt_object(body, "stream_options") or {}
     include_usage = stream_options.get("include_usage", False)
@@ -198,7 +221,8 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
                              logprobs=logprobs, top_logprobs=top_logprobs)
     tools = chat_tools(body)
     parallel = opt_bool(body, "parallel_tool_calls")
-    chat = ChatRequest(protocol="chat", messages=messages, sampling=sampling, template_kwargs=template_kwargs(body),
+    chat = ChatRequest(protocol="chat", messages=messages, prefill=prefill, sampling=sampling,
+                       template_kwargs=template_kwargs(body),
                        tools=tools, tool_choice=chat_tool_choice(body, tools), parallel_tool_calls=parallel is not False,
                        response_format=fmt, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                        return_progress=bool(opt_bool(body, "return_progress")),
@@ -211,11 +235,14 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
 async def handle_apply_template(call: Call) -> None:
     """POST /apply-template: the prompt a chat body renders to, assistant opener included."""
     body = call.json()
-    messages = normalize_messages(body.get("messages"))
+    messages, prefill = final_prefill(call, body, normalize_messages(body.get("messages")))
+    add_generation_prompt = opt_bool(body, "add_generation_prompt")
     tools = chat_tools(body)
-    chat = ChatRequest(protocol="chat", messages=messages, sampling=call.state.base_sampling, tools=tools,
-                       tool_choice=chat_tool_choice(body, tools), template_kwargs=template_kwargs(body))
-    await call.respond(200, {"prompt": render_chat(call.state, chat)[0].text})
+    chat = ChatRequest(protocol="chat", messages=messages, prefill=prefill, sampling=call.state.base_sampling,
+                       tools=tools, tool_choice=chat_tool_choice(body, tools), template_kwargs=template_kwargs(body))
+    # a continued final message ends the prompt inside that turn, whatever add_generation_prompt says
+    opener = prefill is not None or add_generation_prompt is not False
+    await call.respond(200, {"prompt": render_chat(call.state, chat, add_generation_prompt=opener)[0].text})
 
 
 async def handle_chat(call: Call) -> None:
@@ -274,6 +301,7 @@ class ChatCompletionEncoder(ChatEncoder):
             "object": "chat.completion",
             "created": self.created,
             "model": self.call.state.model_id,
+            "system_fingerprint": system_fingerprint(),
             "choices": [{"index": 0,
                          "message": message,
                          "logprobs": self._logprobs(result.logprobs),
@@ -287,7 +315,7 @@ class ChatCompletionEncoder(ChatEncoder):
 
     def _base(self) -> dict[str, Any]:
         base = {"id": self._id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.call.state.model_id}
+                "model": self.call.state.model_id, "system_fingerprint": system_fingerprint()}
         if self.chat.include_usage:
             base["usage"] = None
         return base
@@ -299,7 +327,7 @@ class ChatCompletionEncoder(ChatEncoder):
     async def _open(self) -> None:
         if not self.call.started:
             await self.call.start_stream()
-            await self.call.write(self._chunk({"role": "assistant", "content": ""}))
+            await self.call.write(self._chunk({"role": "assistant", "content": None}))  # as OpenAI and llama-server
 
     async def keepalive(self) -> None:
         await self._open()

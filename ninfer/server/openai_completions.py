@@ -5,7 +5,7 @@ from typing import Any
 
 from ninfer.errors import RequestError
 from ninfer.server.errors import CLIENT_ERRORS, http_error
-from ninfer.server.generate import Generation, new_request_id, usage_dict
+from ninfer.server.generate import Generation, new_request_id, system_fingerprint, usage_dict
 from ninfer.server.http import Call
 from ninfer.server.params import check_model, opt_bool, opt_int, unsupported
 from ninfer.server.raw_prompt import RawOptions, prepare_raw
@@ -46,7 +46,7 @@ async def handle_completions(call: Call) -> None:
     prompt_text = state.loaded.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=False) if echo else ""
     async with Generation(call, req, opts.stream) as gen:
         base = {"id": f"cmpl-{rid}", "object": "text_completion", "created": gen.created,
-                "model": state.model_id}
+                "model": state.model_id, "system_fingerprint": system_fingerprint()}
         if not opts.stream:
             out = await gen.collect()
             final = out.final

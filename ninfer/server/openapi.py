@@ -42,6 +42,7 @@ RESPONSE_FORMAT = {
     "type": "object", "required": ["type"],
     "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},
+        "schema": {"type": "object"},  # llama.cpp: json_object with a schema
         "json_schema": {"type": "object", "required": ["schema"],
                         "properties": {"name": STR, "schema": {"type": "object"}, "strict": BOOL}},
     },
@@ -64,6 +65,9 @@ CHAT = {
         "n": {"const": 1},
         "ignore_eos": BOOL,
         "response_format": RESPONSE_FORMAT,
+        "json_schema": {"type": "object"},  # llama.cpp's top-level schema
+        "grammar": STR,  # llama.cpp's GBNF grammar
+        "continue_final_message": BOOL,
         "enable_thinking": BOOL,
         "preserve_thinking": BOOL,
         "chat_template_kwargs": {"type": "object"},
@@ -86,9 +90,30 @@ RAW_COMMON = {
     "ignore_eos": BOOL,
     "cache_prompt": BOOL,
     "timings_per_token": BOOL,
+    "json_schema": {"type": "object"},
+    "grammar": STR,
 }
 LLAMACPP_COMPLETION = {"type": "object", "required": ["prompt"],
                        "properties": {**RAW_COMMON, "n_predict": INT, "max_tokens": INT}}
+INFILL = {"type": "object",
+          "properties": {**{k: v for k, v in RAW_COMMON.items() if k != "prompt"}, "prompt": STR,
+                         "input_prefix": STR, "input_suffix": STR, "n_predict": INT}}
+EMBEDDINGS = {"type": "object", "required": ["input"],
+              "properties": {"model": STR,
+                             "input": {"oneOf": [{"type": "string", "minLength": 1},
+                                                 {"type": "array", "minItems": 1, "maxItems": 2048,
+                                                  "items": {"type": "string", "minLength": 1}},
+                                                 {"type": "array", "minItems": 1,
+                                                  "items": {"type": "integer", "minimum": 0}}]},
+                             "encoding_format": {"enum": ["float", "base64"]},
+                             "pooling": {"enum": ["mean", "last", "cls"]},
+                             "normalize": BOOL, "embd_normalize": {"type": "integer", "minimum": -1}}}
+RERANK_DOC = {"oneOf": [STR, {"type": "object", "required": ["text"], "properties": {"text": STR}}]}
+RERANK = {"type": "object", "required": ["query", "documents"],
+          "properties": {"model": STR, "query": {"type": "string", "minLength": 1},
+                         "documents": {"type": "array", "minItems": 1, "maxItems": 1000, "items": RERANK_DOC},
+                         "top_n": {"type": "integer", "minimum": 1}, "return_documents": BOOL,
+                         "instruction": {"type": "string", "minLength": 1}}}
 OPENAI_COMPLETION = {"type": "object", "required": ["prompt"],
                      "properties": {**RAW_COMMON, "model": STR, "max_tokens": {"type": "integer", "minimum": -1},
                                     "echo": BOOL, "n": {"const": 1}, "best_of": {"const": 1}}}
@@ -147,7 +172,8 @@ TOKENIZE = {"type": "object", "required": ["content"],
 DETOKENIZE = {"type": "object", "required": ["tokens"],
               "properties": {"tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 APPLY_TEMPLATE = {"type": "object", "required": ["messages"],
-                  "properties": {"messages": CHAT["properties"]["messages"]}}
+                  "properties": {"messages": CHAT["properties"]["messages"], "add_generation_prompt": BOOL,
+                                 "continue_final_message": BOOL}}
 
 MODEL_NAME = {"type": "object", "required": ["model"], "properties": {"model": {"type": "string", "minLength": 1}}}
 SUSPEND = {"type": "object", "properties": {"auto_resume": BOOL}}
@@ -193,15 +219,23 @@ def document() -> dict[str, Any]:
         "/metrics": {"get": _op("Prometheus text", ok=text_ok)},
         "/slots": {"get": _op("per-cell occupancy of the private context cache")},
         "/v1/chat/completions": {"post": _op("OpenAI Chat Completions", CHAT, SSE_OR_JSON)},
+        "/chat/completions": {"post": _op("OpenAI Chat Completions (llama-server's un-prefixed alias)", CHAT,
+                                          SSE_OR_JSON)},
         "/v1/completions": {"post": _op("OpenAI legacy completion of a raw prompt", OPENAI_COMPLETION, SSE_OR_JSON)},
         "/completion": {"post": _op("llama.cpp completion of a raw prompt", LLAMACPP_COMPLETION, SSE_OR_JSON)},
         "/completions": {"post": _op("llama.cpp completion (alias)", LLAMACPP_COMPLETION, SSE_OR_JSON)},
+        "/infill": {"post": _op("llama.cpp fill-in-the-middle (models with FIM tokens)", INFILL, SSE_OR_JSON)},
+        "/v1/embeddings": {"post": _op("OpenAI embeddings: the served model's pooled hidden states", EMBEDDINGS)},
+        "/embeddings": {"post": _op("OpenAI embeddings (un-prefixed alias)", EMBEDDINGS)},
+        **{path: {"post": _op("documents ranked by relevance to a query, judged by the model", RERANK)}
+           for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking")},
         "/tokenize": {"post": _op("the model's tokenizer", TOKENIZE)},
         "/detokenize": {"post": _op("token ids to text", DETOKENIZE)},
         "/apply-template": {"post": _op("the prompt a chat request renders to", APPLY_TEMPLATE)},
         "/v1/messages": {"post": _op("Anthropic Messages", MESSAGES, SSE_OR_JSON)},
         "/v1/messages/count_tokens": {"post": _op("Anthropic token count", COUNT_TOKENS)},
         "/v1/responses": {"post": _op("OpenAI Responses create", RESPONSES, SSE_OR_JSON)},
+        "/responses": {"post": _op("OpenAI Responses create (un-prefixed alias)", RESPONSES, SSE_OR_JSON)},
         "/v1/responses/input_tokens": {"post": _op("Responses prompt-token count", INPUT_TOKENS)},
         "/v1/responses/compact": {"post": _op("refused: compaction is not supported", {"type": "object"})},
         "/v1/responses/{response_id}": {

@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ninfer.errors import RequestError
-from ninfer.server.generate import session_digest
+from ninfer.server.generate import sampler_params, session_digest
 from ninfer.server.http import Call
 from ninfer.version import version_string
 
@@ -37,12 +37,17 @@ API_INDEX = (
     ("POST", "/v1/models/{id}/resume", "take it again"),
     ("GET", "/v1/models/{id}/residency", "resident or suspended, and what a suspend moves"),
     ("GET", "/models/sse", "one server-sent event per model status change"),
-    ("POST", "/v1/chat/completions", "OpenAI-style chat generation"),
+    ("POST", "/v1/chat/completions", "OpenAI-style chat generation (also /chat/completions)"),
     ("POST", "/v1/completions", "OpenAI legacy completion of a raw prompt"),
     ("POST", "/completion", "llama.cpp's native completion of a raw prompt (also /completions)"),
     ("POST", "/tokenize", "the model's tokenizer, llama.cpp's shape"),
     ("POST", "/detokenize", "token ids to text"),
     ("POST", "/apply-template", "the prompt a chat request renders to"),
+    ("POST", "/infill", "llama.cpp fill-in-the-middle (models with FIM tokens)"),
+    ("POST", "/v1/embeddings", "OpenAI embeddings: the served model's pooled hidden states (also /embeddings)"),
+    ("POST", "/v1/rerank", "documents ranked by relevance to a query (also /rerank, /v1/reranking, /reranking)"),
+    ("POST", "/v1/messages", "Anthropic Messages"),
+    ("POST", "/v1/responses", "OpenAI Responses"),
 )
 
 
@@ -212,35 +217,50 @@ async def handle_stats(call: Call) -> None:
 
 
 async def handle_slots(call: Call) -> None:
-    """The private context-cache cells: retained sessions under their stable slot ids (the id_slot
-    a response reported), then the lanes that will publish into a cell when they finish."""
+    """One entry per slot, idle ones included, as llama-server lists them: a slot is a private
+    context-cache cell (the id_slot a response reported). A running request is shown on the cell it
+    will publish into when nothing else changes the cache first: the lowest free cell, else the
+    least recently used one (the cache's insert rule). Without a context cache the slots are the
+    lanes. Each entry has llama-server's params: the running request's, the last retained
+    request's, or the server's defaults."""
     state = call.state
     snap = state.loaded.engine.snapshot()
+    defaults = sampler_params(state.base_sampling, state.config.default_max_tokens)
+    cells = {c.slot: c for c in snap.continuations}
+    count = snap.max_private_continuations or snap.max_concurrency
+    # snap.continuations is least recently used first
+    order = [i for i in range(count) if i not in cells] + [c.slot for c in snap.continuations]
+    lane_at = dict(zip(order, sorted(snap.lanes, key=lambda lane: lane.lane)))
     digests: dict[int, tuple[str, ...]] = {}
     slots: list[dict[str, Any]] = []
-    for c in sorted(snap.continuations, key=lambda c: c.slot):
-        # a hybrid model's page checkpoints, then the endpoint checkpoint at the executed frontier
-        frontiers = c.page_checkpoints + ((c.n_tokens, c.state_slot),)
-        known = state.slot_digests.get(c.entry_id)
-        digests[c.entry_id] = known or (session_digest(list(c.session)),
-                                        *(session_digest(list(c.session[:n])) for n, _ in frontiers))
-        session, *endpoints = digests[c.entry_id]
-        checkpoints: list[dict[str, Any]] = []
-        for (n, state_slot), digest in zip(frontiers, endpoints):
-            checkpoints.append({"frontier": n, "session_digest": digest})
-            if state_slot >= 0:  # a hybrid model: the recurrent-state slot the checkpoint occupies
-                checkpoints[-1]["state_slot"] = state_slot
-        # the session depth as both counts
-        slots.append({"id": c.slot, "is_processing": False, "retained": True, "session_digest": session,
-                      "checkpoints": checkpoints,
-                      "n_ctx": snap.max_context, "n_prompt_tokens": len(c.session),
-                      "n_prompt_tokens_cache": len(c.session), "n_pages": c.n_pages, "speculative": False})
+    for i in range(count):
+        entry: dict[str, Any] = {"id": i, "n_ctx": snap.max_context, "speculative": snap.spec_method is not None,
+                                 "is_processing": i in lane_at, "retained": i in cells,
+                                 "n_prompt_tokens": 0, "n_prompt_tokens_cache": 0,
+                                 "params": state.slot_params.get(i, defaults)}
+        c = cells.get(i)
+        if c is not None:
+            # a hybrid model's page checkpoints, then the endpoint checkpoint at the executed frontier
+            frontiers = c.page_checkpoints + ((c.n_tokens, c.state_slot),)
+            known = state.slot_digests.get(c.entry_id)
+            digests[c.entry_id] = known or (session_digest(list(c.session)),
+                                            *(session_digest(list(c.session[:n])) for n, _ in frontiers))
+            session, *endpoints = digests[c.entry_id]
+            checkpoints: list[dict[str, Any]] = []
+            for (n, state_slot), digest in zip(frontiers, endpoints):
+                checkpoints.append({"frontier": n, "session_digest": digest})
+                if state_slot >= 0:  # a hybrid model: the recurrent-state slot the checkpoint occupies
+                    checkpoints[-1]["state_slot"] = state_slot
+            # the session depth as both counts
+            entry.update(session_digest=session, checkpoints=checkpoints, n_pages=c.n_pages,
+                         n_prompt_tokens=len(c.session), n_prompt_tokens_cache=len(c.session))
+        lane = lane_at.get(i)
+        if lane is not None:
+            entry.update(lane=lane.lane, id_task=lane.request_id, n_prompt_tokens=lane.n_prompt_tokens,
+                         n_prompt_tokens_cache=lane.n_cached_tokens, n_decoded=lane.n_output_tokens,
+                         params=state.running_params.get(lane.request_id, defaults))
+        slots.append(entry)
     state.slot_digests = digests  # only live entries stay memoized
-    for lane in snap.lanes:
-        # the cell a lane publishes into is chosen when it finishes: listed after the cells, by lane
-        slots.append({"id": snap.max_private_continuations + lane.lane, "lane": lane.lane, "is_processing": True,
-                      "retained": False, "n_ctx": snap.max_context, "n_prompt_tokens": lane.n_prompt_tokens,
-                      "n_prompt_tokens_cache": lane.n_cached_tokens, "speculative": False})
     await call.respond(200, slots)
 
 
@@ -263,11 +283,15 @@ def metrics_text(call: Call) -> str:
     dt, ds = snap.predicted_tokens_total, snap.predicted_seconds_total
     _series(L, "llamacpp:prompt_tokens_total", "counter", "prompt tokens computed by prefill; prefix-cache hits excluded", pt)
     _series(L, "llamacpp:prompt_seconds_total", "counter", "prefill execution time", ps)
-    _series(L, "llamacpp:tokens_predicted_total", "counter", "tokens committed by decode rounds", dt)
+    _series(L, "llamacpp:prompt_tokens_cached_total", "counter", "prompt tokens served from the context cache",
+            snap.reused_prompt_tokens)
+    _series(L, "llamacpp:tokens_predicted_total", "counter", "generated tokens, each request's first included", dt)
     _series(L, "llamacpp:tokens_predicted_seconds_total", "counter", "decode execution time", ds)
     _series(L, "llamacpp:prompt_tokens_seconds", "gauge", "prompt tokens over prefill seconds", pt / ps if ps > 0 else 0.0)
     _series(L, "llamacpp:predicted_tokens_seconds", "gauge", "decoded tokens over decode seconds", dt / ds if ds > 0 else 0.0)
     _series(L, "llamacpp:n_decode_total", "counter", "decode rounds executed", snap.decode_rounds)
+    _series(L, "llamacpp:n_tokens_max", "counter", "largest observed n_tokens: the most tokens one sequence held",
+            snap.max_sequence_tokens)
     _series(L, "llamacpp:n_busy_slots_per_decode", "gauge", "average requests per decode round",
             snap.decode_row_rounds / snap.decode_rounds if snap.decode_rounds else 0.0)
     _series(L, "llamacpp:kv_cache_usage_ratio", "gauge", "occupied share of the device KV cache",

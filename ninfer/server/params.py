@@ -94,8 +94,8 @@ def parse_stop(value: Any, max_n: int, param: str = "stop") -> list[str]:
 
 
 def check_model(body: dict[str, Any], state: ServerState, *, required: bool = False) -> None:
-    """A missing, null or empty model is the loaded one; any other name must be the public id (or,
-    on a router, one of the model's aliases: the router resolved the name to this model)."""
+    """A missing, null or empty model is the loaded one; any other name goes through the server's
+    model resolution (state.resolve_model: on a router the pool has already resolved it to this model)."""
     model = body.get("model")
     if model is None or model == "":
         if required:
@@ -103,9 +103,7 @@ def check_model(body: dict[str, Any], state: ServerState, *, required: bool = Fa
         return
     if not isinstance(model, str):
         raise bad("model", "model must be a string")
-    if model != state.model_id and model not in state.names:
-        raise RequestError(f"The model {model!r} does not exist; this server serves {state.model_id!r}",
-                           param="model", code="model_not_found", status=404)
+    state.resolve_model(model)
 
 
 def check_logit_bias(value: Any, param: str = "logit_bias") -> None:
@@ -213,7 +211,8 @@ _LLAMACPP_NEUTRAL: dict[str, Any] = {
 
 
 def check_llamacpp_neutral(body: dict[str, Any]) -> None:
-    """llama.cpp controls are accepted only at their neutral values (<field>_not_supported)."""
+    """llama.cpp controls are accepted only at their neutral values (<field>_not_supported); its
+    grammar is a constraint (structured.py)."""
     for name, neutral in _LLAMACPP_NEUTRAL.items():
         if name not in body or body[name] is None:
             continue
@@ -223,11 +222,6 @@ def check_llamacpp_neutral(body: dict[str, Any]) -> None:
         if not neutral(value):
             raise unsupported(name, f"{name} is not supported: this server has no such sampler; "
                                     "only its neutral value is accepted")
-    grammar = body.get("grammar")
-    if grammar is not None and not isinstance(grammar, str):
-        raise bad("grammar", "grammar must be a string")
-    if grammar:
-        raise unsupported("grammar", "grammar is not supported: constrained decoding is not available")
     lora = body.get("lora")
     if lora:
         raise unsupported("lora", "lora is not supported: no adapters are loaded")

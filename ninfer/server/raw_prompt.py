@@ -9,7 +9,7 @@ from ninfer.engine.request import PreparedRequest
 from ninfer.errors import RequestError
 from ninfer.server.params import bad, check_llamacpp_neutral, opt_bool, opt_object, parse_stop, sampling_from
 from ninfer.server.state import ServerState
-from ninfer.server.structured import chat_format, constrain, llamacpp_schema, refuse_with_grammar
+from ninfer.server.structured import constrain, refuse_with_grammar, request_format
 
 MAX_RAW_STOPS = 32
 
@@ -74,7 +74,7 @@ def prepare_raw(body: dict[str, Any], state: ServerState, request_id: str, max_t
                 protocol: str) -> tuple[PreparedRequest, RawOptions]:
     """The PreparedRequest for a raw prompt: sampler, stops, ignore_eos, cache_prompt."""
     check_llamacpp_neutral(body)
-    fmt = llamacpp_schema(body) or chat_format(body)
+    fmt = request_format(body)
     grammar = constrain(state, fmt)
     ids = prompt_token_ids(body.get("prompt"), state)
     stop = parse_stop(body.get("stop"), MAX_RAW_STOPS)

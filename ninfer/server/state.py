@@ -47,6 +47,10 @@ class ServerState:
     # /slots digests by cache entry id (an entry's tokens never change): (session, then one per
     # checkpoint: its page checkpoints, ascending, then the endpoint)
     slot_digests: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # /slots params: of each request in the engine (by request id), and of the last request whose
+    # session each cell retained
+    running_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    slot_params: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
@@ -56,6 +60,18 @@ class ServerState:
     def model_id(self) -> str:
         assert self.loaded is not None
         return self.config.model_id or self.loaded.model_id
+
+    def resolve_model(self, name: str) -> str:
+        """The public model id a request's (non-empty) model name selects. A single-model server
+        answers any name with its one model, as llama-server does (clients configured for a hosted
+        API send names such as gpt-4o); --strict-model-name answers another name 404
+        model_not_found. A router's pool resolved the name before (ModelPool.resolve: 404 for an
+        unknown one), so there it is one of this model's names."""
+        served = self.model_id
+        if name != served and name not in self.names and self.config.strict_model_name:
+            raise RequestError(f"The model {name!r} does not exist; this server serves {served!r}",
+                               param="model", code="model_not_found", status=404)
+        return served
 
     @property
     def max_admitted(self) -> int:

@@ -16,9 +16,35 @@ from ninfer.server.state import ServerState
 
 @dataclass(slots=True, frozen=True)
 class JsonFormat:
-    schema: dict[str, Any] | None  # None: any JSON object
+    """A constrained output: a JSON Schema value, any JSON object, or (llama.cpp's `grammar`) the
+    language of a GBNF grammar."""
+
+    schema: dict[str, Any] | None  # None: any JSON object (when grammar is None too)
     strict: bool
     param: str  # where the request spelled it, for errors
+    grammar: str | None = None  # GBNF text: the output is a sentence of it
+
+
+def request_format(body: dict[str, Any]) -> JsonFormat | None:
+    """The one constraint a Chat or raw-prompt body asks for: response_format (json_object with
+    llama.cpp's optional schema, or json_schema), llama.cpp's top-level json_schema, or its GBNF
+    grammar. Two of them in one request is a 400 naming the second."""
+    found = [(name, fmt) for name, fmt in (("response_format", chat_format(body)),
+                                           ("json_schema", llamacpp_schema(body)),
+                                           ("grammar", gbnf_format(body))) if fmt is not None]
+    if len(found) > 1:
+        raise bad(found[1][0], f"{found[1][0]} cannot be combined with {found[0][0]}: send one constraint")
+    return found[0][1] if found else None
+
+
+def gbnf_format(body: dict[str, Any]) -> JsonFormat | None:
+    """llama.cpp's grammar: GBNF text (root rule `root`); empty is none."""
+    grammar = body.get("grammar")
+    if grammar is None or grammar == "":
+        return None
+    if not isinstance(grammar, str):
+        raise bad("grammar", "grammar must be a string of GBNF rules")
+    return JsonFormat(None, False, "grammar", grammar=grammar)
 
 
 def chat_format(body: dict[str, Any], name: str = "response_format") -> JsonFormat | None:
@@ -31,8 +57,11 @@ def chat_format(body: dict[str, Any], name: str = "response_format") -> JsonForm
     kind = fmt["type"]
     if kind == "text":
         return None
-    if kind == "json_object":
-        return JsonFormat(None, False, name)
+    if kind == "json_object":  # llama.cpp: an optional schema beside the type
+        schema = fmt.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise bad(f"{name}.schema", f"{name}.schema must be a JSON Schema object")
+        return JsonFormat(schema or None, False, name)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict):
@@ -98,9 +127,11 @@ def constrain(state: ServerState, fmt: JsonFormat | None) -> Any:
     if state.grammars is None:
         if state.config.unconstrained_response_format:
             return None
-        raise RequestError(f"{fmt.param}: JSON output is enforced only on a server started with "
+        raise RequestError(f"{fmt.param}: constrained output is enforced only on a server started with "
                            "--structured-output (or --unconstrained-response-format to generate it "
                            "unconstrained)", param=fmt.param, code="response_format_not_supported")
+    if fmt.grammar is not None:
+        return state.grammars.gbnf(fmt.grammar, fmt.param)
     if fmt.schema is None:
         return state.grammars.json_object()
     return state.grammars.json_schema(fmt.schema, f"{fmt.param}.schema", strict=fmt.strict)
@@ -118,7 +149,7 @@ def refuse_with_grammar(stop: list[str], ignore_eos: bool, fmt: JsonFormat) -> N
 
 def with_instruction(messages: list[Message], fmt: JsonFormat | None) -> list[Message]:
     """The conversation with the format shown to the model first (merged into a leading system turn)."""
-    if fmt is None:
+    if fmt is None or fmt.grammar is not None:  # a grammar is no JSON to describe
         return messages
     text = "Respond with raw JSON only, without Markdown code fences: " + (
         "one JSON object." if fmt.schema is None else f"a value of this JSON Schema: {json.dumps(fmt.schema)}")

@@ -243,6 +243,9 @@ class CudaModelRunner:
             if prompt:
                 hidden = self._prompt_forward(prompt, self.k_cache, self.v_cache, self.conv, self.ssm)
                 ends = np.cumsum([len(s.token_ids) for s in prompt]) - 1
+                for e, s in zip(ends, prompt):  # an embedding's rows: [tokens, hidden]
+                    if s.return_hidden:
+                        out.hidden[s.seq_id] = hidden[int(e) + 1 - len(s.token_ids):int(e) + 1].clone()
                 rows = [(int(e), s) for e, s in zip(ends, prompt) if s.sample]
                 for g in range(0, len(rows), MAX_DECODE_ROWS):
                     group = rows[g:g + MAX_DECODE_ROWS]

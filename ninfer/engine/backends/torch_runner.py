@@ -149,6 +149,9 @@ class TorchModelRunner:
         hidden, offsets = self._hidden(batch.seqs, self.kv, self.states)
         logits = self._logits(hidden, offsets, batch.seqs, all_rows=False)
         out, accepted = sample_rows(logits, [s for s in batch.seqs if s.sample])
+        for off, s in zip(offsets, batch.seqs):  # an embedding's rows: [tokens, hidden]
+            if s.return_hidden:
+                out.hidden[s.seq_id] = hidden[off:off + len(s.token_ids)]
         if self._verify_states is not None:  # back to the state after the last accepted input
             for s in batch.seqs:
                 if s.num_drafts and accepted[s.seq_id] < s.num_drafts:
