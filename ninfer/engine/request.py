@@ -177,3 +177,4 @@ class OutputEvent:
     post_thinking_sampling: bool = False  # final event: the sampler switched after the reasoning closed
     reuse_path: str | None = None  # final event: the context-cache path admission took (root, ...)
     queue_wait_seconds: float | None = None  # final event: submission to admission (None: never admitted)
+    reuse_tier: str | None = None  # final event: the tier its reused prefix came from (device, host, disk)

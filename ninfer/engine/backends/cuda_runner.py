@@ -187,6 +187,11 @@ class CudaModelRunner:
         """Like the torch runner's: forward the batch (K/V written) -> logits of its sampling rows."""
         return self.run_with_logits(batch)[1]
 
+    def context_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The context pools for host and disk tiers (engine/transfer.py): page-indexed tensors
+        (K and V of every attention layer) and slot-indexed ones (conv windows, delta-rule states)."""
+        return [*self.k_cache, *self.v_cache], [*self.conv, *self.ssm]
+
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy K/V of page src into page dst, every layer (copy-on-write of a shared page)."""
         self._copy(copies, self.num_pages, "page", (*self.k_cache, *self.v_cache))

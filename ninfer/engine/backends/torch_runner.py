@@ -163,6 +163,12 @@ class TorchModelRunner:
         for live, kept in zip((*self.states.conv, *self.states.ssm), (*saved.conv, *saved.ssm)):
             live[s.state_slot].copy_(kept[row])
 
+    def context_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The context pools for host and disk tiers (engine/transfer.py): page-indexed tensors
+        (K and V of every attention layer) and slot-indexed ones (conv windows, delta-rule states)."""
+        states = [*self.states.conv, *self.states.ssm] if self.states is not None else []
+        return [*self.kv.k, *self.kv.v], states
+
     @torch.inference_mode()
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy K/V of page src into page dst, every layer (copy-on-write of a shared page)."""
