@@ -166,7 +166,8 @@ class Engine:
         memory = memory or MemoryConfig()
         wants_mover = bool(memory.host_kv_bytes or memory.disk_path or memory.slot_save_path)
         self.tiers = ContextTiers(memory, profile or {}, TensorMover.for_runner(runner) if wants_mover else None,
-                                  self.scheduler.prefix_cache, self.pool, self.state_pool, model_name)
+                                  self.scheduler.prefix_cache, self.pool, self.state_pool, model_name,
+                                  reserved_pages=self.scheduler.outstanding_pages)
         if memory.prefix_cache_file:
             from pathlib import Path
             self.tiers.load_prefix_cache_file(Path(memory.prefix_cache_file))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ninfer.engine.artifact import Artifact, ArtifactMetadata
-from ninfer.engine.config import SchedulerConfig, SpecConfig
+from ninfer.engine.config import MemoryConfig, SchedulerConfig, SpecConfig
 from ninfer.engine.model_store import resolve_model
 from ninfer.engine.rope import RopeOverride
 from ninfer.engine.models import expected_weights
@@ -167,7 +167,7 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                 dtype: str = "auto", rope: RopeOverride | None = None, spec: SpecConfig | None = None,
                 threads: int | None = None,
                 device_profile: ProfileRequest | None = None,
-                log: Callable[[str], None] | None = None) -> LoadedModel:
+                log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
     options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec)."""
     if cache_dir is None:
@@ -184,7 +184,7 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
                         rope=rope, spec=spec, threads=threads,
-                        device_profile=device_profile, cache_dir=cache_dir, log=log)
+                        device_profile=device_profile, cache_dir=cache_dir, log=log, memory=memory)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
@@ -192,7 +192,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                  kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None,
                  spec: SpecConfig | None = None, threads: int | None = None,
                  device_profile: ProfileRequest | None = None, cache_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None) -> LoadedModel:
+                 log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
     dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
     options (the default context and the KV pool follow the native window whatever they say).
@@ -255,7 +255,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                                 mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0)
 
     facts = model_facts(artifact, tokenizer, max_context)
-    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec)
+    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec, memory=memory,
+                          profile=session_profile(meta, facts, backend), model_name=meta.model_id)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts,
                        threads=plan.threads if plan is not None else 0,
@@ -285,6 +286,18 @@ def check_spec(spec: SpecConfig | None, meta, backend: str) -> None:
                           f"converting a Hugging Face folder that has them); {meta.name} has none (use --spec lookup)")
     if backend == "cuda":
         raise ConfigError("--spec mtp runs on the torch backend only so far (use --backend torch, or --spec lookup)")
+
+
+def session_profile(meta: ArtifactMetadata, facts: ModelFacts, backend: str) -> dict:
+    """What a session file (slot file, prefix-cache file, disk tier) must match to be restored on
+    this server: the artifact, its weight formats, the layer kinds (state kinds) and the
+    speculative backend (none yet); ContextTiers adds the KV dtype and the pool layout."""
+    from ninfer.engine.models import state_spec
+
+    source = meta.source or {}
+    return {"artifact": f"{meta.model_id}@{source.get('sha256') or source.get('path') or ''}",
+            "architecture": meta.config.architecture, "weight_formats": list(facts.weight_formats),
+            "state_kinds": list(state_spec(meta.config).kinds), "speculative": None}
 
 
 def _read_template(value: str) -> str:

@@ -70,7 +70,7 @@ class TierGauges:
     entries: dict[str, int]  # tier -> sessions held
     hits: dict[str, int]  # tier -> admissions that reused a prefix it supplied
     misses: dict[str, int]  # tier -> lookups it could not serve
-    transfer_bytes: dict[str, int]  # "d2h" / "h2d" -> bytes copied between device and host
+    transfer_bytes: dict[tuple[str, str], int]  # (main_kv | state, d2h | h2d) -> bytes copied
     spills: int = 0  # sessions written to the disk tier
     auto_saves: int = 0  # sessions written back to their slot file on eviction
 
@@ -309,7 +309,8 @@ class _Binding:
 class _Counters:
     hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    transfer_bytes: dict[str, int] = field(default_factory=lambda: {"d2h": 0, "h2d": 0})
+    transfer_bytes: dict[tuple[str, str], int] = field(
+        default_factory=lambda: {(o, d): 0 for o in ("main_kv", "state") for d in ("d2h", "h2d")})
     auto_saves: int = 0
 
 
@@ -317,8 +318,12 @@ class ContextTiers:
     """The host and disk tiers, slot files and the prefix-cache file over one engine's pools."""
 
     def __init__(self, config: MemoryConfig, compat: dict[str, Any], mover: TensorMover | None,
-                 cache: PrefixCache | None, pool: PagePool, state_pool: StatePool | None, model: str = "") -> None:
+                 cache: PrefixCache | None, pool: PagePool, state_pool: StatePool | None, model: str = "",
+                 reserved_pages: Callable[[], int] = lambda: 0) -> None:
         self.config = config
+        # pages the running requests may still allocate (Scheduler.outstanding_pages): an install
+        # never takes them, as admission never does
+        self.reserved_pages = reserved_pages
         self.mover = mover
         self.cache = cache
         self.pool = pool
@@ -327,7 +332,9 @@ class ContextTiers:
         layout = ([[str(t.dtype).removeprefix("torch."), list(t.shape[1:])] for t in mover.page_tensors + mover.slot_tensors]
                   if mover is not None else [])
         # what a file must match to be restored here (JSON-normal: lists, not tuples)
-        self.compat = json.loads(json.dumps({**compat, "page_size": pool.page_size, "layout": layout}))
+        kv_dtype = layout[0][0] if layout else None
+        self.compat = json.loads(json.dumps({**compat, "kv_dtype": kv_dtype, "page_size": pool.page_size,
+                                             "layout": layout}))
         usable = mover is not None and cache is not None
         self.host = HostTier(config.host_kv_bytes) if usable and config.host_kv_bytes > 0 else None
         self.writer = BackgroundWriter() if usable and (config.disk_path or config.auto_save_evicted) else None
@@ -376,8 +383,13 @@ class ContextTiers:
         tensors, ready = self.mover.read(entry.pages, [slot for _, slot in checkpoints])
         img = SessionImage(list(entry.token_ids), list(entry.session), [n for n, _ in entry.page_checkpoints],
                            entry.state_slot >= 0, len(entry.pages), tensors, ready)
-        self.counters.transfer_bytes["d2h"] += img.nbytes
+        self._count_transfer(img, "d2h")
         return img
+
+    def _count_transfer(self, img: SessionImage, direction: str) -> None:
+        t = self.counters.transfer_bytes
+        t["main_kv", direction] += img.n_pages * self.mover.page_bytes
+        t["state", direction] += len(img.checkpoint_positions) * self.mover.slot_bytes
 
     def _demote(self, img: SessionImage) -> None:
         spill = self.host.put(img) if self.host is not None else [img]
@@ -393,16 +405,17 @@ class ContextTiers:
         n, k = img.n_pages, len(img.checkpoint_positions)
         if n != pages_for_tokens(len(img.token_ids), pool.page_size) or img.frontier_state != self.hybrid:
             return None
-        if n > pool.num_pages or (state is not None and k > state.num_slots):
+        need = n + self.reserved_pages()
+        if need > pool.num_pages or (state is not None and k > state.num_slots):
             return None
-        if pool.num_free < n or (state is not None and state.num_free < k):
-            self.cache.evict(n, k)
-        if pool.num_free < n or (state is not None and state.num_free < k):
+        if pool.num_free < need or (state is not None and state.num_free < k):
+            self.cache.evict(need, k)
+        if pool.num_free < need or (state is not None and state.num_free < k):
             return None
         pages = pool.allocate(n)
         slots = state.allocate(k) if state is not None else []
         self.mover.write(pages, slots, img.tensors)
-        self.counters.transfer_bytes["h2d"] += img.nbytes
+        self._count_transfer(img, "h2d")
         page_checkpoints = list(zip(img.page_checkpoints, slots))
         frontier = slots[-1] if img.frontier_state else -1
         self.cache.insert(img.token_ids, pages, img.session, frontier, page_checkpoints, slot=slot)

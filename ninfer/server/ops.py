@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ninfer.errors import RequestError
 from ninfer.server.generate import session_digest
 from ninfer.server.http import Call
+from ninfer.server.tier_metrics import host_kv_bytes, tier_series
 from ninfer.version import version_string
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ def load_report(call: Call, obj: str) -> dict[str, Any]:
         "requests": {"admitted": max(state.admitted, snap.admitted), "running": snap.running,
                      "prefilling": snap.prefilling, "decode_ready": snap.decode_ready, "waiting": snap.waiting},
         "occupancy": {"device_main_kv_pages": snap.kv_pages_used, "device_main_kv_tokens": snap.kv_tokens_used,
-                      "device_state_slots": snap.state_slots_used},
+                      "device_state_slots": snap.state_slots_used, "host_kv_bytes": host_kv_bytes(snap.tiers)},
         "counters": {"computed_prefill_tokens": snap.computed_prefill_tokens,
                      "committed_decode_tokens": snap.committed_decode_tokens,
                      "reused_prompt_tokens": snap.reused_prompt_tokens,
@@ -311,7 +312,9 @@ def metrics_text(call: Call) -> str:
         _series(L, "ninfer:context_selections_total", "counter",
                 "admissions by the context-cache source they started from", 0, selections, "source")
     _series(L, "ninfer:context_occupancy", "gauge", "context-cache resources in use", 0,
-            {"device_main_kv_pages": snap.kv_pages_used, "device_state_slots": snap.state_slots_used}, "pool")
+            {"device_main_kv_pages": snap.kv_pages_used, "device_state_slots": snap.state_slots_used,
+             "host_kv_bytes": host_kv_bytes(snap.tiers)}, "pool")
+    tier_series(L, snap.tiers)
     _series(L, "ninfer:state_slots_total", "gauge",
             "recurrent-state slots (hybrid models; 0 for pure attention): one a lane plus checkpoints",
             snap.state_slots_total)

@@ -5,6 +5,7 @@ as snapshots), so plain ints need no lock.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ class ServerState:
     # /slots digests by cache entry id (an entry's tokens never change): (session, then one per
     # checkpoint: its page checkpoints, ascending, then the endpoint)
     slot_digests: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    slot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one POST /slots/{id} action at a time
 
     @property
     def ready(self) -> bool:
