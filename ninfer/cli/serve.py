@@ -104,6 +104,8 @@ def serve(
     post_thinking_top_k: Optional[int] = typer.Option(None, "--post-thinking-top-k", help="Implies --post-thinking."),
     post_thinking_sampler: Optional[str] = typer.Option(None, "--post-thinking-sampler",
                                                         help="temp=F,top_p=F,top_k=N[,min_p=F,presence=F,frequency=F]; implies --post-thinking."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype",
+                                 help="KV-cache storage: auto (f32 on CPU, bf16 on CUDA), bf16, int8 (torch backend)."),
     host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib",
                                               help="Host tier for evicted conversations, MiB (default 8192; 0: none)."),
     host_cache_mib: Optional[str] = typer.Option(None, "--host-cache-mib",
@@ -194,6 +196,9 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
         raise ConfigError("--device must be >= 0")
     resolve_dtype(p["dtype"])  # a bad value fails before the server starts
     profile = ProfileRequest.from_flags(p["device_profile"], p["device_profile_path"])
+    from ninfer.engine.loader import KV_DTYPES
+    if p["kv_dtype"] not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {p['kv_dtype']!r}")
     if p["max_context"] < 1:
         raise ConfigError("--max-context must be >= 1")
     seed = p["seed"] if p["seed"] is None or p["seed"] >= 0 else None  # negative: a fresh random seed per
@@ -244,7 +249,7 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
         loaded = load_engine(p["model"], backend=p["backend"], scheduler=scheduler, kv_capacity=kv, device=p["device"],
                              chat_template=p["chat_template"], cuda_graph=not p["no_cuda_graph"], dtype=p["dtype"],
                              rope=rope, spec=spec_config, threads=p["threads"] or None, device_profile=profile,
-                             memory=memory)
+                             memory=memory, kv_dtype=p["kv_dtype"])
         if fault:
             from ninfer.engine.fault import fail_after_batches
             fail_after_batches(loaded.engine, int(fault))

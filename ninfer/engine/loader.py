@@ -167,7 +167,8 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                 dtype: str = "auto", rope: RopeOverride | None = None, spec: SpecConfig | None = None,
                 threads: int | None = None,
                 device_profile: ProfileRequest | None = None,
-                log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None) -> LoadedModel:
+                log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None,
+                kv_dtype: str = "auto") -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
     options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec)."""
     if cache_dir is None:
@@ -184,7 +185,7 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
                         rope=rope, spec=spec, threads=threads,
-                        device_profile=device_profile, cache_dir=cache_dir, log=log, memory=memory)
+                        device_profile=device_profile, cache_dir=cache_dir, log=log, memory=memory, kv_dtype=kv_dtype)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
@@ -192,7 +193,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                  kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None,
                  spec: SpecConfig | None = None, threads: int | None = None,
                  device_profile: ProfileRequest | None = None, cache_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None) -> LoadedModel:
+                 log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None,
+                 kv_dtype: str = "auto") -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
     dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
     options (the default context and the KV pool follow the native window whatever they say).
@@ -218,7 +220,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         meta = artifact.meta
     tokenizer = Tokenizer.from_metadata(meta)
     tokenizer.token_bytes(0)  # build the byte table now (~0.4 s), not on the first request's first token
-    bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype)  # the same for both backends
+    check_kv_dtype(kv_dtype, backend, dtype)
+    bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype, kv_dtype)  # the same for both backends
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
     num_state_slots = resolve_state_slots(meta.config, scheduler)
     on_cpu = backend != "cuda" and torch_device == "cpu"
@@ -252,7 +255,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             adapter = cpu_threads.ThreadAdapter(plan) if plan.source == "measured" else None
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
                                 num_state_slots=num_state_slots, thread_adapter=adapter,
-                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0)
+                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0, kv_dtype=kv_dtype)
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec, memory=memory,
@@ -286,6 +289,25 @@ def check_spec(spec: SpecConfig | None, meta, backend: str) -> None:
                           f"converting a Hugging Face folder that has them); {meta.name} has none (use --spec lookup)")
     if backend == "cuda":
         raise ConfigError("--spec mtp runs on the torch backend only so far (use --backend torch, or --spec lookup)")
+
+
+KV_DTYPES = ("auto", "bf16", "int8", "fp8")
+
+
+def check_kv_dtype(kv_dtype: str, backend: str, dtype) -> None:
+    """--kv-dtype: auto (the backend's attention dtype: f32 on CPU, bf16 on CUDA), bf16 or int8 on
+    the torch backend; the cuda backend's kernels read bf16 (or f32) caches only so far."""
+    import torch
+
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if backend == "cuda" and kv_dtype not in ("auto", "bf16"):
+        raise ConfigError(f"--kv-dtype {kv_dtype} is not supported by the cuda backend yet "
+                          "(its attention kernels read bf16 caches); use --backend torch for int8")
+    if backend == "cuda" and kv_dtype == "bf16" and dtype == torch.float32:
+        raise ConfigError("--kv-dtype bf16 with --dtype float32: the cuda backend keeps KV in its compute dtype")
+    if backend != "cuda" and kv_dtype == "fp8":
+        raise ConfigError("--kv-dtype fp8 needs the cuda backend (the torch backend takes auto, bf16 or int8)")
 
 
 def session_profile(meta: ArtifactMetadata, facts: ModelFacts, backend: str) -> dict:

@@ -73,6 +73,8 @@ class TierGauges:
     transfer_bytes: dict[tuple[str, str], int]  # (main_kv | state, d2h | h2d) -> bytes copied
     spills: int = 0  # sessions written to the disk tier
     auto_saves: int = 0  # sessions written back to their slot file on eviction
+    host_budget: int = 0  # the host tier's capacity in bytes (0: no host tier)
+    disk_budget: int = 0
 
 
 class BackgroundWriter:
@@ -611,7 +613,8 @@ class ContextTiers:
                    "host": len(self.host) if self.host else 0, "disk": len(self.disk) if self.disk else 0}
         c = self.counters
         return TierGauges(pages, nbytes, entries, dict(c.hits), dict(c.misses), dict(c.transfer_bytes),
-                          self.disk.spills if self.disk else 0, c.auto_saves)
+                          self.disk.spills if self.disk else 0, c.auto_saves,
+                          self.host.budget if self.host else 0, self.disk.budget if self.disk else 0)
 
     def clear_retained(self) -> None:
         """Drop every retained session on the device and in the host tier (files stay)."""

@@ -160,7 +160,8 @@ def load_report(call: Call, obj: str) -> dict[str, Any]:
                      "max_context": snap.max_context, "kv_capacity_tokens": snap.kv_capacity_tokens,
                      "kv_capacity_pages": snap.kv_capacity_pages, "kv_page_tokens": snap.kv_page_tokens,
                      # recurrent-state slots (hybrid models; 0 for pure attention): lanes + checkpoints
-                     "device_state_slots": snap.state_slots_total},
+                     "device_state_slots": snap.state_slots_total,
+                     "host_kv_bytes": snap.tiers.host_budget if snap.tiers is not None else 0},
         "requests": {"admitted": max(state.admitted, snap.admitted), "running": snap.running,
                      "prefilling": snap.prefilling, "decode_ready": snap.decode_ready, "waiting": snap.waiting},
         "occupancy": {"device_main_kv_pages": snap.kv_pages_used, "device_main_kv_tokens": snap.kv_tokens_used,
