@@ -245,7 +245,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
-                                   num_state_slots=num_state_slots, profile=profile,
+                                   num_state_slots=num_state_slots, profile=profile, kv_dtype=kv_dtype,
                                    max_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "lookup" else 0,
                                    **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
@@ -295,15 +295,12 @@ KV_DTYPES = ("auto", "bf16", "int8", "fp8")
 
 
 def check_kv_dtype(kv_dtype: str, backend: str, dtype) -> None:
-    """--kv-dtype: auto (the backend's attention dtype: f32 on CPU, bf16 on CUDA), bf16 or int8 on
-    the torch backend; the cuda backend's kernels read bf16 (or f32) caches only so far."""
+    """--kv-dtype: auto (the backend's attention dtype: f32 on CPU, bf16 on CUDA); bf16 or int8 on
+    the torch backend; bf16, int8 or fp8 (e4m3) on the cuda backend, whose kernels read the codes."""
     import torch
 
     if kv_dtype not in KV_DTYPES:
         raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if backend == "cuda" and kv_dtype not in ("auto", "bf16"):
-        raise ConfigError(f"--kv-dtype {kv_dtype} is not supported by the cuda backend yet "
-                          "(its attention kernels read bf16 caches); use --backend torch for int8")
     if backend == "cuda" and kv_dtype == "bf16" and dtype == torch.float32:
         raise ConfigError("--kv-dtype bf16 with --dtype float32: the cuda backend keeps KV in its compute dtype")
     if backend != "cuda" and kv_dtype == "fp8":

@@ -50,14 +50,14 @@ def _generate(engine, rid: str, prompt: list[int], n: int, cache_prompt: bool = 
     return ids, final
 
 
-def _engine(artifact, tmp_path: Path, kv_tokens: int = 4096):
+def _engine(artifact, tmp_path: Path, kv_tokens: int = 4096, kv_dtype: str = "auto"):
     from ninfer.engine.loader import start_engine
 
     scheduler = SchedulerConfig(max_concurrency=1, max_private_continuations=1, max_context=2048)
     memory = MemoryConfig(host_kv_bytes=1 << 30, slot_save_path=str(tmp_path),
                           prefix_cache_file=str(tmp_path / "prefix.cache"))
     return start_engine(artifact, backend="cuda", torch_device="cuda:0", scheduler=scheduler,
-                        kv_capacity=kv_tokens, memory=memory, kernel_cache_dir=tmp_path / "kernels")
+                        kv_capacity=kv_tokens, memory=memory, kernel_cache_dir=tmp_path / "kernels", kv_dtype=kv_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +75,12 @@ def hybrid():
     return SyntheticArtifact("qwen3.5-0.8b")
 
 
-@pytest.mark.parametrize("model", ["smollm2", "hybrid"])
-def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: str, tmp_path: Path,
+@pytest.mark.parametrize("model, kv_dtype", [("smollm2", "auto"), ("smollm2", "int8"), ("smollm2", "fp8"),
+                                             ("hybrid", "auto")])
+def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: str, kv_dtype: str, tmp_path: Path,
                                                                        request: pytest.FixtureRequest) -> None:
     artifact = request.getfixturevalue(model)
-    loaded = _engine(artifact, tmp_path)
+    loaded = _engine(artifact, tmp_path, kv_dtype=kv_dtype)
     engine = loaded.engine
     a = [(i * 37) % 5000 + 10 for i in range(300)]
     try:
@@ -99,7 +100,7 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
         engine.shutdown()
     assert engine.save_prefix_cache() >= 1
     # a restart: the prefix-cache file fills the host tier; the slot file restores too
-    loaded = _engine(artifact, tmp_path)
+    loaded = _engine(artifact, tmp_path, kv_dtype=kv_dtype)
     engine = loaded.engine
     try:
         assert engine.snapshot().tiers.entries["host"] >= 1

@@ -31,7 +31,7 @@ def kv_bytes_per_token(config: ModelConfig, device: str | torch.device = "cpu",
     device = torch.device(device)
     dtype = dtype if dtype is not None else default_dtype(device)
     spec = state_spec(config)
-    if kv_dtype == "int8":
+    if kv_dtype in ("int8", "fp8"):  # fp8: the cuda backend's size, for sizing the pool
         return spec.kv_bytes_per_token(1) + spec.num_attention_layers * 2 * spec.attention.kv_heads * 2
     if kv_dtype == "bf16":
         return spec.kv_bytes_per_token(2)
