@@ -26,6 +26,7 @@ API_INDEX = (
     ("GET", "/metrics", "Prometheus text: llama.cpp's --metrics series plus ninfer's"),
     ("GET", "/stats", "the /v1/load snapshot plus the ingress peak and the engine counters"),
     ("GET", "/slots", "per-cell occupancy of the private context cache"),
+    ("POST", "/slots/{id}", "save, restore or erase a retained session (?action=, needs --slot-save-path)"),
     ("GET", "/props", "llama.cpp-shaped server properties"),
     ("GET", "/v1", "this endpoint index"),
     ("GET", "/v1/models", "the served model alias, context limit, modalities and meta"),
