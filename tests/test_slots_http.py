@@ -172,6 +172,14 @@ def test_slot_action_errors(served) -> None:
     assert not any(c["id"] == cell["id"] and c.get("retained") for c in slots(s))
 
 
+def test_props_reports_the_kv_pool(served) -> None:
+    s, _ = served
+    kv = httpx.get(s.url + "/props", timeout=30).json()["kv_cache"]
+    # the default model on CPU: float32 K and V, 30 layers x 3 kv heads x 64 dims
+    assert kv == {"dtype": "float32", "bytes_per_token": 30 * 2 * 3 * 64 * 4, "capacity_tokens": 8192,
+                  "page_tokens": 64}
+
+
 def test_restart_reuses_the_prefix_through_the_prefix_cache_file(served, smollm2_artifact: Path) -> None:
     s, folder = served
     prompt = PROMPT + " After a restart."
@@ -202,3 +210,4 @@ def test_restart_reuses_the_prefix_through_the_prefix_cache_file(served, smollm2
     log = stop(s3)
     assert "prefix cache file ignored" in log and "prefix cache saved" in log
     assert (folder / "prefix.cache").read_bytes().startswith(b"NINFSES1")
+

@@ -138,6 +138,7 @@ async def handle_props(call: Call) -> None:
                        "seed": -1 if s.seed is None else s.seed},
         },
         "total_slots": state.loaded.engine.snapshot().max_concurrency,
+        "kv_cache": kv_cache_props(state.loaded.engine),
         "model_alias": state.model_id,
         "model_path": state.config.model_path or state.loaded.facts.path,
         "modalities": {"vision": False, "audio": False},
@@ -147,6 +148,16 @@ async def handle_props(call: Call) -> None:
         "endpoint_metrics": True,
         "cors_proxy_enabled": False,
     })
+
+
+def kv_cache_props(engine: Any) -> dict[str, Any]:
+    """The KV pool as configured: storage dtype (--kv-dtype), bytes per token, capacity in tokens."""
+    snap = engine.snapshot()
+    runner = engine.runner
+    tensors = runner.context_tensors()[0] if hasattr(runner, "context_tensors") else []
+    return {"dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
+            "bytes_per_token": getattr(runner, "kv_bytes_per_token", None),
+            "capacity_tokens": snap.kv_capacity_tokens, "page_tokens": snap.kv_page_tokens}
 
 
 def load_report(call: Call, obj: str) -> dict[str, Any]:
