@@ -35,7 +35,7 @@ def test_paged_attention_over_a_compressed_cache_matches_float32(storage: str) -
     kc, vc = torch.zeros(pages, ps, kvh, d, dtype=store), torch.zeros(pages, ps, kvh, d, dtype=store)
     scales = (torch.zeros(pages, ps, kvh, dtype=torch.float16), torch.zeros(pages, ps, kvh, dtype=torch.float16)) \
         if storage == "int8" else (None, None)
-    out = paged_attention(q, k, v, kc, vc, meta, *scales)
+    out = paged_attention(q, k, v, kc, vc, meta, k_scale=scales[0], v_scale=scales[1])
     rel = ((out - ref).norm() / ref.norm()).item()
     assert 0 < rel < 2e-2, rel
     if storage == "int8":  # the cache holds int8 values and their scales
