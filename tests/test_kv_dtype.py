@@ -73,3 +73,84 @@ def test_int8_pool_is_about_half_of_bf16(llama: Artifact) -> None:
     assert kv_bytes_per_token(c, "cpu", torch.bfloat16, "auto") == 2 * bf16  # f32 attention on CPU
     with pytest.raises(ConfigError, match="fp8 needs the cuda backend"):
         TorchModelRunner(llama, num_pages=2, page_size=4, kv_dtype="fp8")
+
+
+def _tiny_gemma3(softcap: float):
+    """A random-weight gemma3 (sliding window 4 on three of four layers, two RoPE bases, final
+    logit soft-capping) as an artifact over its fp32 weights; attention-score capping `softcap`."""
+    import types
+
+    from ninfer.engine.config import ModelConfig
+    from ninfer.formats import TensorFormat
+    from tests.test_architectures import _perturb, tiny_configs
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(31)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_configs()["gemma3"]).float().eval()
+    _perturb(hf)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()
+          if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)}
+    config = ModelConfig.from_hf(hf.config.to_dict() | {"architectures": [type(hf).__name__]})
+    config.attn_logit_softcapping = softcap
+    meta = types.SimpleNamespace(config=config, tensor_formats={k: TensorFormat("f32") for k in sd})
+    return types.SimpleNamespace(meta=meta, path="tiny-gemma3",
+                                 load_parts=lambda device: {k: {"": v.to(device)} for k, v in sd.items()},
+                                 load_dequantized=lambda: dict(sd))
+
+
+@pytest.mark.parametrize("softcap", [0.0, 0.5])
+def test_gemma3_window_and_softcap_over_an_int8_cache(softcap: float) -> None:
+    """gemma3's sliding layers (window 4, so 16 tokens cross it many times) and score soft-capping
+    read the int8 cache as they read the float32 one: chunked prefill and decode stay close to the
+    float32 cache and pick the same argmax at nearly every position."""
+    artifact = _tiny_gemma3(softcap)
+    assert artifact.meta.config.sliding_window == 4
+    tokens = PROMPT_A + DECODE
+    pages = [3, 0, 7, 5]
+    ref = chunked_logits(TorchModelRunner(artifact, num_pages=8, page_size=4, dtype=torch.float32), 0, tokens,
+                         [9, 4, 1, 1, 1], pages)
+    runner = TorchModelRunner(artifact, num_pages=8, page_size=4, dtype=torch.float32, kv_dtype="int8")
+    ours = chunked_logits(runner, 0, tokens, [9, 4, 1, 1, 1], pages)
+    delta = (ours - ref).abs().max().item()
+    assert 0 < delta < 0.05 * ref.abs().max().item(), delta
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    assert runner.kv.k[0].dtype == torch.int8
+
+
+@pytest.mark.slow
+def test_lookup_speculation_over_an_int8_cache_commits_the_plain_greedy_tokens(smollm2_artifact: Path) -> None:
+    """--spec lookup with --kv-dtype int8 (default model, float32 compute): verify rows write their
+    K/V as int8 codes like decode rows do, and the rows of a rejected tail are rewritten later, so
+    the committed tokens are plain int8 greedy's token for token."""
+    from ninfer.engine.config import SchedulerConfig, SpecConfig
+    from ninfer.engine.engine import Engine
+    from ninfer.engine.request import PreparedRequest, SamplingParams
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = Artifact.open(smollm2_artifact)
+    tokenizer = Tokenizer.from_metadata(artifact.meta)
+    runner = TorchModelRunner(artifact, num_pages=32, page_size=64, dtype=torch.float32, kv_dtype="int8")
+    texts = ["Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
+             "List the numbers from 1 to 20, separated by commas."]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+
+    def generate(spec):
+        engine = Engine(runner, tokenizer, SchedulerConfig(prefix_reuse=False), model_max_context=2048, spec=spec)
+        engine.start()
+        try:
+            outs = []
+            for i, p in enumerate(prompts):
+                ids = []
+                for ev in engine.submit(PreparedRequest(request_id=f"r{i}", prompt_token_ids=p, max_tokens=32,
+                                                        sampling=SamplingParams(temperature=0.0))):
+                    assert ev.error is None, ev.error
+                    ids += ev.token_ids
+                outs.append(ids)
+            return outs, engine.snapshot()
+        finally:
+            engine.shutdown()
+
+    plain, _ = generate(None)
+    spec, snap = generate(SpecConfig("lookup", draft_tokens=4, ngram_min=1, ngram_max=3))
+    assert spec == plain
+    assert snap.drafted_tokens > 0 and snap.accepted_tokens > 0

@@ -266,48 +266,71 @@ def test_prefix_cache_file_survives_a_restart_and_another_profile_is_ignored(tmp
     assert other.snapshot().tiers.entries["host"] == 0
 
 
-def test_a_thousand_requests_with_random_cancels_leave_every_tier_at_its_baseline() -> None:
-    hybrid_slots = slots_for(True, entries=3, lanes=3)
-    for num_state_slots in (0, hybrid_slots):
-        runner = TensorKVRunner(num_pages=24, num_state_slots=num_state_slots)
-        engine = make_engine(runner, MemoryConfig(host_kv_bytes=6 * 24 * P * 8), entries=3, lanes=3)
-        baseline = engine.snapshot()
-        r = random.Random(num_state_slots)
-        convs = [prompt(100 + i, r.randrange(3, 20)) for i in range(6)]
-        try:
-            handles = []
-            for i in range(1000):
-                c = r.randrange(len(convs))
-                p = convs[c] + [r.randrange(1, 26) for _ in range(r.randrange(0, 4))]
-                convs[c] = p if len(p) < 40 else prompt(200 + i, 5)
-                req = PreparedRequest(request_id=f"r{i}", prompt_token_ids=p, max_tokens=r.randrange(1, 6),
-                                      sampling=SamplingParams(temperature=0.0), cache_prompt=r.random() < 0.9)
-                handles.append(engine.submit(req))
-                if r.random() < 0.3:
-                    handles[r.randrange(len(handles))].cancel()
-                if len(handles) >= 40:
-                    for h in handles:
-                        for _ in h:
-                            pass
-                    handles = []
-            for h in handles:
-                for _ in h:
-                    pass
-            idle(engine)
-            snap = engine.snapshot()
-            g = snap.tiers
-            assert snap.requests_cancelled > 50 and g.hits["host"] > 0 and g.hits["device"] > 0
-            cache = engine.scheduler.prefix_cache
-            # nothing runs: every page and state slot in use belongs to a retained entry, once
-            held = engine.call(lambda: (sorted(p for e in cache.entries() for p in e.pages),
-                                        sorted(s for e in cache.entries() for _, s in e.checkpoints()))).result(30)
-            assert snap.kv_pages_used == len(set(held[0])) and snap.state_slots_used == len(held[1])
-            engine.call(engine.tiers.clear_retained).result(30)
-            idle(engine)
-            after = engine.snapshot()
-            assert (after.kv_pages_used, after.state_slots_used) == (baseline.kv_pages_used, baseline.state_slots_used)
-            assert after.tiers.pages == baseline.tiers.pages and after.tiers.bytes == baseline.tiers.bytes
-            assert after.tiers.entries == baseline.tiers.entries
-            assert engine.pool.num_free == engine.pool.num_pages
-        finally:
-            engine.shutdown()
+@pytest.mark.parametrize("variant", ["host", "hybrid", "host+disk"])
+def test_a_thousand_requests_with_random_cancels_leave_every_tier_at_its_baseline(variant: str,
+                                                                                   tmp_path: Path) -> None:
+    """1,000 requests over six growing conversations, 30 % of them cancelled at random points,
+    some with cache_prompt false: afterwards every page and state slot in use belongs to a retained
+    entry exactly once, and once those are dropped the device pool, the state pool and the host
+    tier are back at their start (pages, bytes, sessions). The disk tier keeps its files by design:
+    its gauges must equal the files on disk and stay within --disk-kv-gib."""
+    hybrid = variant == "hybrid"
+    num_state_slots = slots_for(True, entries=3, lanes=3) if hybrid else 0
+    runner = TensorKVRunner(num_pages=24, num_state_slots=num_state_slots)
+    page_bytes = P * 8
+    if variant == "host+disk":  # a host tier of ~2 short sessions: most evictions spill to disk
+        memory = MemoryConfig(host_kv_bytes=2 * 4 * page_bytes, disk_path=str(tmp_path / "disk"),
+                              disk_bytes=40_000, disk_restore=True)
+    else:
+        memory = MemoryConfig(host_kv_bytes=6 * 24 * page_bytes)
+    engine = make_engine(runner, memory, entries=3, lanes=3)
+    baseline = engine.snapshot()
+    r = random.Random(num_state_slots + len(variant))
+    convs = [prompt(100 + i, r.randrange(3, 20)) for i in range(6)]
+    try:
+        handles = []
+        for i in range(1000):
+            c = r.randrange(len(convs))
+            p = convs[c] + [r.randrange(1, 26) for _ in range(r.randrange(0, 4))]
+            convs[c] = p if len(p) < 40 else prompt(200 + i, 5)
+            req = PreparedRequest(request_id=f"r{i}", prompt_token_ids=p, max_tokens=r.randrange(1, 6),
+                                  sampling=SamplingParams(temperature=0.0), cache_prompt=r.random() < 0.9)
+            handles.append(engine.submit(req))
+            if r.random() < 0.3:
+                handles[r.randrange(len(handles))].cancel()
+            if len(handles) >= 40:
+                for h in handles:
+                    for ev in h:
+                        assert ev.error is None, ev.error  # the runner asserts every reused position was written
+                handles = []
+        for h in handles:
+            for ev in h:
+                assert ev.error is None, ev.error
+        idle(engine)
+        engine.tiers.flush_writes()
+        idle(engine)
+        snap = engine.snapshot()
+        g = snap.tiers
+        assert snap.requests_cancelled > 50 and g.hits["host"] > 0 and g.hits["device"] > 0
+        cache = engine.scheduler.prefix_cache
+        # nothing runs: every page and state slot in use belongs to a retained entry, once
+        held = engine.call(lambda: (sorted(p for e in cache.entries() for p in e.pages),
+                                    sorted(s for e in cache.entries() for _, s in e.checkpoints()))).result(30)
+        assert snap.kv_pages_used == len(set(held[0])) and snap.state_slots_used == len(held[1])
+        if variant == "host+disk":
+            files = list((tmp_path / "disk").rglob("*.kvs"))
+            assert g.spills > 0 and files and g.hits["disk"] > 0, (g.spills, g.hits)
+            assert g.entries["disk"] == len(files) and g.bytes["disk"] == sum(f.stat().st_size for f in files)
+            assert g.bytes["disk"] <= memory.disk_bytes
+            assert not list((tmp_path / "disk").rglob(".*.tmp"))  # no temporary file left behind
+        engine.call(engine.tiers.clear_retained).result(30)
+        idle(engine)
+        after = engine.snapshot()
+        assert (after.kv_pages_used, after.state_slots_used) == (baseline.kv_pages_used, baseline.state_slots_used)
+        for tier in ("device", "host"):
+            assert after.tiers.pages[tier] == baseline.tiers.pages[tier]
+            assert after.tiers.bytes[tier] == baseline.tiers.bytes[tier]
+            assert after.tiers.entries[tier] == baseline.tiers.entries[tier]
+        assert engine.pool.num_free == engine.pool.num_pages
+    finally:
+        engine.shutdown()

@@ -259,7 +259,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec, memory=memory,
-                          profile=session_profile(meta, facts, backend), model_name=meta.model_id)
+                          profile=session_profile(meta, facts, backend, spec), model_name=meta.model_id)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts,
                        threads=plan.threads if plan is not None else 0,
@@ -307,16 +307,18 @@ def check_kv_dtype(kv_dtype: str, backend: str, dtype) -> None:
         raise ConfigError("--kv-dtype fp8 needs the cuda backend (the torch backend takes auto, bf16 or int8)")
 
 
-def session_profile(meta: ArtifactMetadata, facts: ModelFacts, backend: str) -> dict:
+def session_profile(meta: ArtifactMetadata, facts: ModelFacts, backend: str, spec: SpecConfig | None = None) -> dict:
     """What a session file (slot file, prefix-cache file, disk tier) must match to be restored on
-    this server: the artifact, its weight formats, the layer kinds (state kinds) and the
-    speculative backend (none yet); ContextTiers adds the KV dtype and the pool layout."""
+    this server: the artifact, its weight formats, the layer kinds (state kinds) and the speculative
+    backend with its draft tokens (spec: Slots; under --spec mtp the head's K/V travel with the
+    pages); ContextTiers adds the KV dtype and the pool layout."""
     from ninfer.engine.models import state_spec
 
     source = meta.source or {}
     return {"artifact": f"{meta.model_id}@{source.get('sha256') or source.get('path') or ''}",
             "architecture": meta.config.architecture, "weight_formats": list(facts.weight_formats),
-            "state_kinds": list(state_spec(meta.config).kinds), "speculative": None}
+            "state_kinds": list(state_spec(meta.config).kinds),
+            "speculative": f"{spec.method}/{spec.draft_tokens}" if spec is not None and spec.enabled else None}
 
 
 def _read_template(value: str) -> str:

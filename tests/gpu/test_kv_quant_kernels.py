@@ -1,7 +1,8 @@
 """Compressed KV caches on the cuda backend (--kv-dtype int8|fp8): kv_quantize_write against the
 torch reference quantizer on fresh random rows, paged attention reading the int8 / e4m3 codes
 directly against fp64 attention over the dequantized cache (decode with split-K, and prefill),
-and greedy agreement of the real default model with an int8 / fp8 cache against its bf16 cache."""
+gemma3's sliding window and score soft-capping over the codes (decode and prefill), and greedy
+agreement of the real default model with an int8 / fp8 cache against its bf16 cache."""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,8 @@ import torch
 
 import ninfer.kernels.launchers as L
 from ninfer.kernels.compiler import KernelCompiler
-from tests.gpu.test_kernels import BF, DEV, gen, make_cache, poisoned, randn, ref_attention, rel
+from test_architectures_cuda import ref_window_attention
+from test_kernels import BF, DEV, gen, make_cache, poisoned, randn, ref_attention, rel
 
 CODES = pytest.mark.parametrize("codes", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -116,6 +118,60 @@ def test_prefill_attention_reads_the_codes(kc: KernelCompiler, codes: torch.dtyp
         for i in range(new[b]):
             assert rel(out[t], ref_attention(q[t], kd, vd, tables[b], start[b] + i + 1, D ** -0.5)) < 1e-2
             t += 1
+
+
+@CODES
+@pytest.mark.parametrize("window,softcap", [(700, 0.0), (5, 0.0), (0, 2.0), (300, 1.5)])
+def test_window_and_softcap_over_the_codes(kc: KernelCompiler, codes: torch.dtype, window: int,
+                                           softcap: float) -> None:
+    """gemma3 / Mistral layers over a compressed cache: decode (split-K across the window's
+    partitions) and prefill (after a prefix) against fp64 over the dequantized cache."""
+    g = gen(15)
+    D, Hq, Hkv = 64, 8, 2
+    lens = [1, 17, 600, 1500, 513, 1100]
+    k_cache, v_cache, tables = make_cache(g, lens, Hkv, D, 16, BF)
+    kq, vq, ks, vs = quantized_cache(kc, g, k_cache, v_cache, codes)
+    kd, vd = dequantize(kq, ks), dequantize(vq, vs)
+    q = randn((len(lens), Hq, D), g, BF, scale=3.0)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = poisoned((len(lens), Hq, D), BF)
+    L.paged_attention_decode(kc, q, kq, vq, tables, ctx, max(lens), out, 0.1, window=window, softcap=softcap,
+                             k_scale=ks, v_scale=vs)
+    for b, n in enumerate(lens):
+        ref = ref_window_attention(q[b], kd, vd, tables[b], n, 0.1, window, softcap)
+        assert rel(out[b], ref) < 1e-2, f"sequence {b}"
+    start, new = [0, 100, 5], [37, 20, 1]
+    lens = [s + n for s, n in zip(start, new)]
+    k_cache, v_cache, tables = make_cache(g, lens, Hkv, D, 16, BF)
+    kq, vq, ks, vs = quantized_cache(kc, g, k_cache, v_cache, codes)
+    kd, vd = dequantize(kq, ks), dequantize(vq, vs)
+    T = sum(new)
+    q = randn((T, Hq, D), g, BF, scale=3.0)
+    cu = torch.tensor([0, 37, 57, 58], dtype=torch.int32, device=DEV)
+    sp = torch.tensor(start, dtype=torch.int32, device=DEV)
+    out = poisoned((T, Hq, D), BF)
+    L.paged_attention_prefill(kc, q, kq, vq, tables, cu, sp, max(lens), out, 0.125, window=window, softcap=softcap,
+                              k_scale=ks, v_scale=vs)
+    t = 0
+    for b in range(3):
+        for i in range(new[b]):
+            ref = ref_window_attention(q[t], kd, vd, tables[b], start[b] + i + 1, 0.125, window, softcap)
+            assert rel(out[t], ref) < 1e-2, f"sequence {b} token {i}"
+            t += 1
+
+
+def test_the_mma_prefill_route_refuses_a_compressed_cache(kc: KernelCompiler) -> None:
+    from ninfer.kernels.compiler import KernelError
+
+    g = gen(16)
+    k_cache, v_cache, tables = make_cache(g, [20], 2, 64, 16, BF)
+    kq, vq, ks, vs = quantized_cache(kc, g, k_cache, v_cache, torch.int8)
+    q = randn((20, 2, 64), g, BF)
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=DEV)
+    sp = torch.tensor([0], dtype=torch.int32, device=DEV)
+    with pytest.raises(KernelError, match="warp route"):
+        L.paged_attention_prefill(kc, q, kq, vq, tables, cu, sp, 20, poisoned((20, 2, 64)), 0.125, "mma",
+                                  k_scale=ks, v_scale=vs)
 
 
 def test_a_compressed_cache_needs_its_scales(kc: KernelCompiler) -> None:

@@ -176,9 +176,10 @@ class TorchModelRunner:
 
     def context_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The context pools for host and disk tiers (engine/transfer.py): page-indexed tensors
-        (K and V of every attention layer) and slot-indexed ones (conv windows, delta-rule states)."""
+        (K and V of every attention layer, int8 scales, and the MTP head's K/V under --spec mtp,
+        whose pool shares the page ids) and slot-indexed ones (conv windows, delta-rule states)."""
         states = [*self.states.conv, *self.states.ssm] if self.states is not None else []
-        return self.kv.tensors(), states
+        return self.kv.tensors() + (self.mtp.kv.tensors() if self.mtp is not None else []), states
 
     @torch.inference_mode()
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
