@@ -17,7 +17,6 @@ from ninfer.server.http import Call
 from ninfer.server.sse import TIMEOUT, EventPump, Timeout
 
 
-
 def new_request_id() -> str:
     return uuid.uuid4().hex[:24]
 

@@ -220,3 +220,60 @@ def test_greedy_agreement_with_the_bf16_cache(kv_dtype: str, request: pytest.Fix
     agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(ref, ours)) / len(ref)
     print(f"kv_dtype={kv_dtype}: max|dlogit|={delta:.4f} greedy agreement={agree:.3f} over {len(ref)} steps")
     assert agree >= 0.9 and delta < 3.0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_lookup_verify_rows_over_the_codes_are_plain_greedy_bit_for_bit(kv_dtype: str, smollm2_artifact) -> None:
+    """--spec lookup over a compressed cache: verify rows quantize their K/V into the pages like
+    decode rows and read the same codes, so committed tokens equal plain greedy's with the same
+    cache bit for bit (default model, CUDA graphs per verify width)."""
+    from test_speculative_cuda import K, generate
+
+    from ninfer.engine.artifact import Artifact
+    from ninfer.engine.backends.cuda_runner import CudaModelRunner
+    from ninfer.engine.config import SpecConfig
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = Artifact.open(smollm2_artifact)
+    tokenizer = Tokenizer.from_metadata(artifact.meta)
+    texts = ["Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
+             "List the numbers from 1 to 25, separated by commas."]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    runner = CudaModelRunner(artifact, num_pages=64, page_size=64, device="cuda", max_draft_tokens=K,
+                             kv_dtype=kv_dtype)
+    assert runner.k_cache[0].dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv_dtype]
+    plain, _ = generate(runner, tokenizer, prompts, None)
+    spec, snap = generate(runner, tokenizer, prompts, SpecConfig("lookup", draft_tokens=K, ngram_min=1, ngram_max=3))
+    assert spec == plain
+    assert snap.drafted_tokens > 0 and snap.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_gemma3_over_the_codes_matches_the_torch_backend_closely(kv_dtype: str) -> None:
+    """A tiny gemma3 (sliding layers, two RoPE bases, score and final soft-capping), fp32 compute:
+    the cuda backend over an int8 / e4m3 cache stays close to the torch backend over an fp32
+    cache and, with int8, equal within rounding to the torch backend over its own int8 cache (the
+    same quantization rule on the same K/V: codes differ at most at rounding ties)."""
+    from test_architectures_cuda import PAGE, _hf_artifact, _perturb, tiny_models
+
+    from ninfer.engine.backends.cuda_runner import CudaModelRunner
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_models()["gemma3"]).float().eval()
+    _perturb(hf)
+    _, artifact = _hf_artifact(hf)
+    artifact.meta.config.attn_logit_softcapping = 0.5
+    prompt = torch.randint(0, 512, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours = CudaModelRunner(artifact, num_pages=64, page_size=PAGE, device="cuda", dtype=torch.float32,
+                           kv_dtype=kv_dtype).forward_logits(prompt)
+    ref = TorchModelRunner(artifact, num_pages=64, page_size=PAGE, device="cuda",
+                           dtype=torch.float32).forward_logits(prompt)
+    err = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    assert err < (3e-2 if kv_dtype == "int8" else 8e-2), err
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    if kv_dtype == "int8":
+        same = TorchModelRunner(artifact, num_pages=64, page_size=PAGE, device="cuda", dtype=torch.float32,
+                                kv_dtype="int8").forward_logits(prompt)
+        assert ((ours - same).norm(dim=-1) / same.norm(dim=-1)).max().item() < 1e-3

@@ -355,6 +355,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             if k_scale is not None:
                 ks = k_scale.index_select(0, s.block_table).view(-1, num_kv_heads)[:ctx]
                 vs = v_scale.index_select(0, s.block_table).view(-1, num_kv_heads)[:ctx]
+        # a window drops the keys no query of this span sees (keys first..ctx-1), before an int8
+        # cache is dequantized
+        first = max(0, s.start_pos + 1 - window) if window else 0
+        if first:
+            keys, values = keys[first:], values[first:]
+            if ks is not None:
+                ks, vs = ks[first:], vs[first:]
         keys, values = _load(keys, ks, q.dtype), _load(values, vs, q.dtype)
         if s.num_tokens == 1 and q.dtype == torch.float32 and not window and not softcap and scale is None:
             # decode: the one query sees every cached position
@@ -364,10 +371,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[s.offset] = o.view(num_heads, head_dim)
             continue
         qs = q[s.offset:s.offset + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        # a window drops the keys no query of this span sees: keys first..ctx-1
-        first = max(0, s.start_pos + 1 - window) if window else 0
-        keys = keys[first:].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx - first, d]
-        values = values[first:].transpose(0, 1).unsqueeze(0)
+        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx - first, d]
+        values = values.transpose(0, 1).unsqueeze(0)
         if window or softcap:
             o = _masked_attention(qs, keys, values, s.start_pos, first, window, scale, softcap)
         elif s.num_tokens == 1:  # decode: the one query sees every cached position
