@@ -154,3 +154,45 @@ def test_lookup_speculation_over_an_int8_cache_commits_the_plain_greedy_tokens(s
     spec, snap = generate(SpecConfig("lookup", draft_tokens=4, ngram_min=1, ngram_max=3))
     assert spec == plain
     assert snap.drafted_tokens > 0 and snap.accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_suspend_keeps_an_int8_cache_and_the_host_tier_works_after_the_resume(smollm2_artifact: Path) -> None:
+    """--model-suspend with --kv-dtype int8 and a host tier (default model): the suspend snapshot
+    carries the int8 scales with the codes, so the retained prefix is reused exactly after the
+    resume; the host tier copies from and into the pools the resume allocated. Every turn equals
+    the same turns on an engine that never slept."""
+    from ninfer.engine.config import MemoryConfig, SchedulerConfig
+    from ninfer.engine.loader import load_engine
+    from ninfer.engine.request import PreparedRequest, SamplingParams
+
+    def run(engine, prompt, rid):
+        out, final = [], None
+        for ev in engine.submit(PreparedRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=8)):
+            assert ev.error is None, ev.error
+            out += ev.token_ids
+            final = ev
+        return out, final
+
+    def turns(suspend: bool):
+        m = load_engine(str(smollm2_artifact), backend="torch", announce=False, kv_dtype="int8",
+                        scheduler=SchedulerConfig(max_context=1024, max_private_continuations=1),
+                        memory=MemoryConfig(host_kv_bytes=256 << 20))
+        engine = m.engine
+        a = m.tokenizer.encode("The lighthouse keeper climbed the stairs and looked out at the sea. " * 5)
+        b = m.tokenizer.encode("A recipe for bread: flour, water, salt and yeast. " * 3)
+        try:
+            first, _ = run(engine, a, "a")
+            if suspend:
+                assert engine.suspend().result(60).host_snapshot_bytes > 0
+                engine.resume().result(120)
+            second, final = run(engine, a + first, "b")
+            assert final.usage.cached_tokens >= len(a) and final.reuse_tier == "device"
+            run(engine, b, "c")  # the one private cell: a's conversation moves to the host tier
+            third, final = run(engine, a + first + second, "d")
+            assert final.usage.cached_tokens >= len(a) and final.reuse_tier == "host"
+            return first, second, third
+        finally:
+            engine.shutdown()
+
+    assert turns(True) == turns(False)

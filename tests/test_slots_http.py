@@ -130,7 +130,7 @@ def test_save_erase_restore_and_reuse(served) -> None:
     assert again["tokens_cached"] > 0 and again["content"] == first["content"]
     records = [json.loads(line) for line in s.request_log.read_text().splitlines()]
     done = [r for r in records if r["event"] == "request_done"]
-    assert done[-1]["result"]["prefix_reuse_tier"] == "device"
+    assert done[-1]["prefix_reuse_tier"] == "device"
     # the same through `ninfer slots` against the running server
     cell = {"id": again["id_slot"], "session_digest": digest}  # the same session, retained again
     out = ninfer("slots", "save", str(cell["id"]), "cli-copy", "--url", s.url, "--json", "--if-digest", digest)
@@ -195,7 +195,7 @@ def test_restart_reuses_the_prefix_through_the_prefix_cache_file(served, smollm2
         assert again["tokens_cached"] > 0 and again["content"] == first["content"]
         records = [json.loads(line) for line in s2.request_log.read_text().splitlines()]
         done = [r for r in records if r["event"] == "request_done"]
-        assert done[-1]["result"]["prefix_reuse_tier"] == "host"
+        assert done[-1]["prefix_reuse_tier"] == "host"
         metrics = httpx.get(s2.url + "/metrics", timeout=30).text
         assert 'ninfer:context_tier_hits_total{tier="host"} 1' in metrics
         # a slot file saved before the restart restores after it

@@ -100,7 +100,7 @@ def idle(engine: Engine) -> None:
     while engine.snapshot().running or engine.snapshot().waiting:
         assert time.monotonic() < end
         time.sleep(0.001)
-    engine.call(lambda: None).result(30)  # one more boundary: the snapshot is current
+    engine.call_on_worker(lambda: None).result(30)  # one more boundary: the snapshot is current
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -188,12 +188,12 @@ def test_slot_save_restore_into_a_new_engine_is_an_ordinary_cache_entry(tmp_path
         out_a, final = generate(engine, "a", a, 3)
         slot = final.slot_id
         with pytest.raises(SlotError) as e:
-            engine.call(lambda: engine.tiers.save_slot(1 - slot, None)).result(30)
+            engine.call_on_worker(lambda: engine.tiers.save_slot(1 - slot, None)).result(30)
         assert e.value.reason == "empty"
         with pytest.raises(SlotError) as e:
-            engine.call(lambda: engine.tiers.save_slot(slot, "0123456789abcdef")).result(30)
+            engine.call_on_worker(lambda: engine.tiers.save_slot(slot, "0123456789abcdef")).result(30)
         assert e.value.reason == "mismatch"
-        img = engine.call(lambda: engine.tiers.save_slot(slot, None)).result(30)
+        img = engine.call_on_worker(lambda: engine.tiers.save_slot(slot, None)).result(30)
         assert img.session == a + out_a and len(img.checkpoint_positions) == (2 if hybrid else 0)
         write_session_file(tmp_path / "conv", engine.tiers.compat, [img], kind="slot")
         compat = engine.tiers.compat
@@ -204,7 +204,7 @@ def test_slot_save_restore_into_a_new_engine_is_an_ordinary_cache_entry(tmp_path
     try:
         generate(engine, "z", prompt(9, 14), 2)
         _, images, _ = read_session_file(tmp_path / "conv", compat)
-        entry = engine.call(lambda: engine.tiers.restore_slot(1, images[0], "conv")).result(30)
+        entry = engine.call_on_worker(lambda: engine.tiers.restore_slot(1, images[0], "conv")).result(30)
         assert entry.slot == 1 and list(entry.session) == a + out_a
         turn = a + out_a + [3, 3]
         resumed, final = generate(engine, "b", turn, 4)
@@ -213,7 +213,7 @@ def test_slot_save_restore_into_a_new_engine_is_an_ordinary_cache_entry(tmp_path
         assert fresh == resumed
         # erase: the next request reuses nothing
         idle(engine)
-        n = engine.call(lambda: engine.tiers.erase_slot(engine.snapshot().continuations[-1].slot, None)).result(30)
+        n = engine.call_on_worker(lambda: engine.tiers.erase_slot(engine.snapshot().continuations[-1].slot, None)).result(30)
         assert n > 0
     finally:
         engine.shutdown()
@@ -225,9 +225,9 @@ def test_auto_save_writes_an_evicted_bound_session_back_to_its_file(tmp_path: Pa
     try:
         a = prompt(5, 10)
         out_a, final = generate(engine, "a", a, 2)
-        img = engine.call(lambda: engine.tiers.save_slot(final.slot_id, None)).result(30)
+        img = engine.call_on_worker(lambda: engine.tiers.save_slot(final.slot_id, None)).result(30)
         write_session_file(tmp_path / "a", engine.tiers.compat, [img], kind="slot")
-        engine.call(lambda: engine.tiers.bind(final.slot_id, "a", img.digest)).result(30)
+        engine.call_on_worker(lambda: engine.tiers.bind(final.slot_id, "a", img.digest)).result(30)
         # the conversation continues (the binding follows it), then another one evicts it
         turn = a + out_a + [4, 4]
         out_b, _ = generate(engine, "b", turn, 2)
@@ -314,7 +314,7 @@ def test_a_thousand_requests_with_random_cancels_leave_every_tier_at_its_baselin
         assert snap.requests_cancelled > 50 and g.hits["host"] > 0 and g.hits["device"] > 0
         cache = engine.scheduler.prefix_cache
         # nothing runs: every page and state slot in use belongs to a retained entry, once
-        held = engine.call(lambda: (sorted(p for e in cache.entries() for p in e.pages),
+        held = engine.call_on_worker(lambda: (sorted(p for e in cache.entries() for p in e.pages),
                                     sorted(s for e in cache.entries() for _, s in e.checkpoints()))).result(30)
         assert snap.kv_pages_used == len(set(held[0])) and snap.state_slots_used == len(held[1])
         if variant == "host+disk":
@@ -323,7 +323,7 @@ def test_a_thousand_requests_with_random_cancels_leave_every_tier_at_its_baselin
             assert g.entries["disk"] == len(files) and g.bytes["disk"] == sum(f.stat().st_size for f in files)
             assert g.bytes["disk"] <= memory.disk_bytes
             assert not list((tmp_path / "disk").rglob(".*.tmp"))  # no temporary file left behind
-        engine.call(engine.tiers.clear_retained).result(30)
+        engine.call_on_worker(engine.tiers.clear_retained).result(30)
         idle(engine)
         after = engine.snapshot()
         assert (after.kv_pages_used, after.state_slots_used) == (baseline.kv_pages_used, baseline.state_slots_used)

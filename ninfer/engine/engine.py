@@ -246,7 +246,10 @@ class Engine:
         if not path:
             return 0
         from pathlib import Path
-        return self.tiers.save_prefix_cache_file(Path(path), cancel)
+        resident = self.residency.state == "resident"  # asleep: the device entries' pools are released
+        if not resident:
+            log.warning("the model is suspended: the prefix-cache file keeps the host tier only")
+        return self.tiers.save_prefix_cache_file(Path(path), cancel, include_device=resident)
 
     # ---- submission (any thread) -----------------------------------------------------------
 

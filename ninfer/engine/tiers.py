@@ -13,7 +13,7 @@ second copy store in RAM beside the page pool: same behaviour, no pinned memory.
 
 Slot actions (save, restore, erase) and the prefix-cache file use the same images and the one
 file format of session_files.py. Everything here runs on the engine's worker thread (through
-Engine.call for the server's requests), except file writes, which a BackgroundWriter runs.
+Engine.call_on_worker for the server's requests), except file writes, which a BackgroundWriter runs.
 """
 from __future__ import annotations
 
@@ -583,14 +583,17 @@ class ContextTiers:
         log.info("prefix cache file: restored %d sessions (%d bytes) from %s", len(images), self.host.nbytes, path)
         return len(images)
 
-    def save_prefix_cache_file(self, path: Path, cancel: threading.Event | None = None) -> int:
-        """At stop: write the device entries and the host tier (newest first, up to the host
-        budget) to `path`. Returns the sessions written; raises SaveCancelled or OSError."""
+    def save_prefix_cache_file(self, path: Path, cancel: threading.Event | None = None,
+                               include_device: bool = True) -> int:
+        """At stop: write the device entries (unless `include_device` is False: a suspended model's
+        pools are gone) and the host tier (newest first, up to the host budget) to `path`.
+        Returns the sessions written; raises SaveCancelled or OSError."""
         if self.host is None:
             return 0
         images: list[SessionImage] = []
         budget = self.host.budget
-        device = [self.capture(e) for e in reversed(self.cache.entries())] if self.cache is not None else []
+        device = ([self.capture(e) for e in reversed(self.cache.entries())]
+                  if self.cache is not None and include_device else [])
         for img in device + list(reversed(self.host.images())):
             if img.nbytes <= budget and all(img.token_ids != o.token_ids for o in images):
                 images.append(img)

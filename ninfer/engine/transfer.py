@@ -12,6 +12,7 @@ reallocated at once: the next kernel that writes them is ordered after the gathe
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,9 +21,13 @@ import torch
 class TensorMover:
     """Host <-> device copies of pages and state slots for one runner's pools."""
 
-    def __init__(self, page_tensors: list[torch.Tensor], slot_tensors: list[torch.Tensor]) -> None:
-        self.page_tensors = page_tensors
-        self.slot_tensors = slot_tensors
+    def __init__(self, page_tensors: list[torch.Tensor], slot_tensors: list[torch.Tensor],
+                 source: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None) -> None:
+        # source: the runner's context_tensors, asked at every copy (a resume after a suspend
+        # allocates the pools afresh, same layout; holding the old ones would keep a suspended
+        # model's pools alive); None: these tensors for good
+        self._tensors = ([], []) if source is not None else (page_tensors, slot_tensors)
+        self._source = source
         self.device = page_tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -31,6 +36,14 @@ class TensorMover:
         self.page_bytes = sum(t[0].numel() * t.element_size() for t in page_tensors)
         self.slot_bytes = sum(t[0].numel() * t.element_size() for t in slot_tensors) if slot_tensors else 0
 
+    @property
+    def page_tensors(self) -> list[torch.Tensor]:
+        return list(self._source()[0]) if self._source is not None else self._tensors[0]
+
+    @property
+    def slot_tensors(self) -> list[torch.Tensor]:
+        return list(self._source()[1]) if self._source is not None else self._tensors[1]
+
     @classmethod
     def for_runner(cls, runner: Any) -> TensorMover | None:
         """The mover of a runner with `context_tensors()`, else None (no tier can be kept)."""
@@ -38,7 +51,7 @@ class TensorMover:
         if get is None:
             return None
         pages, slots = get()
-        return cls(list(pages), list(slots)) if pages else None
+        return cls(list(pages), list(slots), source=get) if pages else None
 
     def _index(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=self.device)

@@ -2,7 +2,7 @@
 one, or evict one (spec: Slots). Without --slot-save-path the route answers 501.
 
 The engine copies the session off the device (or installs a restored one) on its worker thread
-through Engine.call; the file is written or read and verified here on a worker thread, so the
+through Engine.call_on_worker; the file is written or read and verified here on a worker thread, so the
 event loop never waits on the disk. One slot action runs at a time: a second one meanwhile is
 409 slot_busy.
 """
@@ -81,7 +81,7 @@ async def handle_slot_action(call: Call) -> None:
 async def _on_engine(call: Call, fn) -> Any:
     engine = call.state.loaded.engine
     try:
-        return await asyncio.wrap_future(engine.call(fn))
+        return await asyncio.wrap_future(engine.call_on_worker(fn))
     except SlotError as e:
         if e.reason == "mismatch":
             raise RequestError(e.message, status=409, code="slot_session_mismatch", param="if_digest") from None

@@ -93,7 +93,7 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
         assert fresh == resumed
         snap = engine.snapshot()
         slot = next(c.slot for c in snap.continuations)
-        img = engine.call(lambda: engine.tiers.save_slot(slot, None)).result(60)
+        img = engine.call_on_worker(lambda: engine.tiers.save_slot(slot, None)).result(60)
         from ninfer.engine.session_files import write_session_file
         write_session_file(tmp_path / "s", engine.tiers.compat, [img], kind="slot")
     finally:
@@ -108,7 +108,7 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
         assert final.reuse_tier == "host" and final.usage.cached_tokens > len(a) and again == resumed
         from ninfer.engine.session_files import read_session_file
         _, (img,), _ = read_session_file(tmp_path / "s", engine.tiers.compat)
-        engine.call(lambda: engine.tiers.restore_slot(0, img, "s")).result(60)
+        engine.call_on_worker(lambda: engine.tiers.restore_slot(0, img, "s")).result(60)
         again, final = _generate(engine, "f", list(img.session) + [7], 8)
         assert final.reuse_tier == "device" and final.usage.cached_tokens >= len(img.token_ids) - 1
     finally:

@@ -110,11 +110,12 @@ class TorchModelRunner:
 
     def resident_bytes(self) -> int:
         """Bytes a suspend releases: weights, the KV pool and the state pool."""
-        return tensor_bytes((self.model, self.ops, self.kv.k, self.kv.v,
+        return tensor_bytes((self.model, self.ops, self.kv.tensors(),
                               (self.states.conv, self.states.ssm) if self.states is not None else ()))
 
     def _caches(self, kv: KVCache, states: RecurrentStates | None) -> dict[str, list[torch.Tensor]]:
-        return {"k": kv.k, "v": kv.v, **({"conv": states.conv, "ssm": states.ssm} if states is not None else {})}
+        return {"k": kv.k, "v": kv.v, **({"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.k_scale else {}),
+                **({"conv": states.conv, "ssm": states.ssm} if states is not None else {})}
 
     @torch.inference_mode()
     def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
@@ -135,7 +136,7 @@ class TorchModelRunner:
         c = self.config
         ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=self._pack)
         model = architecture(c).model.load(WeightReader(self._artifact, ops, self.device), c)
-        kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device)
+        kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device, self.kv_storage)
         states = self._states(self.num_state_slots)
         state_bytes = restore_snapshot(self._caches(kv, states), snapshot, self.device)
         self.ops, self.model, self.kv, self.states = ops, model, kv, states
