@@ -101,7 +101,7 @@ def _not_supported_route(path: str) -> str | None:
 
 def requested_model(call: Call) -> str | None:
     """The model a request names: its body's `model` (POST), else the `model` query parameter."""
-    if call.method == "POST":
+    if call.method == "POST" and call.body.strip():  # a slot erase may have no body: ?model= names it
         model = call.json().get("model")
         if model is not None and not isinstance(model, str):
             raise RequestError("model must be a string", param="model", code="invalid_value")
