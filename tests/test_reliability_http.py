@@ -330,7 +330,8 @@ def test_openapi_describes_every_route_the_server_answers(server: Server) -> Non
     assert doc["openapi"].startswith("3.1")
     for method, path in ROUTES:
         assert method.lower() in doc["paths"].get(path, {}), (method, path)
-    for path in ("/v1/models/{model_id}", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
+    for path in ("/v1/models/{model_id}", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
+                 "/slots/{id_slot}"):
         assert path in doc["paths"]
     chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert chat["properties"]["top_k"]["minimum"] == 0 and chat["properties"]["top_p"]["maximum"] == 1

@@ -418,6 +418,11 @@ def test_id_slot_reports_the_retained_slot(server: Server) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot"
 
 
+def test_slot_actions_need_slot_save_path(server: Server) -> None:
+    r = _post(server, "/slots/0?action=save", {"filename": "x"})
+    assert r.status_code == 501 and r.json()["error"]["code"] == "slot_persistence_disabled", r.text
+
+
 # ---- ops endpoints ---------------------------------------------------------------------------
 
 def _get(server: Server, path: str, **kw) -> httpx.Response:

@@ -87,42 +87,21 @@ def _model_stats(artifact) -> tuple[int, int]:
     return size, n_params
 
 
-def _model_cost(artifact, device: str, dtype):
-    """The roofline accounting of the model as this run computes it: K/V in the runner's attention dtype."""
+def _model_cost(artifact, device: str, dtype, kv_dtype: str = "auto"):
+    """The roofline accounting of the model as this run computes it: K/V in the runner's attention
+    dtype, or as --kv-dtype stores them (int8 / fp8: a byte a value plus the per-token-head scales)."""
+    import dataclasses
+
     import torch
 
-    from ninfer.engine.backends.torch_runner import attention_dtype, default_dtype
+    from ninfer.engine.backends.torch_runner import attention_dtype, default_dtype, kv_bytes_per_token
 
     dev = torch.device(device)
     kv_elem = attention_dtype(dev, dtype or default_dtype(dev)).itemsize
-    return model_cost(artifact.meta.config, artifact.meta.tensor_formats, kv_elem)
-
-
-def _ceilings(device: str, dtype):
-    """The device's ceilings, probed once per run, matmuls in the dtype the model computes in."""
-    import torch
-
-    from ninfer.engine.backends.torch_runner import default_dtype
-    from ninfer.kernels.probes import measure_ceilings
-
-    dev = torch.device(device)
-    return measure_ceilings(dev, dtype or default_dtype(dev))
-
-
-def _test_name(p: int, n: int, d: int) -> str:
-    """llama-bench's test names: pp512, tg128, tg128 @ d4096."""
-    return f"pp{p}" if p else f"tg{n}" + (f" @ d{d}" if d else "")
-
-
-def _model_cost(artifact, device: str, dtype):
-    """The roofline accounting of the model as this run computes it: K/V in the runner's attention dtype."""
-    import torch
-
-    from ninfer.engine.backends.torch_runner import attention_dtype, default_dtype
-
-    dev = torch.device(device)
-    kv_elem = attention_dtype(dev, dtype or default_dtype(dev)).itemsize
-    return model_cost(artifact.meta.config, artifact.meta.tensor_formats, kv_elem)
+    cost = model_cost(artifact.meta.config, artifact.meta.tensor_formats, kv_elem)
+    if kv_dtype == "auto":
+        return cost
+    return dataclasses.replace(cost, kv_bytes_per_token=kv_bytes_per_token(artifact.meta.config, dev, dtype, kv_dtype))
 
 
 def _ceilings(device: str, dtype):
@@ -170,6 +149,7 @@ def bench(
     threads: int = THREADS,
     device_profile: str = DEVICE_PROFILE,
     device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
+    kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV-cache storage: auto, bf16, int8, fp8 (cuda)."),
 ) -> None:
     prepare_threads(threads, backend, announce=output == "md")
     from rich.progress import Progress
@@ -228,7 +208,8 @@ def bench(
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
                           kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config,
-                          threads=threads or None, device_profile=profile, cache_dir=cache_dir(), log=stderr_log)
+                          threads=threads or None, device_profile=profile, cache_dir=cache_dir(), log=stderr_log,
+                          kv_dtype=kv_dtype)
     rng = random.Random(seed)
     if context_text is not None:
         context_ids = loaded.tokenizer.encode(context_text, add_special_tokens=False)
@@ -236,7 +217,7 @@ def bench(
     vocab = [i for i in range(min(loaded.meta.config.vocab_size, loaded.tokenizer.vocab_size)) if i not in excluded]
     size, n_params = _model_stats(artifact)
     n_threads = loaded.threads or torch_threads()
-    cost = _model_cost(artifact, loaded.device, compute_dtype)
+    cost = _model_cost(artifact, loaded.device, compute_dtype, kv_dtype)
     results = []
     try:
         with Progress(transient=True, console=_stderr_console()) as progress:
@@ -274,7 +255,7 @@ def bench(
                     "build_commit": build_id(), "build_number": version_string(),
                     "cpu_info": platform.processor() or platform.machine(),
                     "gpu_info": _gpu_info(torch_device), "backends": loaded.backend,
-                    "device_profile": loaded.device_profile,
+                    "device_profile": loaded.device_profile, "kv_dtype": kv_dtype,
                     "model_filename": str(artifact.path), "model_type": f"{artifact.meta.architecture} {artifact.meta.name}",
                     "model_size": size, "model_n_params": n_params, "n_threads": n_threads,
                     "n_prompt": p, "n_gen": n, "n_depth": d, "n_concurrency": c,

@@ -49,6 +49,8 @@ def _register() -> None:
     app.command("run", help="Generate from a prompt (chat template applied unless --raw).")(run)
     app.command("tokenize", help="Print the token ids of a text.")(tokenize)
     app.command("convert", help="Convert a GGUF file or Hugging Face folder into a .ninfer artifact.")(convert)
+    from ninfer.cli.slots import app as slots_app
+    app.add_typer(slots_app, name="slots")
     try:
         from ninfer.cli.serve import serve
     except ImportError:

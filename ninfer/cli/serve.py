@@ -111,6 +111,22 @@ def serve(
     post_thinking_top_k: Optional[int] = typer.Option(None, "--post-thinking-top-k", help="Implies --post-thinking."),
     post_thinking_sampler: Optional[str] = typer.Option(None, "--post-thinking-sampler",
                                                         help="temp=F,top_p=F,top_k=N[,min_p=F,presence=F,frequency=F]; implies --post-thinking."),
+    kv_dtype: str = typer.Option("auto", "--kv-dtype",
+                                 help="KV-cache storage: auto (f32 on CPU, bf16 on CUDA), bf16, int8 (torch backend)."),
+    host_kv_mib: Optional[int] = typer.Option(None, "--host-kv-mib",
+                                              help="Host tier for evicted conversations, MiB (default 8192; 0: none)."),
+    host_cache_mib: Optional[str] = typer.Option(None, "--host-cache-mib",
+                                                 help="One host-memory ceiling for the host tier in MiB, or auto."),
+    prefix_cache_file: Optional[str] = typer.Option(None, "--prefix-cache-file",
+                                                    help="Save the host tier here at stop, restore it at start."),
+    slot_save_path: Optional[str] = typer.Option(None, "--slot-save-path",
+                                                 help="Enable POST /slots/{id} save/restore/erase with files in DIR."),
+    auto_save_evicted: bool = typer.Option(False, "--auto-save-evicted",
+                                           help="Write an evicted session back to its bound slot file."),
+    disk_kv_path: Optional[str] = typer.Option(None, "--disk-kv-path", help="Disk tier under the host tier, in DIR."),
+    disk_kv_gib: float = typer.Option(64.0, "--disk-kv-gib", help="Disk tier budget in GiB."),
+    disk_kv_restore: bool = typer.Option(False, "--disk-kv-restore",
+                                         help="Seed a new request's matching prefix from the disk tier."),
     backend: str = BACKEND,
     device: int = DEVICE,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
@@ -187,6 +203,9 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
         raise ConfigError("--device must be >= 0")
     resolve_dtype(p["dtype"])  # a bad value fails before the server starts
     profile = ProfileRequest.from_flags(p["device_profile"], p["device_profile_path"])
+    from ninfer.engine.loader import KV_DTYPES
+    if p["kv_dtype"] not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {p['kv_dtype']!r}")
     if p["max_context"] < 1:
         raise ConfigError("--max-context must be >= 1")
     seed = p["seed"] if p["seed"] is None or p["seed"] >= 0 else None  # negative: a fresh random seed per
@@ -201,6 +220,12 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
         decode_rounds_per_prefill=p["decode_rounds_per_prefill"] or None, concurrent_prefill=p["concurrent_prefill"],
         max_context=p["max_context"], default_max_tokens=p["default_max_tokens"], prefix_reuse=not p["no_prefix_reuse"],
     )
+    from ninfer.cli.memory_options import memory_config
+    memory = memory_config(host_kv_mib=p["host_kv_mib"], host_cache_mib=p["host_cache_mib"],
+                           prefix_cache_file=p["prefix_cache_file"], slot_save_path=p["slot_save_path"],
+                           auto_save_evicted=p["auto_save_evicted"], disk_kv_path=p["disk_kv_path"],
+                           disk_kv_gib=p["disk_kv_gib"], disk_kv_restore=p["disk_kv_restore"],
+                           prefix_reuse=not p["no_prefix_reuse"])
     sampler = SamplerOverrides(temperature=p["temperature"], top_p=p["top_p"], top_k=p["top_k"], min_p=p["min_p"],
                                presence_penalty=p["presence_penalty"], frequency_penalty=p["frequency_penalty"],
                                seed=seed, greedy=p["greedy"])
@@ -219,7 +244,8 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
                           default_thinking_budget=p["default_thinking_budget"],
                           thinking_budget_message=p["thinking_budget_message"],
                           post_thinking=_post_thinking(p["post_thinking"], p["post_thinking_temperature"], p["post_thinking_top_p"],
-                                                       p["post_thinking_top_k"], p["post_thinking_sampler"]))
+                                                       p["post_thinking_top_k"], p["post_thinking_sampler"]),
+                          slot_save_path=memory.slot_save_path, prefix_cache_file=memory.prefix_cache_file)
     if p["chat_template"] is not None:
         from pathlib import Path
         if not Path(p["chat_template"]).expanduser().is_file():
@@ -231,7 +257,8 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
         from ninfer.engine.loader import load_engine
         loaded = load_engine(p["model"], backend=p["backend"], scheduler=scheduler, kv_capacity=kv, device=p["device"],
                              chat_template=p["chat_template"], cuda_graph=not p["no_cuda_graph"], dtype=p["dtype"],
-                             rope=rope, spec=spec_config, threads=p["threads"] or None, device_profile=profile)
+                             rope=rope, spec=spec_config, threads=p["threads"] or None, device_profile=profile,
+                             memory=memory, kv_dtype=p["kv_dtype"])
         if fault:
             from ninfer.engine.fault import fail_after_batches
             fail_after_batches(loaded.engine, int(fault))

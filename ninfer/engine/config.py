@@ -235,3 +235,29 @@ class SpecConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+
+@dataclass(slots=True)
+class MemoryConfig:
+    """The context-cache tiers below the device pool and the session files (spec: Slots, Disk
+    tier, --host-kv-mib / --host-cache-mib, --prefix-cache-file). Bytes, resolved by the CLI."""
+
+    host_kv_bytes: int = 0  # host tier budget; 0: no host tier (evicted entries are dropped)
+    disk_path: str | None = None  # --disk-kv-path: the disk tier under the host tier
+    disk_bytes: int = 64 << 30  # --disk-kv-gib
+    disk_restore: bool = False  # --disk-kv-restore: seed a matching prompt from the disk tier
+    slot_save_path: str | None = None  # --slot-save-path: slot files (the server reads and writes them)
+    auto_save_evicted: bool = False  # write an evicted session bound to a slot file back to it
+    prefix_cache_file: str | None = None  # saved from the host tier at stop, restored at start
+
+    def __post_init__(self) -> None:
+        if self.host_kv_bytes < 0:
+            raise ConfigError("--host-kv-mib must be >= 0")
+        if self.disk_bytes <= 0:
+            raise ConfigError("--disk-kv-gib must be positive")
+        if self.auto_save_evicted and not self.slot_save_path:
+            raise ConfigError("--auto-save-evicted requires --slot-save-path")
+        if self.disk_restore and not self.disk_path:
+            raise ConfigError("--disk-kv-restore requires --disk-kv-path")
+        if self.prefix_cache_file and self.host_kv_bytes == 0:
+            raise ConfigError("--prefix-cache-file needs a host tier (not --host-cache-mib 0 / --host-kv-mib 0)")

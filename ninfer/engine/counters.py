@@ -4,6 +4,7 @@ the panel read snapshots only, so they never wait on the engine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True, frozen=True)
@@ -107,6 +108,7 @@ class EngineSnapshot:
     completed_accepted_tokens: int = 0
     completed_drafted_tokens: int = 0  # the same two counts over requests that have finished
     completed_accepted_tokens: int = 0
+    tiers: Any = None  # tiers.TierGauges: pages, bytes, sessions, hits and misses per tier
     lanes: tuple[LaneInfo, ...] = ()
     continuations: tuple[ContinuationInfo, ...] = ()
     queue: tuple[QueueEntry, ...] = ()  # the first 16 waiting, in submission order

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import random
 import threading
@@ -21,7 +22,7 @@ from itertools import count
 from typing import TYPE_CHECKING, Any
 
 from ninfer.engine.batch import ModelRunner, ScheduledBatch, StepOutput
-from ninfer.engine.config import SchedulerConfig, SpecConfig
+from ninfer.engine.config import MemoryConfig, SchedulerConfig, SpecConfig
 from ninfer.engine.counters import (ContinuationInfo, EngineCounters, EngineSnapshot, LaneInfo,
                                     QueueEntry)
 from ninfer.engine.kv_cache import PagePool, StatePool
@@ -36,11 +37,14 @@ from ninfer.engine import suspend as suspend_mod
 from ninfer.engine.errors import (ContextLengthExceeded, DuplicateRequest, EngineNotRunning, EngineOverloaded,
                                   EngineSuspended)
 from ninfer.errors import ConfigError
+from ninfer.engine.tiers import ContextTiers
+from ninfer.engine.transfer import TensorMover
 
 if TYPE_CHECKING:
     from ninfer.engine.tokenizer import Tokenizer
 
 Sink = Callable[[OutputEvent], None]
+log = logging.getLogger("ninfer.engine")
 QUEUE_REPORT = 16  # waiting requests listed in a snapshot
 
 
@@ -69,6 +73,7 @@ class _Live:
     tokens_seen: int = 0  # output tokens handed to the output processor
     spec: SpecStats | None = None  # speculative decoding (--spec)
     pooled: Any = None  # an embedding: the pooled hidden state so far (a sum for mean), float32 [hidden]
+    reuse_tier: str | None = None  # the tier its reused prefix came from (device, host, disk)
 
 
 @dataclass(slots=True, eq=False)
@@ -131,7 +136,8 @@ class Engine:
     """Continuous batching over `runner` with 1..8 lanes, a paged KV pool and a prefix cache."""
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: SchedulerConfig, *,
-                 model_max_context: int, spec: SpecConfig | None = None) -> None:
+                 model_max_context: int, spec: SpecConfig | None = None, memory: MemoryConfig | None = None,
+                 profile: dict[str, Any] | None = None, model_name: str = "") -> None:
         self.runner = runner
         self.spec = spec if spec is not None and spec.enabled else None
         self.drafter: LookupDrafter | RunnerDrafter | None = None
@@ -156,6 +162,16 @@ class Engine:
         self.state_pool = StatePool(num_state_slots) if num_state_slots > 0 else None
         self.scheduler = Scheduler(config, self.pool, copy_on_write=callable(self._copy_pages),
                                    state_pool=self.state_pool)
+        # the host and disk tiers, slot files and the prefix-cache file (engine/tiers.py); profile:
+        # what a session file must match to be restored here (artifact, weight formats, state kinds)
+        memory = memory or MemoryConfig()
+        wants_mover = bool(memory.host_kv_bytes or memory.disk_path or memory.slot_save_path)
+        self.tiers = ContextTiers(memory, profile or {}, TensorMover.for_runner(runner) if wants_mover else None,
+                                  self.scheduler.prefix_cache, self.pool, self.state_pool, model_name,
+                                  reserved_pages=self.scheduler.outstanding_pages)
+        if memory.prefix_cache_file:
+            from pathlib import Path
+            self.tiers.load_prefix_cache_file(Path(memory.prefix_cache_file))
         self._cv = threading.Condition()
         self._inbox: deque[_Live] = deque()
         self._cancels: list[str] = []
@@ -179,7 +195,7 @@ class Engine:
 
     @classmethod
     def spawn(cls, build_runner: Callable[[], ModelRunner], tokenizer: Tokenizer, config: SchedulerConfig, *,
-              model_max_context: int, spec: SpecConfig | None = None) -> Engine:
+              model_max_context: int, **kwargs: Any) -> Engine:
         """Build the runner on the engine's own worker thread, then run the engine there.
 
         All torch work of a model belongs on one thread: on CPU, torch's OpenMP kernels ran ~2x
@@ -190,7 +206,7 @@ class Engine:
 
         def main() -> None:
             try:
-                engine = cls(build_runner(), tokenizer, config, model_max_context=model_max_context, spec=spec)
+                engine = cls(build_runner(), tokenizer, config, model_max_context=model_max_context, **kwargs)
             except BaseException as exc:  # handed to the caller, which re-raises it
                 built.put(exc)
                 return
@@ -222,6 +238,19 @@ class Engine:
         self._calls.clear()
         for live in list(self._live.values()):
             self._finalize(live, "error", error="engine_shutdown")
+        self.tiers.close()
+
+    def save_prefix_cache(self, cancel: threading.Event | None = None) -> int:
+        """After shutdown: write the retained sessions to --prefix-cache-file (0 without one).
+        Raises SaveCancelled when `cancel` is set mid-write (the previous file is kept)."""
+        path = self.tiers.config.prefix_cache_file
+        if not path:
+            return 0
+        from pathlib import Path
+        resident = self.residency.state == "resident"  # asleep: the device entries' pools are released
+        if not resident:
+            log.warning("the model is suspended: the prefix-cache file keeps the host tier only")
+        return self.tiers.save_prefix_cache_file(Path(path), cancel, include_device=resident)
 
     # ---- submission (any thread) -----------------------------------------------------------
 
@@ -389,6 +418,7 @@ class Engine:
                 except BaseException as exc:  # noqa: BLE001 - the caller gets it
                     future.set_exception(exc)
             self._expire_waiting()
+            self.tiers.promote(self.scheduler)
             batch = self.scheduler.schedule()
             admitted_at = time.monotonic()
             for seq in self.scheduler.newly_admitted:
@@ -396,6 +426,7 @@ class Engine:
                 c.reused_prompt_tokens += seq.num_cached_tokens
                 c.context_selections[seq.reuse_path] = c.context_selections.get(seq.reuse_path, 0) + 1
                 live = self._by_seq[seq.seq_id]
+                live.reuse_tier = self.tiers.admitted(seq.reuse_entry_id, seq.num_cached_tokens, seq.cache_prompt)
                 live.admitted_at = admitted_at
                 self._progress(live, admitted_at)  # processed == cache
             if batch is None:
@@ -669,6 +700,7 @@ class Engine:
                                      reuse_path=seq.reuse_path if live.admitted_at is not None else None,
                                      queue_wait_seconds=live.admitted_at - live.submitted_at
                                      if live.admitted_at is not None else None,
+                                     reuse_tier=live.reuse_tier,
                                      speculative=live.spec.to_dict(self.spec.method, self.spec.draft_tokens)
                                      if live.spec is not None else None))
 
@@ -724,7 +756,7 @@ class Engine:
             kv_capacity_tokens=self.kv_capacity_tokens,
             kv_capacity_pages=pool.num_pages,
             kv_page_tokens=pool.page_size,
-            max_private_continuations=cache.max_entries if cache else 0,
+            max_private_continuations=cache.max_entries if cache is not None else 0,
             admitted=self._admitted,
             peak_admitted=self._peak_admitted,
             running=len(s.running),
@@ -733,7 +765,7 @@ class Engine:
             waiting=len(waiting) + len(self._inbox),
             kv_pages_used=pool.num_used,
             kv_tokens_used=pool.num_used * pool.page_size,
-            retained_continuations=len(cache) if cache else 0,
+            retained_continuations=len(cache) if cache is not None else 0,
             computed_prefill_tokens=c.computed_prefill_tokens,
             committed_decode_tokens=c.committed_decode_tokens,
             reused_prompt_tokens=c.reused_prompt_tokens,
@@ -768,6 +800,7 @@ class Engine:
             spec_fallback_steps=c.spec_fallback_steps,
             completed_drafted_tokens=c.completed_drafted_tokens,
             completed_accepted_tokens=c.completed_accepted_tokens,
+            tiers=self.tiers.gauges(),
             lanes=lanes,
             continuations=continuations,
             queue=queue_entries,

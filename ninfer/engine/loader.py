@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ninfer.engine.artifact import Artifact, ArtifactMetadata
-from ninfer.engine.config import SchedulerConfig, SpecConfig
+from ninfer.engine.config import MemoryConfig, SchedulerConfig, SpecConfig
 from ninfer.engine.model_store import resolve_model
 from ninfer.engine.rope import RopeOverride
 from ninfer.engine.models import expected_weights
@@ -167,7 +167,8 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                 dtype: str = "auto", rope: RopeOverride | None = None, spec: SpecConfig | None = None,
                 threads: int | None = None,
                 device_profile: ProfileRequest | None = None,
-                log: Callable[[str], None] | None = None) -> LoadedModel:
+                log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None,
+                kv_dtype: str = "auto") -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
     options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec)."""
     if cache_dir is None:
@@ -184,7 +185,7 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
                         rope=rope, spec=spec, threads=threads,
-                        device_profile=device_profile, cache_dir=cache_dir, log=log)
+                        device_profile=device_profile, cache_dir=cache_dir, log=log, memory=memory, kv_dtype=kv_dtype)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
@@ -192,7 +193,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                  kernel_cache_dir: Path | None = None, dtype=None, rope: RopeOverride | None = None,
                  spec: SpecConfig | None = None, threads: int | None = None,
                  device_profile: ProfileRequest | None = None, cache_dir: Path | None = None,
-                 log: Callable[[str], None] | None = None) -> LoadedModel:
+                 log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None,
+                 kv_dtype: str = "auto") -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
     dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
     options (the default context and the KV pool follow the native window whatever they say).
@@ -218,7 +220,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         meta = artifact.meta
     tokenizer = Tokenizer.from_metadata(meta)
     tokenizer.token_bytes(0)  # build the byte table now (~0.4 s), not on the first request's first token
-    bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype)  # the same for both backends
+    check_kv_dtype(kv_dtype, backend, dtype)
+    bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype, kv_dtype)  # the same for both backends
     num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
     num_state_slots = resolve_state_slots(meta.config, scheduler)
     on_cpu = backend != "cuda" and torch_device == "cpu"
@@ -242,7 +245,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             from ninfer.engine.backends.cuda_runner import CudaModelRunner
             return CudaModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device,
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
-                                   num_state_slots=num_state_slots, profile=profile,
+                                   num_state_slots=num_state_slots, profile=profile, kv_dtype=kv_dtype,
                                    max_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "lookup" else 0,
                                    **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
@@ -252,10 +255,11 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             adapter = cpu_threads.ThreadAdapter(plan) if plan.source == "measured" else None
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
                                 num_state_slots=num_state_slots, thread_adapter=adapter,
-                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0)
+                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0, kv_dtype=kv_dtype)
 
     facts = model_facts(artifact, tokenizer, max_context)
-    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec)
+    engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec, memory=memory,
+                          profile=session_profile(meta, facts, backend, spec), model_name=meta.model_id)
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts,
                        threads=plan.threads if plan is not None else 0,
@@ -285,6 +289,36 @@ def check_spec(spec: SpecConfig | None, meta, backend: str) -> None:
                           f"converting a Hugging Face folder that has them); {meta.name} has none (use --spec lookup)")
     if backend == "cuda":
         raise ConfigError("--spec mtp runs on the torch backend only so far (use --backend torch, or --spec lookup)")
+
+
+KV_DTYPES = ("auto", "bf16", "int8", "fp8")
+
+
+def check_kv_dtype(kv_dtype: str, backend: str, dtype) -> None:
+    """--kv-dtype: auto (the backend's attention dtype: f32 on CPU, bf16 on CUDA); bf16 or int8 on
+    the torch backend; bf16, int8 or fp8 (e4m3) on the cuda backend, whose kernels read the codes."""
+    import torch
+
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if backend == "cuda" and kv_dtype == "bf16" and dtype == torch.float32:
+        raise ConfigError("--kv-dtype bf16 with --dtype float32: the cuda backend keeps KV in its compute dtype")
+    if backend != "cuda" and kv_dtype == "fp8":
+        raise ConfigError("--kv-dtype fp8 needs the cuda backend (the torch backend takes auto, bf16 or int8)")
+
+
+def session_profile(meta: ArtifactMetadata, facts: ModelFacts, backend: str, spec: SpecConfig | None = None) -> dict:
+    """What a session file (slot file, prefix-cache file, disk tier) must match to be restored on
+    this server: the artifact, its weight formats, the layer kinds (state kinds) and the speculative
+    backend with its draft tokens (spec: Slots; under --spec mtp the head's K/V travel with the
+    pages); ContextTiers adds the KV dtype and the pool layout."""
+    from ninfer.engine.models import state_spec
+
+    source = meta.source or {}
+    return {"artifact": f"{meta.model_id}@{source.get('sha256') or source.get('path') or ''}",
+            "architecture": meta.config.architecture, "weight_formats": list(facts.weight_formats),
+            "state_kinds": list(state_spec(meta.config).kinds),
+            "speculative": f"{spec.method}/{spec.draft_tokens}" if spec is not None and spec.enabled else None}
 
 
 def _read_template(value: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ninfer.engine.kv_cache import PagePool, StatePool, pages_for_tokens
 
@@ -82,16 +83,26 @@ def common_prefix_len(a: list[int], b: list[int], step: int = 64) -> int:
     return n
 
 
+class CacheListener(Protocol):
+    def evicted(self, entry: CacheEntry) -> None: ...
+
+    def superseded(self, entry_ids: list[int], new_entry: CacheEntry) -> None: ...
+
+
 class PrefixCache:
     """Retained continuations over a PagePool (and, for a hybrid model, a StatePool holding
     their checkpoints), at most `max_entries` of them."""
 
-    __slots__ = ("pool", "max_entries", "state_pool", "_entries", "_clock", "_next_id")
+    __slots__ = ("pool", "max_entries", "state_pool", "listener", "_entries", "_clock", "_next_id")
 
     def __init__(self, pool: PagePool, max_entries: int, state_pool: StatePool | None = None) -> None:
         self.pool = pool
         self.max_entries = max_entries
         self.state_pool = state_pool
+        # the context tiers (engine/tiers.py), told of every involuntary eviction before the
+        # entry's pages are released (evicted(entry)) and of every entry a longer one replaced
+        # (superseded(entry_ids, new_entry)); None: nothing is told
+        self.listener: CacheListener | None = None
         self._entries: dict[int, CacheEntry] = {}
         self._clock = 0
         self._next_id = 0
@@ -148,7 +159,8 @@ class PrefixCache:
             e.last_used = self._tick()
 
     def insert(self, token_ids: list[int], pages: list[int], session: list[int] | None = None,
-               state_slot: int = -1, page_checkpoints: list[tuple[int, int]] | None = None) -> list[int]:
+               state_slot: int = -1, page_checkpoints: list[tuple[int, int]] | None = None,
+               slot: int | None = None) -> list[int]:
         """Retain a finished sequence: the caller hands over one reference on each page and, for
         a hybrid model, its working `state_slot` (the state after exactly `token_ids`), which
         becomes the entry's frontier checkpoint, and its captured `page_checkpoints` ((position,
@@ -158,7 +170,8 @@ class PrefixCache:
 
         Entries whose tokens are a prefix of the new one are dropped (the new entry serves
         every prompt they could); then the least recently used go while the catalog is full.
-        The new entry takes the lowest free cell. Returns the ids of the entries removed, in order."""
+        The new entry takes the lowest free cell, or `slot` (a restored session: the caller
+        emptied that cell). Returns the ids of the entries removed, in order."""
         assert len(pages) == pages_for_tokens(len(token_ids), self.pool.page_size)
         assert self.max_entries >= 1
         assert (state_slot >= 0) == (self.state_pool is not None), "a hybrid entry needs its checkpoint"
@@ -168,19 +181,37 @@ class PrefixCache:
                    if len(e.token_ids) <= len(token_ids) and token_ids[:len(e.token_ids)] == e.token_ids]
         for entry_id in removed:
             self.drop(entry_id)
+        superseded = list(removed)
         # evict before inserting so the new entry can take the victim's cell; the victims are the
         # same as after inserting, since the new entry is the most recently used
         while len(self._entries) >= self.max_entries:
             victim = self.entries()[0]
-            self.drop(victim.entry_id)
+            self._evict_one(victim)
             removed.append(victim.entry_id)
         used = {e.slot for e in self._entries.values()}
-        slot = next(i for i in range(self.max_entries) if i not in used)
+        if slot is None:
+            slot = next(i for i in range(self.max_entries) if i not in used)
+        assert 0 <= slot < self.max_entries and slot not in used, f"cell {slot} is taken"
         entry = CacheEntry(self._next_id, list(token_ids), list(pages), self._tick(), slot,
                            tuple(session if session is not None else token_ids), state_slot, page_checkpoints)
         self._next_id += 1
         self._entries[entry.entry_id] = entry
+        if superseded and self.listener is not None:
+            self.listener.superseded(superseded, entry)
         return removed
+
+    def entry_in_slot(self, slot: int) -> CacheEntry | None:
+        """The entry retained in cell `slot`, if any."""
+        return next((e for e in self._entries.values() if e.slot == slot), None)
+
+    def get(self, entry_id: int) -> CacheEntry | None:
+        return self._entries.get(entry_id)
+
+    def _evict_one(self, entry: CacheEntry) -> None:
+        # an involuntary eviction: the listener copies what it keeps before the pages go
+        if self.listener is not None:
+            self.listener.evicted(entry)
+        self.drop(entry.entry_id)
 
     def newest(self) -> CacheEntry:
         """The entry inserted last (an insert makes it the most recently used)."""
@@ -228,7 +259,7 @@ class PrefixCache:
                            or (short_slots and self._slots_freed(e) > 0)), None)
             if victim is None:
                 break
-            self.drop(victim.entry_id)
+            self._evict_one(victim)
             evicted.append(victim.entry_id)
         return evicted
 

@@ -190,3 +190,4 @@ class OutputEvent:
     reuse_path: str | None = None  # final event: the context-cache path admission took (root, ...)
     queue_wait_seconds: float | None = None  # final event: submission to admission (None: never admitted)
     embedding: Any = None  # final event of a request with `pooling`: float32 [hidden] on the CPU
+    reuse_tier: str | None = None  # final event: the tier its reused prefix came from (device, host, disk)

@@ -65,6 +65,7 @@ class Sequence:
     entitlement_pages: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (exact)
     reuse_path: str = "root"
+    reuse_entry_id: int = -1  # the prefix-cache entry its reused tokens came from (-1: none)
     status: SeqStatus = SeqStatus.WAITING
     lane: int = -1
     passed_over: int = 0
@@ -215,6 +216,11 @@ class Scheduler:
     def _outstanding_pages(self) -> int:
         return sum(max(0, s.entitlement_pages - len(s.block_table)) for s in self.running)
 
+    def outstanding_pages(self) -> int:
+        """Pages the running requests' entitlements may still allocate (the context tiers size a
+        promotion with it)."""
+        return self._outstanding_pages()
+
     def _try_admit(self, seq: Sequence) -> bool:
         P = self.page_size
         entitlement = pages_for_tokens(seq.prompt_len + seq.max_output_tokens, P)
@@ -278,6 +284,7 @@ class Scheduler:
         seq.num_cached_tokens = reused
         seq.reuse_path = reuse_path(matched, match.entry_tokens, seq.prompt_len, seq.raw_prompt) \
             if match and reused else "root"
+        seq.reuse_entry_id = match.entry_id if match and reused else -1
         if state and cache is not None and seq.cache_prompt and seq.retain:  # it may be retained: plan its page checkpoint
             boundary = (seq.prompt_len - 1) // P * P  # <= prompt_len - 1, below any frontier it retains
             seq.checkpoint_at = boundary if boundary >= P and boundary > reused else 0

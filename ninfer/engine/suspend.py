@@ -115,9 +115,13 @@ def resume(engine: Engine) -> Residency:
     return r
 
 
+PAGED = ("k", "v", "k_scale", "v_scale")  # caches indexed by page id (the scales of an int8 / fp8 KV cache)
+
+
 def take_snapshot(caches: dict[str, list[Any]], pages: list[int], slots: list[int], device: Any) -> dict[str, Any]:
-    """Host copies of the live rows of a runner's caches: {"k": [...], "v": [...]} are paged by page
-    id, {"conv": [...], "ssm": [...]} by state slot. -> {"pages", "slots", name: [host tensors]}."""
+    """Host copies of the live rows of a runner's caches: {"k": [...], "v": [...]} (and the int8 /
+    fp8 caches' {"k_scale", "v_scale"}) are paged by page id, {"conv": [...], "ssm": [...]} by state
+    slot. -> {"pages", "slots", name: [host tensors]}."""
     import torch
 
     host = torch.device("cpu")
@@ -125,7 +129,7 @@ def take_snapshot(caches: dict[str, list[Any]], pages: list[int], slots: list[in
              "slots": torch.tensor(slots, dtype=torch.long, device=device)}
     snapshot: dict[str, Any] = {"pages": pages, "slots": slots}
     for name, tensors in caches.items():
-        ids = index["pages"] if name in ("k", "v") else index["slots"]
+        ids = index["pages"] if name in PAGED else index["slots"]
         snapshot[name] = [t.index_select(0, ids).to(host, copy=True) for t in tensors]
     return snapshot
 
@@ -137,7 +141,7 @@ def restore_snapshot(caches: dict[str, list[Any]], snapshot: dict[str, Any], dev
     index = {"pages": torch.tensor(snapshot["pages"], dtype=torch.long, device=device),
              "slots": torch.tensor(snapshot["slots"], dtype=torch.long, device=device)}
     for name, tensors in caches.items():
-        ids = index["pages"] if name in ("k", "v") else index["slots"]
+        ids = index["pages"] if name in PAGED else index["slots"]
         for t, saved in zip(tensors, snapshot[name]):
             t.index_copy_(0, ids, saved.to(device))
     return snapshot_bytes(snapshot)

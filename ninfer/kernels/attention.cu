@@ -3,6 +3,9 @@
 // -DHEAD_DIM=.. -DGQA=.. (query heads per kv head).
 //   q [T, Hq, D] act (token stride q_stride), out [T, Hq, D] act (token stride out_stride)
 //   k_cache/v_cache [num_pages, page_size, Hkv, D] act (act: bf16, or fp32 with -DACT_F32=1); block_tables [B, max_pages] int32
+//   -DKV_QUANT=1: the caches hold u8 codes (int8, or e4m3 with -DKV_FP8=1; kv_codes.cuh) and
+//   k_scale/v_scale [num_pages, page_size, Hkv] f16 one scale per token and head; each K/V row is
+//   decoded and scaled as it is read (the compressed cache is read directly, never expanded)
 //   decode  (cu_seqlens == nullptr): token t is sequence t, n_keys = lens[t] (context length)
 //   prefill (cu_seqlens [B+1]):      token t of sequence b sits at position
 //            lens[b] + (t - cu_seqlens[b]) (lens = start_pos) and sees keys 0..that position.
@@ -14,6 +17,15 @@
 // the token's own n_keys, and every reduction has a fixed order, so a token's result does not
 // depend on the other tokens in the batch.
 #include "common.cuh"
+#ifndef KV_QUANT
+#define KV_QUANT 0
+#endif
+#if KV_QUANT
+#include "kv_codes.cuh"
+typedef u8 kv_t;
+#else
+typedef act kv_t;
+#endif
 
 #ifndef HEAD_DIM
 #error "compile with -DHEAD_DIM=64|128|256"
@@ -28,6 +40,18 @@ static_assert(GQA * HEAD_DIM <= 2048, "GQA * HEAD_DIM too large for registers an
 
 // A lane's EPL contiguous activations -> floats, coalesced across the warp.
 __device__ __forceinline__ void load_lane(const act* p, float* f) { load_act<EPL>(p, f); }
+
+// A lane's EPL elements of cache row `row` (page * page_size + slot, times Hkv, plus the kv head).
+__device__ __forceinline__ void load_kv(const kv_t* cache, const u16* scales, i64 row, int lane, float* f) {
+#if KV_QUANT
+  const float sc = f16_to_f32(scales[row]);
+  const u8* p = cache + row * HEAD_DIM + lane * EPL;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) f[e] = kv_decode(p[e]) * sc;
+#else
+  load_lane(cache + row * HEAD_DIM + lane * EPL, f);
+#endif
+}
 
 // Which sequence token t belongs to and how many keys it sees.
 __device__ __forceinline__ int token_keys(int t, const i32* cu_seqlens, const i32* lens, int num_seqs, int* seq) {
@@ -63,8 +87,9 @@ __device__ __forceinline__ void softmax_update(float s, const float* v, float& m
 // Grid: (Hkv, T, max_parts); block: NWARPS warps. A block serves all GQA query heads of one
 // kv head, so each K/V row is read once for the group. Warp w takes keys k0+w, k0+w+NWARPS, ...
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
-paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__ k_cache,
-                const act* __restrict__ v_cache, const i32* __restrict__ block_tables, int max_pages,
+paged_attention(const act* __restrict__ q, i64 q_stride, const kv_t* __restrict__ k_cache,
+                const kv_t* __restrict__ v_cache, const u16* __restrict__ k_scale, const u16* __restrict__ v_scale,
+                const i32* __restrict__ block_tables, int max_pages,
                 const i32* __restrict__ cu_seqlens, const i32* __restrict__ lens, int num_seqs,
                 act* __restrict__ out, i64 out_stride, float* __restrict__ part_out,
                 float* __restrict__ part_ml, int max_parts, int Hkv, int page_size, int partition,
@@ -105,14 +130,14 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const act* __restrict__
     const bool two = s2 < k1;
     float ka[EPL], va[EPL], kb[EPL], vb[EPL];
     {
-      const i64 off = (((i64)table[s / page_size] * page_size + s % page_size) * Hkv + kvh) * HEAD_DIM + lane * EPL;
-      load_lane(k_cache + off, ka);
-      load_lane(v_cache + off, va);
+      const i64 row = ((i64)table[s / page_size] * page_size + s % page_size) * Hkv + kvh;
+      load_kv(k_cache, k_scale, row, lane, ka);
+      load_kv(v_cache, v_scale, row, lane, va);
     }
     if (two) {
-      const i64 off = (((i64)table[s2 / page_size] * page_size + s2 % page_size) * Hkv + kvh) * HEAD_DIM + lane * EPL;
-      load_lane(k_cache + off, kb);
-      load_lane(v_cache + off, vb);
+      const i64 row = ((i64)table[s2 / page_size] * page_size + s2 % page_size) * Hkv + kvh;
+      load_kv(k_cache, k_scale, row, lane, kb);
+      load_kv(v_cache, v_scale, row, lane, vb);
     }
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {

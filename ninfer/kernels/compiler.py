@@ -25,7 +25,7 @@ import torch
 from ninfer.errors import ConfigError, NInferError
 
 KERNEL_DIR = Path(__file__).resolve().parent
-HEADERS = ("common.cuh",)
+HEADERS = ("common.cuh", "kv_codes.cuh")
 
 
 class KernelError(NInferError, ValueError):

@@ -221,10 +221,51 @@ def rope_kv_write(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch
              I64(k.stride(0)), I64(v.stride(0)), F32(eps)])
 
 
+KV_CODE_DTYPES = {torch.int8: 0, torch.float8_e4m3fn: 1}  # compressed KV caches -> KV_FP8
+
+
+def _kv_codes(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+              v_scale: torch.Tensor | None, device: int) -> dict[str, int]:
+    """Checks a compressed cache (int8 or e4m3 codes, f16 scales [pages, page_size, Hkv]) -> its defines."""
+    if k_cache.dtype not in KV_CODE_DTYPES:
+        raise KernelError(f"a compressed KV cache is int8 or float8_e4m3fn, got {k_cache.dtype}")
+    pages, page_size, Hkv, D = k_cache.shape
+    _check(k_cache, "k_cache", k_cache.dtype, [pages, page_size, Hkv, D], device)
+    _check(v_cache, "v_cache", k_cache.dtype, list(k_cache.shape), device)
+    if k_scale is None or v_scale is None:
+        raise KernelError("a compressed KV cache needs k_scale and v_scale")
+    _check(k_scale, "k_scale", F16, [pages, page_size, Hkv], device)
+    _check(v_scale, "v_scale", F16, [pages, page_size, Hkv], device)
+    return {"KV_QUANT": 1, "KV_FP8": KV_CODE_DTYPES[k_cache.dtype]}
+
+
+def kv_quantize_write(kc: KernelCompiler, k_rows: torch.Tensor, v_rows: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+                      v_scale: torch.Tensor) -> None:
+    """Store new K and V rows [T, Hkv, D] (act, contiguous) into a compressed paged cache at
+    slot_mapping[t] (negative: skipped): per row an f16 scale amax / (127 int8, 448 e4m3) and the
+    codes of x / scale (int8: round half to even, clamped; e4m3: cvt.rn.satfinite)."""
+    T, Hkv, D = k_rows.shape
+    act = k_rows.dtype
+    _check(k_rows, "k_rows", act, [T, Hkv, D], kc.device)
+    _check(v_rows, "v_rows", act, [T, Hkv, D], kc.device)
+    _check(slot_mapping, "slot_mapping", I32_DT, [T], kc.device)
+    defines = {**_act(act, "k_rows"), **_kv_codes(k_cache, v_cache, k_scale, v_scale, kc.device)}
+    defines.pop("KV_QUANT")
+    if k_cache.shape[2:] != (Hkv, D):
+        raise KernelError(f"the cache holds [{k_cache.shape[2]}, {k_cache.shape[3]}] per token, the rows [{Hkv}, {D}]")
+    if T:
+        kc.kernel("kv_quant.cu", "kv_quantize_write", defines).launch(
+            (T, 2 * Hkv, 1), (32, 1, 1),
+            [ptr(k_rows), ptr(v_rows), ptr(slot_mapping), ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale),
+             I32(Hkv), I32(D)])
+
+
 def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
-                      out: torch.Tensor) -> dict[str, int]:
-    """Validate paged-attention inputs; the kernels' compile defines."""
+                      out: torch.Tensor, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None) -> dict[str, int]:
+    """Validate paged-attention inputs; the kernels' compile defines (a compressed cache adds KV_QUANT)."""
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
@@ -234,8 +275,11 @@ def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor
         _check(t, name, act, [T, Hq, D], kc.device, contiguous=False, align16=True)
         if t.stride(1) != D or (t.stride(0) * t.element_size()) % 16:
             raise KernelError(f"{name} must have packed heads and 16-byte aligned rows, got strides {t.stride()}")
-    _check(k_cache, "k_cache", act, [None, None, Hkv, D], kc.device, align16=True)
-    _check(v_cache, "v_cache", act, list(k_cache.shape), kc.device, align16=True)
+    if k_cache.dtype in KV_CODE_DTYPES:
+        defines.update(_kv_codes(k_cache, v_cache, k_scale, v_scale, kc.device))
+    else:
+        _check(k_cache, "k_cache", act, [None, None, Hkv, D], kc.device, align16=True)
+        _check(v_cache, "v_cache", act, list(k_cache.shape), kc.device, align16=True)
     _check(block_tables, "block_tables", I32_DT, [B, None], kc.device)
     _check(lens, "context_lens" if cu_seqlens is None else "start_pos", I32_DT, [B], kc.device)
     if cu_seqlens is not None:
@@ -252,8 +296,9 @@ def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor
 def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
                max_context_len: int, out: torch.Tensor, scale: float, partition: int,
-               workspace: tuple[torch.Tensor, torch.Tensor] | None, window: int = 0, softcap: float = 0.0) -> None:
-    defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, lens, out)
+               workspace: tuple[torch.Tensor, torch.Tensor] | None, window: int = 0, softcap: float = 0.0,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, lens, out, k_scale, v_scale)
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
@@ -276,7 +321,8 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     seq_args = [ptr(cu_seqlens), ptr(lens), I32(B)]
     kc.kernel("attention.cu", "paged_attention", defines).launch(
         (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
-        [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
+        [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale), ptr(block_tables),
+         I32(block_tables.shape[1]),
          *seq_args, ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv),
          I32(page_size), I32(partition), F32(scale), I32(window), F32(softcap)])
     if max_parts > 1:
@@ -290,7 +336,8 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            out: torch.Tensor, scale: float, partition: int = 512,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
-                           softcap: float = 0.0) -> None:
+                           softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> None:
     """One query token per sequence attends its whole context (context_lens[b] keys, this token's included).
 
     q, out [B, Hq, D] and caches [pages, page_size, Hkv, D]: all bf16 or all fp32; block_tables [B, max_pages] int32;
@@ -299,9 +346,10 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
     only on each sequence's own length, so results are batch-invariant. `workspace` (optional,
     reusable, e.g. under CUDA graphs): fp32 [>= B, Hq, ceil(max_context_len/partition), D] and [.., 2].
     window > 0: each sequence sees only its last `window` keys; softcap > 0: scores soft-capped.
+    A compressed cache (int8 or float8_e4m3fn codes) comes with k_scale/v_scale f16 [pages, page_size, Hkv].
     """
     _attention(kc, q, k_cache, v_cache, block_tables, None, context_lens, max_context_len, out, scale,
-               partition, workspace, window, softcap)
+               partition, workspace, window, softcap, k_scale, v_scale)
 
 
 ATTN_PREFILL_ROUTES = ("warp", "mma")  # attention.cu (CUDA cores, any dtype) or attention_mma.cu (tensor cores)
@@ -317,7 +365,8 @@ def attention_prefill_route_ok(route: str, act_dtype: torch.dtype, head_dim: int
 def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens: torch.Tensor, start_pos: torch.Tensor,
                             max_context_len: int, out: torch.Tensor, scale: float, route: str = "warp",
-                            window: int = 0, softcap: float = 0.0) -> None:
+                            window: int = 0, softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> None:
     """Causal attention for new tokens of several sequences whose K/V are already in the cache.
 
     q, out [T, Hq, D]: sequence b's tokens are rows cu_seqlens[b]..cu_seqlens[b+1]-1 at positions
@@ -329,8 +378,10 @@ def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.
         raise KernelError(f"prefill attention route must be one of {', '.join(ATTN_PREFILL_ROUTES)}, got {route!r}")
     if route == "warp":
         _attention(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, max_context_len, out, scale,
-                   max(1, max_context_len), None, window, softcap)
+                   max(1, max_context_len), None, window, softcap, k_scale, v_scale)
         return
+    if k_scale is not None:
+        raise KernelError("the mma prefill attention reads bf16 caches only: a compressed cache takes the warp route")
     if window or softcap:
         raise KernelError("the mma prefill attention has no sliding window or soft-capping: use the warp route")
     defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out)

@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl
 
 from ninfer.errors import RequestError
 from ninfer.server import (anthropic, embeddings, infill, llamacpp, models_api, openai_chat, openai_completions,
-                           openapi, ops, rerank, responses)
+                           openapi, ops, rerank, responses, slots)
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, Headers
 from ninfer.server.router import ModelPool
@@ -67,8 +67,8 @@ ROUTES: dict[tuple[str, str], Handler] = {
     ("POST", "/models/sleep"): models_api.handle_sleep,
     ("GET", "/models/sse"): models_api.handle_sse,
 }
-# How a route finds its model. USE: it runs on the model its body's `model` (or ?model=) names,
-# loaded first when allowed, and counts as use. PEEK: it reads the named (or most recently used)
+# How a route finds its model. USE (and POST /slots/{id}): it runs on the model its body's `model`
+# (or ?model=) names, loaded or woken first when allowed, and counts as use. PEEK: it reads the named (or most recently used)
 # loaded model without loading or waking it. Every other route needs no model.
 USE_ROUTES = {
     ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/completion"),
@@ -87,6 +87,7 @@ STATS_ROUTES = {("GET", "/health"), ("GET", "/stats"), ("GET", "/v1/load"), ("GE
 _MODEL_PATH = re.compile(r"^/v1/models/(.+)$")
 _MODEL_ACTION = re.compile(r"^/v1/models/([^/]+)/(suspend|resume|residency)$")
 _MODEL_ACTION_METHODS = {"suspend": "POST", "resume": "POST", "residency": "GET"}
+_SLOT_PATH = re.compile(r"^/slots/([^/]+)$")  # POST /slots/{id}?action=save|restore|erase
 # /v1/responses/{id}[/input_items|/cancel] -> the methods each answers
 _RESPONSE_PATH = re.compile(r"^/v1/responses/([^/]+)(?:/(input_items|cancel))?$")
 _RESPONSE_METHODS = {None: ("GET", "DELETE"), "input_items": ("GET",), "cancel": ("POST",)}
@@ -122,7 +123,7 @@ def _not_supported_route(path: str) -> str | None:
 
 def requested_model(call: Call) -> str | None:
     """The model a request names: its body's `model` (POST), else the `model` query parameter."""
-    if call.method == "POST":
+    if call.method == "POST" and call.body.strip():  # a slot erase may have no body: ?model= names it
         model = call.json().get("model")
         if model is not None and not isinstance(model, str):
             raise RequestError("model must be a string", param="model", code="invalid_value")
@@ -231,7 +232,7 @@ class App:
         if key in PEEK_ROUTES:
             call.state = pool.peek(call.query.get("model"))
             return handler
-        if key not in USE_ROUTES:
+        if key not in USE_ROUTES and "slot_id" not in call.extra:  # POST /slots/{id} uses its model
             call.state = pool.default_state()
             return handler
 
@@ -305,7 +306,11 @@ class App:
         if r and method in _RESPONSE_METHODS[r.group(2)]:
             call.extra["response_id"], call.extra["action"] = r.group(1), r.group(2)
             return responses.handle_resource
-        if any(p == path for _, p in ROUTES) or a or m or r:
+        s = _SLOT_PATH.match(path)
+        if s and method == "POST":
+            call.extra["slot_id"] = s.group(1)
+            return slots.handle_slot_action
+        if any(p == path for _, p in ROUTES) or a or m or r or s:
             raise RequestError(f"method {method} is not allowed on {path}", status=405,
                                code="method_not_allowed")
         raise RequestError(f"no route for {method} {path}", status=404, code="not_found")

@@ -80,6 +80,8 @@ class ServerConfig:
     default_thinking_budget: int | None = None  # the cap of a thinking request that names none
     thinking_budget_message: str | None = None  # the early-close guidance instead of the built-in one
     post_thinking: dict[str, float | int] | None = None  # None: off; else the preset overrides (may be {})
+    slot_save_path: str | None = None  # --slot-save-path: POST /slots/{id} files live here (None: 501)
+    prefix_cache_file: str | None = None  # --prefix-cache-file: saved at stop
 
     def __post_init__(self) -> None:
         if not self.host:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ninfer.engine.digest import session_digest  # noqa: F401 - re-exported for the protocol encoders
 from ninfer.engine.errors import EngineError
 from ninfer.engine.request import OutputEvent, PreparedRequest, SamplingParams, TokenLogprob, Usage
 from ninfer.errors import RequestError
@@ -15,9 +16,6 @@ from ninfer.server.errors import http_error
 from ninfer.server.http import Call
 from ninfer.server.sse import TIMEOUT, EventPump, Timeout
 from ninfer.version import version_string
-
-FNV_OFFSET = 0xCBF29CE484222325
-FNV_PRIME = 0x100000001B3
 
 
 def system_fingerprint() -> str:
@@ -27,15 +25,6 @@ def system_fingerprint() -> str:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex[:24]
-
-
-def session_digest(token_ids: list[int]) -> str:
-    """FNV-1a 64 over the token ids (each as 4 little-endian bytes), 16 hex characters."""
-    h = FNV_OFFSET
-    for tid in token_ids:
-        for b in int(tid).to_bytes(4, "little", signed=False):
-            h = ((h ^ b) * FNV_PRIME) & 0xFFFFFFFFFFFFFFFF
-    return f"{h:016x}"
 
 
 def sampler_params(s: SamplingParams, max_tokens: int | None = None, stop: list[str] | None = None,

@@ -171,6 +171,9 @@ TOKENIZE = {"type": "object", "required": ["content"],
             "properties": {"content": STR, "add_special": BOOL, "parse_special": BOOL, "with_pieces": BOOL}}
 DETOKENIZE = {"type": "object", "required": ["tokens"],
               "properties": {"tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
+SLOT_ACTION = {"type": "object",
+               "properties": {"filename": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,128}$"},
+                              "if_digest": {"type": "string", "pattern": "^[0-9a-fA-F]{16}$"}}}
 APPLY_TEMPLATE = {"type": "object", "required": ["messages"],
                   "properties": {"messages": CHAT["properties"]["messages"], "add_generation_prompt": BOOL,
                                  "continue_final_message": BOOL}}
@@ -204,6 +207,17 @@ def _path_param(name: str) -> dict[str, Any]:
     return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
 
 
+def _slot_op() -> dict[str, Any]:
+    """POST /slots/{id}?action=save|restore|erase (filename for save and restore; 501 without
+    --slot-save-path, 409 slot_busy / slot_session_mismatch)."""
+    op = _op("save, restore or erase a slot's session (a file in --slot-save-path)", SLOT_ACTION, params=[
+        _path_param("id_slot"),
+        {"name": "action", "in": "query", "required": True, "schema": {"enum": ["save", "restore", "erase"]}}])
+    op["requestBody"]["required"] = False  # erase takes none
+    op["responses"].update({"409": ERROR, "501": ERROR})
+    return op
+
+
 def document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (the same for every server; the model id is a request field)."""
     text_ok = {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}
@@ -218,6 +232,7 @@ def document() -> dict[str, Any]:
         "/stats": {"get": _op("the /v1/load snapshot plus the engine counters")},
         "/metrics": {"get": _op("Prometheus text", ok=text_ok)},
         "/slots": {"get": _op("per-cell occupancy of the private context cache")},
+        "/slots/{id_slot}": {"post": _slot_op()},
         "/v1/chat/completions": {"post": _op("OpenAI Chat Completions", CHAT, SSE_OR_JSON)},
         "/chat/completions": {"post": _op("OpenAI Chat Completions (llama-server's un-prefixed alias)", CHAT,
                                           SSE_OR_JSON)},

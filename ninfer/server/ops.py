@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ninfer.errors import RequestError
 from ninfer.server.generate import sampler_params, session_digest
 from ninfer.server.http import Call
+from ninfer.server.tier_metrics import host_kv_bytes, tier_series
 from ninfer.version import version_string
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ API_INDEX = (
     ("GET", "/metrics", "Prometheus text: llama.cpp's --metrics series plus ninfer's"),
     ("GET", "/stats", "the /v1/load snapshot plus the ingress peak and the engine counters"),
     ("GET", "/slots", "per-cell occupancy of the private context cache"),
+    ("POST", "/slots/{id}", "save, restore or erase a retained session (?action=, needs --slot-save-path)"),
     ("GET", "/props", "llama.cpp-shaped server properties"),
     ("GET", "/v1", "this endpoint index"),
     ("GET", "/v1/models", "the served model alias, context limit, modalities and meta"),
@@ -141,6 +143,7 @@ async def handle_props(call: Call) -> None:
                        "seed": -1 if s.seed is None else s.seed},
         },
         "total_slots": state.loaded.engine.snapshot().max_concurrency,
+        "kv_cache": kv_cache_props(state.loaded.engine),
         "model_alias": state.model_id,
         "model_path": state.config.model_path or state.loaded.facts.path,
         "modalities": {"vision": False, "audio": False},
@@ -150,6 +153,16 @@ async def handle_props(call: Call) -> None:
         "endpoint_metrics": True,
         "cors_proxy_enabled": False,
     })
+
+
+def kv_cache_props(engine: Any) -> dict[str, Any]:
+    """The KV pool as configured: storage dtype (--kv-dtype), bytes per token, capacity in tokens."""
+    snap = engine.snapshot()
+    runner = engine.runner
+    tensors = runner.context_tensors()[0] if hasattr(runner, "context_tensors") else []
+    return {"dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
+            "bytes_per_token": getattr(runner, "kv_bytes_per_token", None),
+            "capacity_tokens": snap.kv_capacity_tokens, "page_tokens": snap.kv_page_tokens}
 
 
 def load_report(call: Call, obj: str) -> dict[str, Any]:
@@ -164,11 +177,12 @@ def load_report(call: Call, obj: str) -> dict[str, Any]:
                      "max_context": snap.max_context, "kv_capacity_tokens": snap.kv_capacity_tokens,
                      "kv_capacity_pages": snap.kv_capacity_pages, "kv_page_tokens": snap.kv_page_tokens,
                      # recurrent-state slots (hybrid models; 0 for pure attention): lanes + checkpoints
-                     "device_state_slots": snap.state_slots_total},
+                     "device_state_slots": snap.state_slots_total,
+                     "host_kv_bytes": snap.tiers.host_budget if snap.tiers is not None else 0},
         "requests": {"admitted": max(state.admitted, snap.admitted), "running": snap.running,
                      "prefilling": snap.prefilling, "decode_ready": snap.decode_ready, "waiting": snap.waiting},
         "occupancy": {"device_main_kv_pages": snap.kv_pages_used, "device_main_kv_tokens": snap.kv_tokens_used,
-                      "device_state_slots": snap.state_slots_used},
+                      "device_state_slots": snap.state_slots_used, "host_kv_bytes": host_kv_bytes(snap.tiers)},
         "counters": {"computed_prefill_tokens": snap.computed_prefill_tokens,
                      "committed_decode_tokens": snap.committed_decode_tokens,
                      "reused_prompt_tokens": snap.reused_prompt_tokens,
@@ -335,7 +349,9 @@ def metrics_text(call: Call) -> str:
         _series(L, "ninfer:context_selections_total", "counter",
                 "admissions by the context-cache source they started from", 0, selections, "source")
     _series(L, "ninfer:context_occupancy", "gauge", "context-cache resources in use", 0,
-            {"device_main_kv_pages": snap.kv_pages_used, "device_state_slots": snap.state_slots_used}, "pool")
+            {"device_main_kv_pages": snap.kv_pages_used, "device_state_slots": snap.state_slots_used,
+             "host_kv_bytes": host_kv_bytes(snap.tiers)}, "pool")
+    tier_series(L, snap.tiers)
     _series(L, "ninfer:state_slots_total", "gauge",
             "recurrent-state slots (hybrid models; 0 for pure attention): one a lane plus checkpoints",
             snap.state_slots_total)

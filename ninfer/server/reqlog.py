@@ -134,15 +134,18 @@ class RequestLog:
         spec = final.speculative
         if spec is not None and spec["drafted_tokens"]:
             rates += f" {spec['backend']}={spec['accepted_tokens']}/{spec['drafted_tokens']}"
-        log.info("req#%d done %s%s %s prompt=%d cached=%d out=%d%s total=%.2fs", n, protocol,
-                 f" {model}" if model else "", final.finish_reason, prompt, cached, out, rates, total_seconds)
+        # the reuse path and, when a prefix was reused, the tier it came from (device, host, disk)
+        reuse = f" reuse={final.reuse_path}" + (f"@{final.reuse_tier}" if final.reuse_tier else "") \
+            if final.reuse_path else ""
+        log.info("req#%d done %s%s %s prompt=%d cached=%d%s out=%d%s total=%.2fs", n, protocol,
+                 f" {model}" if model else "", final.finish_reason, prompt, cached, reuse, out, rates, total_seconds)
         extra = {"speculative": spec} if spec is not None else {}
         self._write("request_done", request_id=n, **({"model": model} if model else {}), protocol=protocol, **extra,
                     result={"finish_reason": final.finish_reason, "prompt_tokens": prompt, "completion_tokens": out,
                             "cached_tokens": cached, "computed_prefill_tokens": prompt - cached,
                             "reasoning_tokens": u.reasoning_tokens if u else 0,
                             "post_thinking_sampling": final.post_thinking_sampling},
-                    prefix_reuse_path=final.reuse_path,
+                    prefix_reuse_path=final.reuse_path, prefix_reuse_tier=final.reuse_tier,
                     timings_seconds={"prepare": prepare_seconds, "ttft": ttft_seconds,
                                      "prefill": t.prompt_ms / 1e3 if t else None,
                                      "decode": t.predicted_ms / 1e3 if t else None, "total": total_seconds},

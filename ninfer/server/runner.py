@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -183,16 +184,24 @@ async def _serve(config: ServerConfig, models: list[ModelSpec], options: PoolOpt
             stop.set()
 
     last_press: list[float] = []
+    abandon_save = threading.Event()  # one more Ctrl+C during the stop: no prefix-cache save
 
     def on_interrupt() -> None:
         """Ctrl+C: before ready it ends start-up; serving, a second press within 5 s stops (the
-        first only says so); during the stop it exits at once."""
+        first only says so); during the stop it exits at once, abandoning a prefix-cache save
+        (its temporary file deleted, the previous file kept)."""
         if stop.is_set():
+            abandon_save.set()
+            if config.prefix_cache_file:
+                from ninfer.engine.session_files import tmp_path
+                tmp_path(Path(config.prefix_cache_file)).unlink(missing_ok=True)
             os._exit(ExitCode.INTERRUPTED)
         now = time.monotonic()
         if pool.ready and not (last_press and now - last_press[-1] <= CONFIRM_SECONDS):
             last_press[:] = [now]
-            log.warning("Press Ctrl+C again within %g s to close", CONFIRM_SECONDS)
+            log.warning("Press Ctrl+C again within %g s to %s", CONFIRM_SECONDS,
+                        "save the prefix cache and close" if config.prefix_cache_file
+                        else "close (without --prefix-cache-file)")
             return
         request_stop()
 
@@ -234,9 +243,12 @@ async def _serve(config: ServerConfig, models: list[ModelSpec], options: PoolOpt
             await stop.wait()
         for task in tasks:
             task.cancel()
+        loaded = [(s.state.loaded.engine, s.state.config) for s in pool.slots.values()
+                  if s.state is not None and s.state.loaded is not None]
         pool.close()
         await pool.unload_all()
-        announce("server stopped")
+        saved = await _save_prefix_caches(loaded, abandon_save)
+        announce("server stopped" + (f"; {saved}" if saved else ""))
         return outcome["code"]
     finally:
         for s in servers:
@@ -253,6 +265,22 @@ def _abandon_start_up(reqlog: RequestLog, announce: Callable[[str], None]) -> No
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(ExitCode.INTERRUPTED)
+
+
+async def _save_prefix_caches(loaded: list[tuple[Any, ServerConfig]], abandon: threading.Event) -> str:
+    """--prefix-cache-file: save each stopped engine's retained sessions; the result lines."""
+    lines = []
+    for engine, config in loaded:
+        if not config.prefix_cache_file:
+            continue
+        log.warning("Closing: saving the prefix cache | Press Ctrl+C again to exit without saving")
+        try:
+            n = await asyncio.to_thread(engine.save_prefix_cache, abandon)
+        except Exception as e:  # noqa: BLE001 - reported; the previous file is kept
+            lines.append(f"prefix cache not saved: {e}")
+            continue
+        lines.append(f"prefix cache saved: {n} sessions to {config.prefix_cache_file}")
+    return "; ".join(lines)
 
 
 def _panel(pool: ModelPool, on_interrupt: Callable[[], None]) -> contextlib.AbstractAsyncContextManager:

@@ -5,6 +5,7 @@ as snapshots), so plain ints need no lock.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ class ServerState:
     # session each cell retained
     running_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     slot_params: dict[int, dict[str, Any]] = field(default_factory=dict)
+    slot_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one POST /slots/{id} action at a time
 
     @property
     def ready(self) -> bool:

@@ -42,6 +42,9 @@ from ninfer.kernels.profile import DeviceProfile
 _MASK64 = (1 << 64) - 1
 
 
+# --kv-dtype -> the cache's storage dtype (None: the compute dtype)
+KV_STORAGE = {"auto": None, "bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
 class CudaModelRunner:
     """ModelRunner on one CUDA device over the kernels of ninfer/kernels.
 
@@ -58,15 +61,18 @@ class CudaModelRunner:
     def __init__(self, artifact, *, num_pages: int, page_size: int = 64, device: str = "cuda",
                  cuda_graph: bool = True, kernel_cache_dir: Path | None = None,
                  dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0, max_draft_tokens: int = 0,
-                 profile: DeviceProfile | None = None) -> None:
+                 profile: DeviceProfile | None = None, kv_dtype: str = "auto") -> None:
         # what a resume after a suspend builds again (engine/suspend.py)
         self._build_args = (artifact, dict(num_pages=num_pages, page_size=page_size, device=device,
                                            cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir, dtype=dtype,
                                            num_state_slots=num_state_slots, max_draft_tokens=max_draft_tokens,
-                                           profile=profile))
+                                           profile=profile, kv_dtype=kv_dtype))
         if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"max_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}")
         self.max_draft_tokens = max_draft_tokens
+        if kv_dtype not in KV_STORAGE:
+            raise ConfigError(f"--kv-dtype {kv_dtype}: the cuda backend takes {', '.join(KV_STORAGE)}")
+        self.kv_storage = kv_dtype
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
         if dtype not in DTYPES:
@@ -84,7 +90,11 @@ class CudaModelRunner:
         self.num_pages = num_pages
         self.num_state_slots = num_state_slots if self.spec.recurrent else 0
         self.vocab_size = c.vocab_size
-        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(dtype.itemsize)
+        if kv_dtype in ("int8", "fp8"):  # one byte a value plus an f16 scale per token and head, K and V
+            a = self.spec.attention
+            self.kv_bytes_per_token = self.spec.kv_bytes_per_token(1) + self.spec.num_attention_layers * 2 * a.kv_heads * 2
+        else:
+            self.kv_bytes_per_token = self.spec.kv_bytes_per_token(dtype.itemsize)
         self.profile = profile if profile is not None else DeviceProfile()
         self.partition = self.profile.attention_partition
         self._check_shapes(c)
@@ -93,7 +103,7 @@ class CudaModelRunner:
         with torch.cuda.device(self.device), torch.inference_mode():
             self.ops = CudaOps(self.kc, c, dtype, self.device, self.profile)
             self.model = architecture(c).model.load(WeightReader(artifact, self.ops, self.device), c)
-            self.k_cache, self.v_cache = self._kv(num_pages)
+            self.k_cache, self.v_cache, self.k_scale, self.v_scale = self._kv(num_pages)
             self.conv, self.ssm = self._states(self.num_state_slots)
             self.max_context = min(c.max_position_embeddings, num_pages * page_size)
             rows = MAX_DECODE_ROWS * (max_draft_tokens + 1)
@@ -109,11 +119,14 @@ class CudaModelRunner:
     # ---- suspend (engine/suspend.py): give the device memory back, take it again -------------
 
     def _caches(self) -> dict[str, list[torch.Tensor]]:
-        return {"k": self.k_cache, "v": self.v_cache, **({"conv": self.conv, "ssm": self.ssm} if self.conv else {})}
+        return {"k": self.k_cache, "v": self.v_cache, **({"k_scale": self.k_scale, "v_scale": self.v_scale}
+                                                          if self.k_scale else {}),
+                **({"conv": self.conv, "ssm": self.ssm} if self.conv else {})}
 
     def resident_bytes(self) -> int:
         """Device bytes a suspend releases: weights, KV and state pools, step inputs (graph pools not counted)."""
-        return tensor_bytes((self.model, self.ops, self.k_cache, self.v_cache, self.conv, self.ssm, self.state,
+        return tensor_bytes((self.model, self.ops, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                             self.conv, self.ssm, self.state,
                              self.verify_conv, self.verify_ssm))
 
     @torch.inference_mode()
@@ -124,8 +137,8 @@ class CudaModelRunner:
             snapshot = take_snapshot(self._caches(), pages, slots, self.device)
             torch.cuda.synchronize(self.device)
             weight_bytes = tensor_bytes((self.model, self.ops))
-            for name in ("model", "ops", "k_cache", "v_cache", "conv", "ssm", "state", "verify_conv",
-                         "verify_ssm", "graphs"):
+            for name in ("model", "ops", "k_cache", "v_cache", "k_scale", "v_scale", "conv", "ssm", "state",
+                         "verify_conv", "verify_ssm", "graphs"):
                 setattr(self, name, None)
             release_device_memory(self.device)
         return snapshot, snapshot_bytes(snapshot), weight_bytes
@@ -153,12 +166,20 @@ class CudaModelRunner:
             raise ConfigError(f"the cuda backend's delta rule takes key/value head dims 64 or 128 and conv widths "
                               f"up to 8; this model has {r.key_dim}/{r.value_dim} and {r.conv_kernel}")
 
-    def _kv(self, pages: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _kv(self, pages: int) -> tuple[list[torch.Tensor], ...]:
+        """K and V caches per attention layer [pages, page_size, kv_heads, head_dim] in the compute
+        dtype, or int8 / float8_e4m3fn codes with f16 scales [pages, page_size, kv_heads] (--kv-dtype)."""
         a = self.spec.attention
         shape = (pages, self.page_size, a.kv_heads, a.head_dim)
         n = self.spec.num_attention_layers
-        return ([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)],
-                [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)])
+        store = KV_STORAGE[self.kv_storage] or self.dtype
+        codes = self.kv_storage in ("int8", "fp8")
+
+        def scales() -> list[torch.Tensor]:
+            return [torch.zeros(shape[:3], dtype=torch.float16, device=self.device) for _ in range(n)] if codes else []
+
+        return ([torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)],
+                [torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)], scales(), scales())
 
     def _states(self, slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         r, n = self.spec.recurrent, self.spec.num_recurrent_layers
@@ -187,9 +208,14 @@ class CudaModelRunner:
         """Like the torch runner's: forward the batch (K/V written) -> logits of its sampling rows."""
         return self.run_with_logits(batch)[1]
 
+    def context_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The context pools for host and disk tiers (engine/transfer.py): page-indexed tensors
+        (K and V of every attention layer) and slot-indexed ones (conv windows, delta-rule states)."""
+        return [*self.k_cache, *self.v_cache, *self.k_scale, *self.v_scale], [*self.conv, *self.ssm]
+
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy K/V of page src into page dst, every layer (copy-on-write of a shared page)."""
-        self._copy(copies, self.num_pages, "page", (*self.k_cache, *self.v_cache))
+        self._copy(copies, self.num_pages, "page", (*self.k_cache, *self.v_cache, *self.k_scale, *self.v_scale))
 
     def copy_states(self, copies: list[tuple[int, int]]) -> None:
         """Copy the recurrent state of slot src into slot dst, every layer (resuming a checkpoint)."""
@@ -215,11 +241,11 @@ class CudaModelRunner:
             raise ValueError(f"forward_logits takes 1..{self.config.max_position_embeddings} ids in 0..{self.vocab_size - 1}")
         with torch.cuda.device(self.device), torch.inference_mode():
             pages = -(-n // self.page_size)
-            k_cache, v_cache = self._kv(pages)
+            k_cache, v_cache, k_scale, v_scale = self._kv(pages)
             conv, ssm = self._states(1)
             seq = SequenceWork(seq_id=-1, token_ids=list(token_ids), start_pos=0, block_table=list(range(pages)),
                                sample=False, sampling=None, state_slot=0 if self.spec.recurrent else -1)  # type: ignore[arg-type]
-            hidden = self._prompt_forward([seq], k_cache, v_cache, conv, ssm)  # [n, hidden]
+            hidden = self._prompt_forward([seq], k_cache, v_cache, conv, ssm, (k_scale, v_scale))  # [n, hidden]
             return self.model.compute_logits(self.ops, hidden)
 
     # -- one step ----------------------------------------------------------------------------
@@ -241,7 +267,8 @@ class CudaModelRunner:
         st = self.state
         with torch.cuda.device(self.device), torch.inference_mode():
             if prompt:
-                hidden = self._prompt_forward(prompt, self.k_cache, self.v_cache, self.conv, self.ssm)
+                hidden = self._prompt_forward(prompt, self.k_cache, self.v_cache, self.conv, self.ssm,
+                                              (self.k_scale, self.v_scale))
                 ends = np.cumsum([len(s.token_ids) for s in prompt]) - 1
                 for e, s in zip(ends, prompt):  # an embedding's rows: [tokens, hidden]
                     if s.return_hidden:
@@ -410,7 +437,8 @@ class CudaModelRunner:
             v_cache=self.v_cache, block_tables=st.block_tables[:T], seq_lens=st.context_lens[:T],
             max_context=parts * self.partition, cu_seqlens=st.cu_seqlens[:n + 1], conv=self.conv, ssm=self.ssm,
             state_slots=st.state_slots[:n], workspace=st.workspace(T, parts),
-            verify_width=width if width > 1 else 0, verify_conv=self.verify_conv, verify_ssm=self.verify_ssm))
+            verify_width=width if width > 1 else 0, verify_conv=self.verify_conv, verify_ssm=self.verify_ssm,
+            k_scale=self.k_scale, v_scale=self.v_scale))
         hidden = self.model.forward(self.ops, st.ids[:T])
         self.model.compute_logits(self.ops, hidden, out=st.logits[:T])
         self._sample(T)
@@ -433,7 +461,8 @@ class CudaModelRunner:
                         st.frequency[:n])
 
     def _prompt_forward(self, seqs: list[SequenceWork], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
-                        conv: list[torch.Tensor], ssm: list[torch.Tensor]) -> torch.Tensor:
+                        conv: list[torch.Tensor], ssm: list[torch.Tensor],
+                        kv_scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])) -> torch.Tensor:
         """Every token of `seqs` through the model (K/V and state written into the given caches).
         -> final normed hidden [tokens, hidden]."""
         ps = self.page_size
@@ -465,5 +494,5 @@ class CudaModelRunner:
             decode=False, positions=dev[n:2 * n], kv_slots=dev[2 * n:3 * n], k_cache=k_cache, v_cache=v_cache,
             block_tables=dev[o + 3 * S + 1:].view(S, max_pages), seq_lens=dev[o + S + 1:o + 2 * S + 1],
             max_context=max(s.start_pos + len(s.token_ids) for s in seqs), cu_seqlens=dev[o:o + S + 1],
-            conv=conv, ssm=ssm, state_slots=state_slots))
+            conv=conv, ssm=ssm, state_slots=state_slots, k_scale=kv_scales[0], v_scale=kv_scales[1]))
         return self.model.forward(self.ops, dev[:n])

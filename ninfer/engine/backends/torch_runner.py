@@ -15,7 +15,7 @@ from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
-from ninfer.engine.ops.torch_ops import KVCache, RecurrentStates, TorchOps
+from ninfer.engine.ops.torch_ops import KV_DTYPES, KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
 from ninfer.engine.errors import SuspendNotSupported
 from ninfer.engine.speculative import sample_rows
@@ -24,13 +24,19 @@ from ninfer.errors import ConfigError, NInferError
 
 
 def kv_bytes_per_token(config: ModelConfig, device: str | torch.device = "cpu",
-                       dtype: torch.dtype | None = None) -> int:
+                       dtype: torch.dtype | None = None, kv_dtype: str = "auto") -> int:
     """Bytes of K and V per token over all attention layers, for a runner built with these
-    arguments (lets a loader size the page pool before building the runner)."""
+    arguments (lets a loader size the page pool before building the runner). int8 adds one fp16
+    scale per token and head to K and to V."""
     device = torch.device(device)
     dtype = dtype if dtype is not None else default_dtype(device)
+    spec = state_spec(config)
+    if kv_dtype in ("int8", "fp8"):  # fp8: the cuda backend's size, for sizing the pool
+        return spec.kv_bytes_per_token(1) + spec.num_attention_layers * 2 * spec.attention.kv_heads * 2
+    if kv_dtype == "bf16":
+        return spec.kv_bytes_per_token(2)
     elem = torch.empty(0, dtype=attention_dtype(device, dtype)).element_size()
-    return state_spec(config).kv_bytes_per_token(elem)
+    return spec.kv_bytes_per_token(elem)
 
 
 def attention_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -54,11 +60,16 @@ class TorchModelRunner:
     """ModelRunner over torch tensors. `dtype` None picks `default_dtype(device)`; pass
     torch.float32 for a reference-exact run (all weights expanded to f32). num_state_slots:
     recurrent-state slots (models with linear-attention layers; one per running sequence and one
-    per retained checkpoint). thread_adapter: a `cpu_threads.ThreadAdapter` that `run` ticks."""
+    per retained checkpoint). thread_adapter: a `cpu_threads.ThreadAdapter` that `run` ticks.
+    kv_dtype: the KV cache's storage (--kv-dtype auto|bf16|int8, see torch_ops.KVCache)."""
 
     def __init__(self, artifact: Artifact, *, num_pages: int, page_size: int = 64, device: str = "cpu",
                  dtype: torch.dtype | None = None, num_state_slots: int = 0, mtp_draft_tokens: int = 0,
-                 thread_adapter=None) -> None:
+                 thread_adapter=None, kv_dtype: str = "auto") -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype {kv_dtype} is not supported by the torch backend "
+                              f"(it takes {', '.join(KV_DTYPES)}; fp8 needs the cuda backend)")
+        self.kv_storage = kv_dtype
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
         self.device = torch.device(device)
@@ -73,7 +84,7 @@ class TorchModelRunner:
         self.thread_adapter = thread_adapter  # cpu_threads.ThreadAdapter: re-checks the load between steps
         self.num_state_slots = num_state_slots if self.spec.recurrent else 0
         self.vocab_size = c.vocab_size
-        self.kv_bytes_per_token = kv_bytes_per_token(c, self.device, self.dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(c, self.device, self.dtype, kv_dtype)
         pack = self.device.type == "cpu" and self.dtype == torch.bfloat16  # the packed kernels are CPU ones
         head = architecture(c).mtp_head
         if mtp_draft_tokens and (head is None or not c.mtp_layers):
@@ -86,7 +97,7 @@ class TorchModelRunner:
             self.ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=pack)
             reader = WeightReader(artifact, self.ops, self.device)
             self.model = architecture(c).model.load(reader, c)
-            self.kv = KVCache(self.spec, num_pages, page_size, self.kv_dtype, self.device)
+            self.kv = KVCache(self.spec, num_pages, page_size, self.kv_dtype, self.device, kv_dtype)
             self.states = self._states(self.num_state_slots)
             # --spec mtp: the MTP head drafts each sampling row's next round (backends/mtp_drafts.py)
             self.mtp = MtpDrafts(head.load(reader, c), self.model, self.ops, self.spec, num_pages, page_size,
@@ -99,11 +110,12 @@ class TorchModelRunner:
 
     def resident_bytes(self) -> int:
         """Bytes a suspend releases: weights, the KV pool and the state pool."""
-        return tensor_bytes((self.model, self.ops, self.kv.k, self.kv.v,
+        return tensor_bytes((self.model, self.ops, self.kv.tensors(),
                               (self.states.conv, self.states.ssm) if self.states is not None else ()))
 
     def _caches(self, kv: KVCache, states: RecurrentStates | None) -> dict[str, list[torch.Tensor]]:
-        return {"k": kv.k, "v": kv.v, **({"conv": states.conv, "ssm": states.ssm} if states is not None else {})}
+        return {"k": kv.k, "v": kv.v, **({"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.k_scale else {}),
+                **({"conv": states.conv, "ssm": states.ssm} if states is not None else {})}
 
     @torch.inference_mode()
     def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
@@ -124,7 +136,7 @@ class TorchModelRunner:
         c = self.config
         ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=self._pack)
         model = architecture(c).model.load(WeightReader(self._artifact, ops, self.device), c)
-        kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device)
+        kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device, self.kv_storage)
         states = self._states(self.num_state_slots)
         state_bytes = restore_snapshot(self._caches(kv, states), snapshot, self.device)
         self.ops, self.model, self.kv, self.states = ops, model, kv, states
@@ -166,6 +178,13 @@ class TorchModelRunner:
         for live, kept in zip((*self.states.conv, *self.states.ssm), (*saved.conv, *saved.ssm)):
             live[s.state_slot].copy_(kept[row])
 
+    def context_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The context pools for host and disk tiers (engine/transfer.py): page-indexed tensors
+        (K and V of every attention layer, int8 scales, and the MTP head's K/V under --spec mtp,
+        whose pool shares the page ids) and slot-indexed ones (conv windows, delta-rule states)."""
+        states = [*self.states.conv, *self.states.ssm] if self.states is not None else []
+        return self.kv.tensors() + (self.mtp.kv.tensors() if self.mtp is not None else []), states
+
     @torch.inference_mode()
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Copy K/V of page src into page dst, every layer (copy-on-write of a shared page)."""
@@ -192,7 +211,7 @@ class TorchModelRunner:
         """Logits [T, vocab] float32 for a fresh single sequence, on a private page set and state
         (the runner's own caches are untouched)."""
         num_pages = -(-len(token_ids) // self.page_size)
-        kv = KVCache(self.spec, num_pages, self.page_size, self.kv_dtype, self.device)
+        kv = KVCache(self.spec, num_pages, self.page_size, self.kv_dtype, self.device, self.kv_storage)
         seq = SequenceWork(seq_id=-1, token_ids=list(token_ids), start_pos=0, block_table=list(range(num_pages)),
                            sample=False, sampling=SamplingParams(), state_slot=0 if self.spec.recurrent else -1)
         return self._forward([seq], kv, self._states(1), all_rows=True)
@@ -205,7 +224,7 @@ class TorchModelRunner:
         assert self.mtp is not None and len(token_ids) >= 2
         inputs = list(token_ids[:-1])
         num_pages = -(-(len(token_ids) + self.mtp_draft_tokens) // self.page_size)
-        kv = KVCache(self.spec, num_pages, self.page_size, self.kv_dtype, self.device)
+        kv = KVCache(self.spec, num_pages, self.page_size, self.kv_dtype, self.device, self.kv_storage)
         seq = SequenceWork(seq_id=-1, token_ids=inputs, start_pos=0, block_table=list(range(num_pages)), sample=True,
                            sampling=SamplingParams(), state_slot=0 if self.spec.recurrent else -1)
         hidden, offsets = self._hidden([seq], kv, self._states(1))

@@ -27,7 +27,7 @@ torch, so under graph capture they come from the graph's pool and stay put acros
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,6 +104,10 @@ class CudaContext:
     verify_width: int = 0
     verify_conv: list[torch.Tensor] | None = None
     verify_ssm: list[torch.Tensor] | None = None
+    # --kv-dtype int8|fp8: per attention layer f16 scales [pages, page_size, kv_heads] beside the
+    # int8 / e4m3 caches; empty for a bf16 (or fp32) cache
+    k_scale: list[torch.Tensor] = field(default_factory=list)
+    v_scale: list[torch.Tensor] = field(default_factory=list)
 
 
 class CudaOps:
@@ -295,19 +299,28 @@ class CudaOps:
         v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
         cos, sin = self.layer_rope[layer]
         window, softcap = self.layers[layer].window, c.attn_logit_softcapping
-        L.rope_kv_write(self.kc, q, k, v, cos, sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
-                        ctx.v_cache[layer], q_norm, k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
+        scales = (ctx.k_scale[layer], ctx.v_scale[layer]) if ctx.k_scale else (None, None)
+        if scales[0] is None:
+            L.rope_kv_write(self.kc, q, k, v, cos, sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
+                            ctx.v_cache[layer], q_norm, k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
+        else:  # a compressed cache: rotate k into rows [T, 1, Hkv, D] (slot t), then quantize into the pages
+            k_rows, v_rows = self._empty(T, 1, Hkv, D), self._empty(T, 1, Hkv, D)
+            rows = torch.arange(T, dtype=torch.int32, device=self.device)
+            L.rope_kv_write(self.kc, q, k, v, cos, sin, ctx.positions, rows, k_rows, v_rows, q_norm,
+                            k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
+            L.kv_quantize_write(self.kc, k_rows.view(T, Hkv, D), v_rows.view(T, Hkv, D), ctx.kv_slots,
+                                ctx.k_cache[layer], ctx.v_cache[layer], *scales)
         out = self._empty(T, Hq, D)
         if ctx.decode:
             L.paged_attention_decode(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
                                      ctx.seq_lens, ctx.max_context, out, self.scale,
                                      self.profile.attention_partition, ctx.workspace,
-                                     window=window, softcap=softcap)
-        else:
+                                     window=window, softcap=softcap, k_scale=scales[0], v_scale=scales[1])
+        else:  # the mma route reads bf16 caches only: a compressed cache (or a window / soft-cap) takes warp
+            route = self.prefill_attention if not (window or softcap or scales[0] is not None) else "warp"
             L.paged_attention_prefill(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
-                                      ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale,
-                                      self.prefill_attention if not (window or softcap) else "warp",
-                                      window=window, softcap=softcap)
+                                      ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale, route,
+                                      window=window, softcap=softcap, k_scale=scales[0], v_scale=scales[1])
         return out.view(T, -1)
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -216,22 +216,53 @@ class AttentionMetadata:
         return meta, torch.tensor(positions, dtype=torch.int64, device=device)
 
 
-class KVCache:
-    """Physical paged KV tensors: per attention layer K and V of [num_pages, page_size, kv_heads, head_dim]."""
+KV_DTYPES = ("auto", "bf16", "int8")  # --kv-dtype on the torch backend (auto: the attention dtype)
 
-    __slots__ = ("k", "v", "page_size", "num_pages")
+
+def int8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, heads, d] -> (int8 [T, heads, d], fp16 scales [T, heads]): symmetric per token and
+    head, x ~ q * scale with scale = amax / 127 (rounded to fp16 first, so q uses the stored scale)."""
+    scale = (x.abs().amax(-1).float() / 127).to(torch.float16).clamp_min(torch.finfo(torch.float16).tiny)
+    q = torch.round(x.float() / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class KVCache:
+    """Physical paged KV tensors: per attention layer K and V of [num_pages, page_size, kv_heads, head_dim].
+
+    storage (--kv-dtype): "auto" keeps them in the attention dtype; "bf16" stores bfloat16 (read
+    back into the attention dtype); "int8" stores int8 with one fp16 scale per token and head in
+    k_scale / v_scale [num_pages, page_size, kv_heads] (about half the bytes of bf16)."""
+
+    __slots__ = ("k", "v", "k_scale", "v_scale", "page_size", "num_pages", "storage")
 
     def __init__(self, spec: StateSpec, num_pages: int, page_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, storage: str = "auto") -> None:
+        if storage not in KV_DTYPES:
+            raise ValueError(f"KV storage {storage!r} is not one of {', '.join(KV_DTYPES)}")
+        store = {"auto": dtype, "bf16": torch.bfloat16, "int8": torch.int8}[storage]
         shape = (num_pages, page_size, spec.attention.kv_heads, spec.attention.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_attention_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(spec.num_attention_layers)]
+        n = spec.num_attention_layers
+        self.k = [torch.zeros(shape, dtype=store, device=device) for _ in range(n)]
+        self.v = [torch.zeros(shape, dtype=store, device=device) for _ in range(n)]
+        scale_shape = shape[:3]
+        quantized = storage == "int8"
+        self.k_scale = [torch.zeros(scale_shape, dtype=torch.float16, device=device) for _ in range(n)] if quantized else []
+        self.v_scale = [torch.zeros(scale_shape, dtype=torch.float16, device=device) for _ in range(n)] if quantized else []
         self.page_size = page_size
         self.num_pages = num_pages
+        self.storage = storage
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every page-indexed tensor: K, V, then the int8 scales."""
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (self.k_scale[layer], self.v_scale[layer]) if self.k_scale else (None, None)
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy pages src[i] -> dst[i] in every layer (int64 index tensors)."""
-        for cache in (*self.k, *self.v):
+        for cache in self.tensors():
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
 
@@ -272,32 +303,66 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) 
     return torch.bmm(probs, values.transpose(0, 1))
 
 
+def _store(flat: torch.Tensor, flat_scale: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor) -> None:
+    if flat_scale is None:
+        flat.index_copy_(0, slots, x.to(flat.dtype))
+    else:
+        qx, scale = int8_quantize(x)
+        flat.index_copy_(0, slots, qx)
+        flat_scale.index_copy_(0, slots, scale)
+
+
+def _load(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    # stored K or V [ctx, kv_heads, d] -> the attention dtype (int8: times its per-token-head scale)
+    if scale is None:
+        return x if x.dtype == dtype else x.to(dtype)
+    return x.to(dtype) * scale.to(dtype)[..., None]
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0, scale: float | None = None,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Store the batch's K/V in their slots, then attend each sequence over its cached positions.
 
-    q: [T, heads, d]; k, v: [T, kv_heads, d]; caches: [pages, page_size, kv_heads, d]. window > 0:
-    a query at position p sees positions p - window + 1 .. p only. scale: of the scores (None:
-    1/sqrt(d)); softcap > 0: scores -> softcap * tanh(score / softcap) before the mask.
-    Returns [T, heads * d].
+    q: [T, heads, d]; k, v: [T, kv_heads, d]; caches: [pages, page_size, kv_heads, d] in their
+    storage dtype (int8 with k_scale / v_scale [pages, page_size, kv_heads]: the cache is read
+    back dequantized, the batch's own K/V included). window > 0: a query at position p sees
+    positions p - window + 1 .. p only. scale: of the scores (None: 1/sqrt(d)); softcap > 0:
+    scores -> softcap * tanh(score / softcap) before the mask. Returns [T, heads * d].
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    flat_k.index_copy_(0, meta.slot_mapping, k)
-    flat_v.index_copy_(0, meta.slot_mapping, v)
+    flat_ks = k_scale.view(-1, num_kv_heads) if k_scale is not None else None
+    flat_vs = v_scale.view(-1, num_kv_heads) if v_scale is not None else None
+    _store(flat_k, flat_ks, k, meta.slot_mapping)
+    _store(flat_v, flat_vs, v, meta.slot_mapping)
     ps = meta.page_size
     num_heads = q.shape[1]
     out = torch.empty_like(q) if len(meta.seqs) > 1 else None  # rows of several sequences
     for s in meta.seqs:
         ctx = s.start_pos + s.num_tokens
+        ks = vs = None
         if s.contiguous_from >= 0:  # a view, no copy
             base = s.contiguous_from * ps
             keys, values = flat_k[base:base + ctx], flat_v[base:base + ctx]
+            if flat_ks is not None:
+                ks, vs = flat_ks[base:base + ctx], flat_vs[base:base + ctx]
         else:  # gather the sequence's pages: [pages * page_size, kv_heads, d]
             keys = k_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
             values = v_cache.index_select(0, s.block_table).view(-1, num_kv_heads, head_dim)[:ctx]
+            if k_scale is not None:
+                ks = k_scale.index_select(0, s.block_table).view(-1, num_kv_heads)[:ctx]
+                vs = v_scale.index_select(0, s.block_table).view(-1, num_kv_heads)[:ctx]
+        # a window drops the keys no query of this span sees (keys first..ctx-1), before an int8
+        # cache is dequantized
+        first = max(0, s.start_pos + 1 - window) if window else 0
+        if first:
+            keys, values = keys[first:], values[first:]
+            if ks is not None:
+                ks, vs = ks[first:], vs[first:]
+        keys, values = _load(keys, ks, q.dtype), _load(values, vs, q.dtype)
         if s.num_tokens == 1 and q.dtype == torch.float32 and not window and not softcap and scale is None:
             # decode: the one query sees every cached position
             o = decode_attention(q[s.offset], keys, values)
@@ -306,10 +371,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[s.offset] = o.view(num_heads, head_dim)
             continue
         qs = q[s.offset:s.offset + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        # a window drops the keys no query of this span sees: keys first..ctx-1
-        first = max(0, s.start_pos + 1 - window) if window else 0
-        keys = keys[first:].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx - first, d]
-        values = values[first:].transpose(0, 1).unsqueeze(0)
+        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx - first, d]
+        values = values.transpose(0, 1).unsqueeze(0)
         if window or softcap:
             o = _masked_attention(qs, keys, values, s.start_pos, first, window, scale, softcap)
         elif s.num_tokens == 1:  # decode: the one query sees every cached position
@@ -475,8 +538,10 @@ class TorchOps:
             qk[:, heads:] *= k_norm
             qk = qk.to(adt)
         qk = apply_rotary(qk, *ctx.rotary[self.layer_rope[layer]])
+        k_scale, v_scale = ctx.kv.scales(layer)
         return paged_attention(qk[:, :heads], qk[:, heads:], v, ctx.kv.k[layer], ctx.kv.v[layer], ctx.meta,
-                               self.layers[layer].window, self.scale, c.attn_logit_softcapping).to(self.dtype)
+                               self.layers[layer].window, self.scale, c.attn_logit_softcapping,
+                               k_scale, v_scale).to(self.dtype)
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [T, C] -> causal depthwise conv + SiLU per sequence, from and into its conv window."""
