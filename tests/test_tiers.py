@@ -334,3 +334,23 @@ def test_a_thousand_requests_with_random_cancels_leave_every_tier_at_its_baselin
         assert engine.pool.num_free == engine.pool.num_pages
     finally:
         engine.shutdown()
+
+
+def test_the_mover_and_a_suspend_snapshot_copy_fp8_codes_bit_for_bit() -> None:
+    """fp8 KV codes (the cuda backend's --kv-dtype fp8): index_copy_ has no float8 kernel, so the
+    tiers, page copies and suspend move them as bytes."""
+    from ninfer.engine.suspend import restore_snapshot, take_snapshot
+    from ninfer.engine.transfer import TensorMover
+
+    torch.manual_seed(0)
+    pages = [torch.randn(8, 4, 2).to(torch.float8_e4m3fn), torch.randn(8, 4).half()]
+    mover = TensorMover(pages, [])
+    host, _ = mover.read([1, 3], [])
+    mover.write([5, 6], [], host)
+    for t in pages:
+        assert torch.equal(t[5:7].view(-1).view(torch.uint8), t[[1, 3]].reshape(-1).view(torch.uint8))
+    snap = take_snapshot({"k": pages[:1], "k_scale": pages[1:]}, [2, 4], [], "cpu")
+    fresh = [torch.zeros_like(t) for t in pages]
+    restore_snapshot({"k": fresh[:1], "k_scale": fresh[1:]}, snap, "cpu")
+    for t, f in zip(pages, fresh):
+        assert torch.equal(f[[2, 4]].reshape(-1).view(torch.uint8), t[[2, 4]].reshape(-1).view(torch.uint8))

@@ -124,13 +124,15 @@ def take_snapshot(caches: dict[str, list[Any]], pages: list[int], slots: list[in
     slot. -> {"pages", "slots", name: [host tensors]}."""
     import torch
 
+    from ninfer.engine.transfer import indexable
+
     host = torch.device("cpu")
     index = {"pages": torch.tensor(pages, dtype=torch.long, device=device),
              "slots": torch.tensor(slots, dtype=torch.long, device=device)}
     snapshot: dict[str, Any] = {"pages": pages, "slots": slots}
     for name, tensors in caches.items():
         ids = index["pages"] if name in PAGED else index["slots"]
-        snapshot[name] = [t.index_select(0, ids).to(host, copy=True) for t in tensors]
+        snapshot[name] = [indexable(t).index_select(0, ids).to(host, copy=True) for t in tensors]
     return snapshot
 
 
@@ -138,12 +140,14 @@ def restore_snapshot(caches: dict[str, list[Any]], snapshot: dict[str, Any], dev
     """Copy a snapshot back into freshly allocated caches at the same page and slot ids. -> bytes."""
     import torch
 
+    from ninfer.engine.transfer import indexable
+
     index = {"pages": torch.tensor(snapshot["pages"], dtype=torch.long, device=device),
              "slots": torch.tensor(snapshot["slots"], dtype=torch.long, device=device)}
     for name, tensors in caches.items():
         ids = index["pages"] if name in PAGED else index["slots"]
         for t, saved in zip(tensors, snapshot[name]):
-            t.index_copy_(0, ids, saved.to(device))
+            indexable(t).index_copy_(0, ids, saved.to(device))
     return snapshot_bytes(snapshot)
 
 

@@ -18,6 +18,12 @@ from typing import Any
 import torch
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a tensor index_select / index_copy_ take: float8 (fp8 KV codes) viewed as its bytes,
+    which those ops do not implement for float8 dtypes."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 class TensorMover:
     """Host <-> device copies of pages and state slots for one runner's pools."""
 
@@ -38,11 +44,12 @@ class TensorMover:
 
     @property
     def page_tensors(self) -> list[torch.Tensor]:
-        return list(self._source()[0]) if self._source is not None else self._tensors[0]
+        """The page-indexed pools (float8 codes as bytes: images hold them as uint8)."""
+        return [indexable(t) for t in (self._source()[0] if self._source is not None else self._tensors[0])]
 
     @property
     def slot_tensors(self) -> list[torch.Tensor]:
-        return list(self._source()[1]) if self._source is not None else self._tensors[1]
+        return [indexable(t) for t in (self._source()[1] if self._source is not None else self._tensors[1])]
 
     @classmethod
     def for_runner(cls, runner: Any) -> TensorMover | None:

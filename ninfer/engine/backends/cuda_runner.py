@@ -33,6 +33,7 @@ from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.cuda_ops import DTYPES, CudaContext, CudaOps
 from ninfer.engine.sampler import fill_mask_row, logprob_records
 from ninfer.engine.speculative import MAX_DRAFT_TOKENS, commit, position_rows
+from ninfer.engine.transfer import indexable
 from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError
 from ninfer.kernels import launchers as L
@@ -230,7 +231,7 @@ class CudaModelRunner:
         with torch.cuda.device(self.device), torch.inference_mode():
             src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
-            for t in tensors:
+            for t in map(indexable, tensors):
                 t.index_copy_(0, dst, t.index_select(0, src))
 
     def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
