@@ -14,8 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ninfer.engine.session_files import SessionFileError, read_session_file, write_session_file
-from ninfer.engine.tiers import SlotError
 from ninfer.errors import RequestError
 from ninfer.server.http import Call
 
@@ -78,7 +76,13 @@ async def handle_slot_action(call: Call) -> None:
         await run(call, slot, Path(folder), filename, if_digest)
 
 
+# the engine's tier modules load torch: imported where an action runs, after the model is up
+# (the server app imports without torch; tests/test_layering.py)
+
+
 async def _on_engine(call: Call, fn) -> Any:
+    from ninfer.engine.tiers import SlotError
+
     engine = call.state.loaded.engine
     try:
         return await asyncio.wrap_future(engine.call_on_worker(fn))
@@ -90,6 +94,8 @@ async def _on_engine(call: Call, fn) -> Any:
 
 
 async def _save(call: Call, slot: int, folder: Path, filename: str, if_digest: str | None) -> None:
+    from ninfer.engine.session_files import write_session_file
+
     t0 = time.perf_counter()
     tiers = call.state.loaded.engine.tiers
     img = await _on_engine(call, lambda: tiers.save_slot(slot, if_digest))
@@ -107,6 +113,8 @@ async def _save(call: Call, slot: int, folder: Path, filename: str, if_digest: s
 
 
 async def _restore(call: Call, slot: int, folder: Path, filename: str, if_digest: str | None) -> None:
+    from ninfer.engine.session_files import SessionFileError, read_session_file
+
     t0 = time.perf_counter()
     tiers = call.state.loaded.engine.tiers
     await asyncio.to_thread(tiers.flush_writes)  # read the newest state of the file
