@@ -302,6 +302,31 @@ def test_lookup_greedy_equals_plain_greedy_on_the_default_model(f32_model) -> No
     assert snap.decode_rounds < snap.committed_decode_tokens  # some rounds committed several tokens
 
 
+@pytest.mark.slow
+def test_bf16_verify_rows_commit_the_plain_greedy_tokens_on_the_default_model(smollm2_artifact) -> None:
+    """bfloat16 (the CPU default): oracle drafts of every width 2..5, fully, partly and not
+    accepted, commit exactly the plain greedy tokens: each query of a verify row attends as its
+    decode step would (with one SDPA call over the row, one of these prompts diverged at token 7)."""
+    from oracle_drafts import generate
+
+    from ninfer.engine.artifact import Artifact
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.tokenizer import Tokenizer
+
+    artifact = Artifact.open(smollm2_artifact)
+    tokenizer = Tokenizer.from_metadata(artifact.meta)
+    texts = ["Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat.",
+             "List the numbers from 1 to 25, separated by commas.",
+             "def add(a, b):\n    return a + b\n\nRewrite this function with type hints.",
+             "Write a short poem about the sea."]
+    prompts = [_chat(tokenizer, t) for t in texts]
+    runner = TorchModelRunner(artifact, num_pages=64, page_size=64, dtype=torch.bfloat16)
+    plain, _ = generate(runner, tokenizer, prompts, None)
+    spec, snap = generate(runner, tokenizer, prompts, SpecConfig("lookup", draft_tokens=4), oracle=plain)
+    assert spec == plain
+    assert 0 < snap.accepted_tokens < snap.drafted_tokens
+
+
 def test_rounds_with_stops_budgets_logprobs_and_sampling_match_plain_decode(f32_model) -> None:
     """Oracle drafts (the plain continuation, some corrupted): a stop string inside a round, EOS
     inside a round, the output budget, logprobs and seeded sampling give what plain decode gives."""

@@ -178,6 +178,7 @@ class SeqSpan:
     start_pos: int  # position of its first token (tokens before it are already in the cache)
     block_table: torch.Tensor  # [pages covering start_pos + num_tokens] int64 page ids
     contiguous_from: int  # first page id if the pages are consecutive ids, else -1
+    verify: bool = False  # a speculative verify row: each query attends as its decode step would
 
 
 @dataclass(slots=True)
@@ -363,31 +364,48 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             if ks is not None:
                 ks, vs = ks[first:], vs[first:]
         keys, values = _load(keys, ks, q.dtype), _load(values, vs, q.dtype)
-        if s.num_tokens == 1 and q.dtype == torch.float32 and not window and not softcap and scale is None:
-            # decode: the one query sees every cached position
-            o = decode_attention(q[s.offset], keys, values)
-            if out is None:
-                return o.view(1, num_heads * head_dim)
-            out[s.offset] = o.view(num_heads, head_dim)
-            continue
-        qs = q[s.offset:s.offset + s.num_tokens].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx - first, d]
-        values = values.transpose(0, 1).unsqueeze(0)
-        if window or softcap:
-            o = _masked_attention(qs, keys, values, s.start_pos, first, window, scale, softcap)
-        elif s.num_tokens == 1:  # decode: the one query sees every cached position
-            o = F.scaled_dot_product_attention(qs, keys, values, enable_gqa=True, scale=scale)
-        elif s.start_pos == 0:  # fresh prefill: plain causal
-            o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True, scale=scale)
-        else:  # chunk after cached tokens: query i sees keys 0..start_pos + i
-            rows = torch.arange(s.num_tokens, device=q.device)[:, None] + s.start_pos
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
+        if s.verify and s.num_tokens > 1:
+            # a speculative verify row: each query exactly as the decode step at its position
+            # computes it (another SDPA path for several queries rounds bf16 differently, and a
+            # greedy verify must commit what plain decoding would)
+            o = torch.empty(s.num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+            for i in range(s.num_tokens):
+                pos = s.start_pos + i
+                first_i = max(0, pos + 1 - window) if window else 0
+                rows = q[s.offset + i:s.offset + i + 1]
+                o[i] = _attend(rows, keys[first_i - first:pos + 1 - first], values[first_i - first:pos + 1 - first],
+                               pos, first_i, window, scale, softcap)[0]
+        else:
+            o = _attend(q[s.offset:s.offset + s.num_tokens], keys, values, s.start_pos, first, window, scale, softcap)
         if out is None:  # one sequence is the whole batch
-            return o.squeeze(0).transpose(0, 1).reshape(q.shape[0], num_heads * head_dim)
-        out[s.offset:s.offset + s.num_tokens] = o.squeeze(0).transpose(0, 1)
+            return o.reshape(q.shape[0], num_heads * head_dim)
+        out[s.offset:s.offset + s.num_tokens] = o
     assert out is not None
     return out.reshape(q.shape[0], num_heads * head_dim)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int, first: int, window: int,
+            scale: float | None, softcap: float) -> torch.Tensor:
+    """q [n, heads, d] at positions start_pos.. over keys / values [m, kv_heads, d] at first..
+    (causal) -> [n, heads, d]."""
+    n, heads, d = q.shape
+    if n == 1 and q.dtype == torch.float32 and not window and not softcap and scale is None:
+        # decode: the one query sees every cached position
+        return decode_attention(q[0], keys, values).view(1, heads, d)
+    qs = q.transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+    keys = keys.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, m, d]
+    values = values.transpose(0, 1).unsqueeze(0)
+    if window or softcap:
+        o = _masked_attention(qs, keys, values, start_pos, first, window, scale, softcap)
+    elif n == 1:  # decode: the one query sees every cached position
+        o = F.scaled_dot_product_attention(qs, keys, values, enable_gqa=True, scale=scale)
+    elif start_pos == 0:  # fresh prefill: plain causal
+        o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, enable_gqa=True, scale=scale)
+    else:  # chunk after cached tokens: query i sees keys 0..start_pos + i
+        rows = torch.arange(n, device=q.device)[:, None] + start_pos
+        mask = torch.arange(keys.shape[2], device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, enable_gqa=True, scale=scale)
+    return o.squeeze(0).transpose(0, 1)
 
 
 def _masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int, first: int,
@@ -465,6 +483,8 @@ class TorchOps:
         meta, positions = AttentionMetadata.build([s[:3] for s in seqs], kv.page_size, self.device)
         rotary = [r.lookup(positions, meta.max_pos) for r in self.ropes]
         verify = verify or [False] * len(seqs)
+        for m, v in zip(meta.seqs, verify):
+            m.verify = v
         rows = [SeqRows(m.offset, m.num_tokens, s[3], v) for m, s, v in zip(meta.seqs, seqs, verify)]
         return TorchContext(meta, rotary, kv, states, rows, verify_states)
 
