@@ -54,8 +54,8 @@ def _engine(artifact, tmp_path: Path, kv_tokens: int = 4096, kv_dtype: str = "au
     from ninfer.engine.loader import start_engine
 
     scheduler = SchedulerConfig(max_concurrency=1, max_private_continuations=1, max_context=2048)
-    memory = MemoryConfig(host_kv_bytes=(1 << 30) if host else 0, slot_save_path=str(tmp_path),
-                          prefix_cache_file=str(tmp_path / "prefix.cache"))
+    memory = MemoryConfig(host_kv_bytes=1 << 30, slot_save_path=str(tmp_path),
+                          prefix_cache_file=str(tmp_path / "prefix.cache")) if host else MemoryConfig()
     return start_engine(artifact, backend="cuda", torch_device="cuda:0", scheduler=scheduler,
                         kv_capacity=kv_tokens, memory=memory, kernel_cache_dir=tmp_path / "kernels", kv_dtype=kv_dtype)
 
@@ -102,8 +102,7 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
     assert engine.save_prefix_cache() >= 1
     # the host tier is transparent: the same turn resumed from device pages (the random hybrid's
     # margins are too small for a fresh prefill's bf16 rounding to sample the same tokens)
-    (tmp_path / "device").mkdir()
-    loaded = _engine(artifact, tmp_path / "device", kv_dtype=kv_dtype, host=False)
+    loaded = _engine(artifact, tmp_path, kv_dtype=kv_dtype, host=False)
     try:
         _generate(loaded.engine, "a", a, 4)
         on_device, final = _generate(loaded.engine, "c", turn, 16)
