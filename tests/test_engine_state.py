@@ -7,19 +7,11 @@ from __future__ import annotations
 
 import time
 
+from engine_helpers import LetterTokens, generate
+
 from ninfer.engine.batch import ScheduledBatch, StepOutput
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.engine import Engine
-from ninfer.engine.request import PreparedRequest, SamplingParams
-
-
-class LetterTokens:
-    stop_token_ids = frozenset({0})
-    special_token_ids = frozenset({0})
-    vocab_size = 26
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return chr(97 + token_id % 26).encode()
 
 
 class HistoryStateRunner:
@@ -50,16 +42,6 @@ class HistoryStateRunner:
             if w.sample:
                 sampled[w.seq_id] = 1 + (sum(state) * 7 + len(state)) % 25  # never EOS (0)
         return StepOutput(sampled)
-
-
-def generate(engine: Engine, rid: str, prompt: list[int], max_tokens: int, cache_prompt: bool = True):
-    handle = engine.submit(PreparedRequest(request_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
-                                           sampling=SamplingParams(temperature=0.0), cache_prompt=cache_prompt))
-    ids, final = [], None
-    for ev in handle:
-        ids += ev.token_ids
-        final = ev
-    return ids, final
 
 
 def wait_for(cond, deadline_s: float = 30.0) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import LetterTokens, generate
 
 from ninfer.engine.batch import ScheduledBatch, StepOutput
 from ninfer.engine.config import MemoryConfig, SchedulerConfig
@@ -22,15 +23,6 @@ from ninfer.engine.tiers import SlotError
 
 P = 4  # page size
 MOD = 1_000_003
-
-
-class LetterTokens:
-    stop_token_ids = frozenset({0})
-    special_token_ids = frozenset({0})
-    vocab_size = 26
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return chr(97 + token_id % 26).encode()
 
 
 class TensorKVRunner:
@@ -83,16 +75,6 @@ def make_engine(runner: TensorKVRunner, memory: MemoryConfig, entries: int = 1, 
                     model_max_context=256, memory=memory, profile={"artifact": "fake"}, model_name="fake")
     engine.start()
     return engine
-
-
-def generate(engine: Engine, rid: str, prompt: list[int], n: int, cache_prompt: bool = True):
-    handle = engine.submit(PreparedRequest(request_id=rid, prompt_token_ids=prompt, max_tokens=n,
-                                           sampling=SamplingParams(temperature=0.0), cache_prompt=cache_prompt))
-    ids, final = [], None
-    for ev in handle:
-        ids += ev.token_ids
-        final = ev
-    return ids, final
 
 
 def idle(engine: Engine) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import generate as _generate
 
 from ninfer.engine.config import MemoryConfig, SchedulerConfig
-from ninfer.engine.request import PreparedRequest, SamplingParams
 from ninfer.engine.transfer import TensorMover
 
 
@@ -38,16 +38,6 @@ def test_mover_round_trip_is_exact_and_ordered_before_later_writes() -> None:
         assert torch.equal(t[[0, 9, 12]].cpu(), e)
     for t, e in zip(slots, expect_s):
         assert torch.equal(t[[5]].cpu(), e)
-
-
-def _generate(engine, rid: str, prompt: list[int], n: int, cache_prompt: bool = True):
-    handle = engine.submit(PreparedRequest(request_id=rid, prompt_token_ids=prompt, max_tokens=n,
-                                           sampling=SamplingParams(temperature=0.0), cache_prompt=cache_prompt))
-    ids, final = [], None
-    for ev in handle:
-        ids += ev.token_ids
-        final = ev
-    return ids, final
 
 
 def _engine(artifact, tmp_path: Path, kv_tokens: int = 4096, kv_dtype: str = "auto", host: bool = True):

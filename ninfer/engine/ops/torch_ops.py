@@ -8,7 +8,6 @@ model is bit-equal to transformers on the tested prompts.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
