@@ -98,6 +98,10 @@ def serve(
     assistant_prefill: bool = typer.Option(False, "--assistant-prefill",
                                            help="Continue a final assistant Chat message in place (as /v1/messages does)."),
     no_thinking: bool = typer.Option(False, "--no-thinking", help="Disable thinking by default (requests may enable it)."),
+    default_reasoning_effort: Optional[str] = typer.Option(
+        None, "--default-reasoning-effort",
+        help="Effort for requests that name none: none, minimal, low, medium, high, xhigh or max "
+             "(none turns thinking off by default)."),
     preserve_thinking: bool = typer.Option(False, "--preserve-thinking",
                                            help="Preserve closed-turn assistant reasoning by default."),
     default_thinking_budget: Optional[int] = typer.Option(None, "--default-thinking-budget",
@@ -240,6 +244,7 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
                           log_stats_panel=_on_off(p["log_stats_panel"], "--log-stats-panel"),
                           unconstrained_response_format=p["unconstrained_response_format"], model_path=p["model"] or "",
                           no_thinking=p["no_thinking"], preserve_thinking=p["preserve_thinking"],
+                          default_reasoning_effort=p["default_reasoning_effort"],
                           assistant_prefill=p["assistant_prefill"],
                           default_thinking_budget=p["default_thinking_budget"],
                           thinking_budget_message=p["thinking_budget_message"],

@@ -12,8 +12,8 @@ from ninfer.engine.chat import Message, ToolCall
 from ninfer.engine.request import OutputEvent
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
-from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking,
-                                       parse_thinking_budget)
+from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, named_effort,
+                                       parse_post_thinking, parse_thinking_budget)
 from ninfer.server.chat_run import ChatEncoder, render_chat, run_chat
 from ninfer.server.generate import logprob_records, prompt_progress, slot_extras, system_fingerprint, usage_dict
 from ninfer.server.http import Call
@@ -149,6 +149,11 @@ def final_prefill(call: Call, body: dict[str, Any], messages: list[Message]) -> 
     return messages[:-1], last.content
 
 
+def requested_effort(body: dict[str, Any]) -> str | None:
+    kwargs = body.get("chat_template_kwargs")
+    return named_effort(body.get("reasoning_effort"), kwargs if isinstance(kwargs, dict) else {})
+
+
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """chat_template_kwargs plus the typed top-level switches the templates read."""
     kwargs = merge_template_kwargs(opt_object(body, "chat_template_kwargs"),
@@ -222,7 +227,7 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
     tools = chat_tools(body)
     parallel = opt_bool(body, "parallel_tool_calls")
     chat = ChatRequest(protocol="chat", messages=messages, prefill=prefill, sampling=sampling,
-                       template_kwargs=template_kwargs(body),
+                       template_kwargs=template_kwargs(body), requested_effort=requested_effort(body),
                        tools=tools, tool_choice=chat_tool_choice(body, tools), parallel_tool_calls=parallel is not False,
                        response_format=fmt, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                        return_progress=bool(opt_bool(body, "return_progress")),

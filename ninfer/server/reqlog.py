@@ -114,6 +114,8 @@ class RequestLog:
                     stream=stream, prompt_tokens=len(req.prompt_token_ids),
                     requested_output_tokens=budget, requested_max_tokens=req.max_tokens,
                     structured_output=req.grammar is not None, prepare_seconds=prepare_seconds,
+                    requested_reasoning_effort=req.hints.get("requested_reasoning_effort"),
+                    enable_thinking=req.hints.get("thinking"),
                     sampler={"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                              "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
                              "seed": s.seed if seed is None else seed, "seed_requested": s.seed is not None})
