@@ -237,3 +237,105 @@ def test_namespaced_calls_restore_the_namespace() -> None:
                          finish_reason="stop"))
     call = out.result.tool_calls[0]
     assert (call.namespace, call.name, call.arguments) == ("mcp__w", "get", "{}")
+
+
+# ---- per-parameter argument deltas -----------------------------------------------------------
+
+XML_CALLS = [  # one call of get_weather in each XML form, then the same call again
+    '<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n'
+    '</function>\n</tool_call>',
+    '<function=get_weather><parameter=city>Paris</parameter><parameter=days>2</parameter></function>',
+    '<function name="get_weather"><parameter name="city">Paris</parameter><param name="days">2</param></function>',
+    '<function_calls>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+    '<parameter name="days">2</parameter>\n</invoke>\n</function_calls>',
+]
+TWO_INVOKES = ('<function_calls>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+               '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="search"><parameter name="q">x'
+               '</parameter><parameter name="n">[1]</parameter></invoke></function_calls>')
+
+
+def _replay(text: str, stream: bool = True, step: int = 1) -> tuple[ChatOutput, list[tuple[int, object]]]:
+    """Feed `text` `step` characters at a time; -> the output and (characters fed, piece) pairs."""
+    out = ChatOutput(TOOLS, stream=stream)
+    got = []
+    for at in range(0, len(text), step):
+        chunk = text[at:at + step]
+        final = at + step >= len(text)
+        for p in out.feed(OutputEvent("r", text=chunk, finish_reason="stop" if final else None)):
+            got.append((min(at + step, len(text)), p))
+    return out, got
+
+
+@pytest.mark.parametrize("form", XML_CALLS)
+def test_xml_calls_stream_a_parameter_at_a_time(form: str) -> None:
+    script = "Let me check.\n" + form + "\n" + form
+    out, got = _replay(script)
+    r = out.result
+    assert r.content == "Let me check." and len(r.tool_calls) == 2
+    assert [c.arguments for c in r.tool_calls] == ['{"city": "Paris", "days": 2}'] * 2
+    for index, start in ((0, script.index(form)), (1, script.rindex(form))):
+        end = start + len(form)
+        args = [(at, p.text) for at, p in got if p.kind == "tool_args" and p.index == index]
+        assert [t for _, t in args] == ['{"city": "Paris"', ', "days": 2', '}']
+        # each parameter is sent as soon as what follows its closing tag shows the value ended
+        city_close = script.index("</param", start) + len("</parameter>" if "</parameter>" in form else "</param>")
+        assert start < args[0][0] <= script.index("<", city_close) + 1
+        assert args[1][0] < end  # the second before the call's closing tag
+        starts = [at for at, p in got if p.kind == "tool_start" and p.index == index]
+        assert starts == [args[0][0]]
+    # the stream's result is the whole-output parse
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [(c.name, c.arguments) for c in PARSER.parse(script)[1]]
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, *("Sure.\n" + f for f in XML_CALLS), TWO_INVOKES,
+                                    TWO_INVOKES.replace("</function_calls>", "")])
+def test_argument_deltas_join_at_every_chunk_size(script: str) -> None:
+    content, parsed = PARSER.parse(script)
+    for step in range(1, 9):
+        out, got = _replay(script, step=step)
+        r = out.result
+        assert r.content == content and [(c.name, c.arguments) for c in r.tool_calls] == \
+            [(c.name, c.arguments) for c in parsed], step
+        for i, call in enumerate(r.tool_calls):
+            assert "".join(p.text for _, p in got if p.kind == "tool_args" and p.index == i) == call.arguments
+            kinds = [p.kind for _, p in got if p.index == i and p.kind.startswith("tool")]
+            assert kinds.count("tool_start") == kinds.count("tool_done") == 1
+            assert kinds[0] == "tool_start" and kinds[-1] == "tool_done"
+
+
+def test_a_value_closing_tag_followed_by_text_is_not_the_end_while_streaming() -> None:
+    out = ChatOutput(TOOLS)
+    pieces = out.feed(OutputEvent("r", text="<function=get_weather><parameter=city>A</parameter>"))
+    assert pieces == []  # what follows decides: nothing is sent yet
+    pieces = out.feed(OutputEvent("r", text=" and B</parameter>\n<parameter=days>3</parameter>"))
+    assert [(p.kind, p.text) for p in pieces] == [("tool_start", ""), ("tool_args", '{"city": "A</parameter> and B"')]
+    pieces = out.feed(OutputEvent("r", text="</function>", finish_reason="stop"))
+    assert [(p.kind, p.text) for p in pieces] == [("tool_args", ', "days": 3}'), ("tool_done", "")]
+
+
+def test_a_streamed_call_that_fails_is_ended_and_followed_by_malformed_tool_call() -> None:
+    script = "<function=get_weather><parameter=city>Paris</parameter><parameter=days>two</parameter></function>"
+    # the whole-output parse (non-streaming requests): only the reserved call, as the spec says
+    whole, _ = _replay(script, stream=False)
+    assert [c.name for c in whole.result.tool_calls] == [MALFORMED]
+    # a stream already sent get_weather and its city: it is ended with what was read, then the error
+    out, got = _replay(script)
+    calls = out.result.tool_calls
+    assert [(c.name, c.arguments) for c in calls[:1]] == [("get_weather", '{"city": "Paris"}')]
+    assert calls[1].name == MALFORMED and "days" in json.loads(calls[1].arguments)["error"]
+    # the output ending inside a streamed call
+    out, _ = _replay("<function=get_weather><parameter=city>Paris</parameter><parameter=days>2")
+    assert [(c.name, c.arguments) for c in out.result.tool_calls][:1] == [("get_weather", '{"city": "Paris"}')]
+    assert out.result.tool_calls[1].name == MALFORMED
+
+
+def test_a_repeated_parameter_streams_again_and_parses_to_its_last_value() -> None:
+    script = "<function=get_weather><parameter=city>A</parameter><parameter=city>B</parameter></function>"
+    out, _ = _replay(script)
+    assert out.result.tool_calls[0].arguments == '{"city": "A", "city": "B"}'
+    assert json.loads(out.result.tool_calls[0].arguments) == json.loads(PARSER.parse(script)[1][0].arguments)
+
+
+def test_non_streaming_output_sends_each_call_whole() -> None:
+    out, got = _replay("x\n" + XML_CALLS[0], stream=False)
+    assert [p.kind for _, p in got if p.kind.startswith("tool")] == ["tool_start", "tool_args", "tool_done"]

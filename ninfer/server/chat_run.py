@@ -164,7 +164,7 @@ async def run_chat(call: Call, protocol: str, decode: Decode) -> None:
         state.reject(protocol, err)
         raise err
     encoder.req = req
-    out = ChatOutput(chat.callable_tools, chat.parallel_tool_calls)
+    out = ChatOutput(chat.callable_tools, chat.parallel_tool_calls, stream=chat.stream)
     async with Generation(call, req, chat.stream) as gen:
         encoder.created = gen.created
         if not chat.stream:

@@ -362,11 +362,11 @@ class ChatCompletionEncoder(ChatEncoder):
                 start = {"index": piece.index, "id": call.id, "type": "function",
                          "function": {"name": call.name, "arguments": ""}}
             await self.call.write(self._chunk({"tool_calls": [start]}))
-        elif piece.kind == "tool_args":
-            if self._custom(piece.call):
-                delta = {"index": piece.index, "custom": {"input": _custom_input(piece.call)}}
-            else:
-                delta = {"index": piece.index, "function": {"arguments": piece.text}}
+        elif piece.kind == "tool_args" and not self._custom(piece.call):
+            delta = {"index": piece.index, "function": {"arguments": piece.text}}
+            await self.call.write(self._chunk({"tool_calls": [delta]}))
+        elif piece.kind == "tool_done" and self._custom(piece.call):  # a custom tool's input: one string, whole
+            delta = {"index": piece.index, "custom": {"input": _custom_input(piece.call)}}
             await self.call.write(self._chunk({"tool_calls": [delta]}))
 
     async def finish(self, result: ChatResult) -> None:

@@ -38,6 +38,16 @@ _WS = re.compile(r"\s*")
 class ParsedCall:
     name: str
     arguments: str  # a JSON object, members in the order the model wrote them
+    # the parameters in the order read, repeats included (XML forms; None for the JSON form)
+    params: tuple[tuple[str, Any], ...] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class OpenCall:
+    """The call a region stopped inside: its declared name and the parameters read before."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...]
 
 
 class Incomplete(Exception):
@@ -57,6 +67,7 @@ class Region:
     error: str | None
     opened: bool
     incomplete: bool = False  # stopped because the text ended inside a call
+    open_call: OpenCall | None = None  # the XML-form call it stopped inside, when its name was read
 
 
 def string_admitting(schema: Any) -> bool:
@@ -72,6 +83,8 @@ class Parser:
 
     def __init__(self, tools: dict[str, dict[str, Any]]) -> None:
         self.tools = tools
+        self._final = True  # the region being parsed ends the output
+        self._open: OpenCall | None = None  # the XML-form call being read
 
     # ---- whole output ----
 
@@ -105,20 +118,22 @@ class Parser:
         calls: list[ParsedCall] = []
         pos = 0
         opened = False
+        self._final = final
+        self._open = None
         try:
             while True:
                 pos = _skip_ws(text, pos)
                 if pos == len(text):
                     return Region(calls, None, opened)
-                pos, items = self._item(text, pos, calls)
+                pos = self._item(text, pos, calls)
                 opened = True
-                calls += items
         except Incomplete:
             if final:
-                return Region(calls, "the output ended inside the tool call", opened or self._opens(text))
-            return Region(calls, None, opened or self._opens(text), incomplete=True)
+                return Region(calls, "the output ended inside the tool call", opened or self._opens(text),
+                              open_call=self._open)
+            return Region(calls, None, opened or self._opens(text), incomplete=True, open_call=self._open)
         except Malformed as e:
-            return Region(calls, str(e), opened or self._opens(text))
+            return Region(calls, str(e), opened or self._opens(text), open_call=self._open)
 
     def _opens(self, text: str) -> bool:
         """Does the region open a declared function (its first call's name is readable)?"""
@@ -127,24 +142,26 @@ class Parser:
                      text)
         return bool(m) and next(g for g in m.groups() if g is not None) in self.tools
 
-    def _item(self, text: str, pos: int, before: list[ParsedCall]) -> tuple[int, list[ParsedCall]]:
+    def _item(self, text: str, pos: int, calls: list[ParsedCall]) -> int:
+        """One call, or a container of calls, appended to `calls` as each completes; -> its end."""
         if _at(text, pos, "<tool_call>"):
             pos = _skip_ws(text, pos + len("<tool_call>"))
             _need(text, pos, 1)
             call, pos = self._json_call(text, pos) if text[pos] == "{" else self._xml_call(text, pos)
             pos = _expect(text, _skip_ws(text, pos), "</tool_call>")
-            return pos, [call]
+            calls.append(call)
+            return pos
         if _at(text, pos, "<function_calls>"):
             pos += len("<function_calls>")
-            calls = []
             while True:
                 pos = _skip_ws(text, pos)
                 if _at(text, pos, "</function_calls>"):
-                    return pos + len("</function_calls>"), calls
+                    return pos + len("</function_calls>")
                 call, pos = self._xml_call(text, pos)
                 calls.append(call)
         call, pos = self._xml_call(text, pos)
-        return pos, [call]
+        calls.append(call)
+        return pos
 
     def _json_call(self, text: str, pos: int) -> tuple[ParsedCall, int]:
         try:
@@ -181,20 +198,26 @@ class Parser:
         self._check_name(name)
         schema = self.tools[name]
         values: dict[str, Any] = {}
+        params: list[tuple[str, Any]] = []
         while True:
+            self._open = OpenCall(name, tuple(params))
             pos = _skip_ws(text, pos)
             if _at(text, pos, close):
-                return ParsedCall(name, json.dumps(values, ensure_ascii=False)), pos + len(close)
-            pname, value, pos = _parameter(text, pos, name)
+                self._open = None
+                return ParsedCall(name, json.dumps(values, ensure_ascii=False), tuple(params)), pos + len(close)
+            pname, value, pos = _parameter(text, pos, name, self._final)
             values[pname] = _convert(value, (schema.get("properties") or {}).get(pname), name, pname)
+            params.append((pname, values[pname]))
 
     def _check_name(self, name: str) -> None:
         if name not in self.tools:
             raise Malformed(f"{name!r} is not one of the offered tools ({', '.join(self.tools) or 'none'})")
 
 
-def _parameter(text: str, pos: int, fn: str) -> tuple[str, str, int]:
-    """One <parameter=P>, <parameter name="P"> or <param name="P"> value -> (name, text, end)."""
+def _parameter(text: str, pos: int, fn: str, final: bool) -> tuple[str, str, int]:
+    """One <parameter=P>, <parameter name="P"> or <param name="P"> value -> (name, text, end).
+    Before the end of the output (final false) a closing tag that only whitespace follows may still
+    turn out to be value text: Incomplete."""
     if _at(text, pos, "<parameter="):
         end = _find(text, ">", pos)
         name, pos, tag = text[pos + len("<parameter="):end].strip(), end + 1, "parameter"
@@ -221,6 +244,8 @@ def _parameter(text: str, pos: int, fn: str) -> tuple[str, str, int]:
             depth -= 1
             i = c + len(close)
             continue
+        if after == len(text) and not final:
+            raise Incomplete()
         if after == len(text) or text[after] == "<":
             value = text[start:c]
             if value.startswith("\n"):
@@ -298,21 +323,44 @@ def first_marker(text: str, start: int = 0) -> int:
     return -1 if m is None else m.start()
 
 
-class ToolCallStream:
-    """Content text in, (content delta, newly complete calls) out, as the output grows. Holds only
-    a possible marker prefix (and the whitespace before it) and the tool region; calls are
-    released once the first marker's region opens with a complete call, the rest at the end."""
+@dataclass(slots=True, frozen=True)
+class CallDelta:
+    """A step of call `index` in the output: the first names it, `text` extends its arguments,
+    `done` ends it (the arguments are then the JSON object the deltas joined to)."""
 
-    def __init__(self, parser: Parser) -> None:
+    index: int
+    name: str
+    text: str = ""
+    done: bool = False
+
+
+def _member(i: int, name: str, value: Any) -> str:
+    """Parameter i of a call as arguments text: joined, the members make json.dumps of the call's
+    arguments ("{" before the first, ", " between, "}" after the last)."""
+    return ("{" if i == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+
+class ToolCallStream:
+    """Content text in, (content delta, call deltas) out, as the output grows. Holds only a possible
+    marker prefix (and the whitespace before it) and the tool region. A region is committed once its
+    first call is complete, or, with `early`, once it has read the first parameter of an XML-form
+    call; from then on each XML-form call streams a parameter at a time (a call in the JSON form
+    comes whole). A streamed call that then fails to parse is ended with the parameters read, and the
+    reserved malformed_tool_call follows it (the whole-output parse would return only the latter:
+    `early` is for streams, where the call cannot be taken back)."""
+
+    def __init__(self, parser: Parser, early: bool = True) -> None:
         self.parser = parser
+        self.early = early
         self.text = ""
         self.sent = 0  # content characters released
         self.scan = 0  # markers before this were quoted markup (they opened no function)
         self.region_at: int | None = None  # the committed structured region
-        self.calls_sent = 0
+        self.calls_sent = 0  # calls ended
+        self.params_sent: int | None = None  # the open (started) call's parameters sent; None: none open
         self.done = False
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ParsedCall]]:
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         assert not self.done
         self.text += text
         if final:
@@ -322,26 +370,60 @@ class ToolCallStream:
             if self.region_at is None:
                 if final:
                     content, calls = self.parser.parse(self.text)
-                    return self._release(len(content), content), calls
+                    return self._release(len(content), content), [d for c in calls for d in self._whole(c)]
                 return self._release(hold), []
             content = self._release(len(self.text[:self.region_at].rstrip()))
         else:
             content = ""
         region = self.parser.region(self.text[self.region_at:], final)
-        calls = region.calls[self.calls_sent:]
-        self.calls_sent = len(region.calls)
+        deltas: list[CallDelta] = []
+        for call in region.calls[self.calls_sent:]:
+            deltas += self._finish(call.name, call.params) if self.params_sent is not None else self._whole(call)
+        if region.open_call is not None and (region.incomplete or self.params_sent is not None):
+            deltas += self._stream(region.open_call, close=region.error is not None)
         if final and region.error is not None:
-            calls.append(self.parser.malformed(region.error))
-        return content, calls
+            deltas += self._whole(self.parser.malformed(region.error))
+        return content, deltas
+
+    def _whole(self, call: ParsedCall) -> list[CallDelta]:
+        """A call not streamed before: named, its arguments, ended."""
+        index = self.calls_sent
+        self.calls_sent += 1
+        return [CallDelta(index, call.name), CallDelta(index, call.name, call.arguments, done=True)]
+
+    def _stream(self, call: OpenCall, close: bool) -> list[CallDelta]:
+        """The open call's parameters read since the last feed (`close`: it failed, end it)."""
+        if not self.early or (self.params_sent is None and not call.params):
+            return []
+        deltas = []
+        if self.params_sent is None:
+            deltas.append(CallDelta(self.calls_sent, call.name))
+            self.params_sent = 0
+        if close:
+            return deltas + self._finish(call.name, call.params)
+        text = "".join(_member(i, *call.params[i]) for i in range(self.params_sent, len(call.params)))
+        self.params_sent = len(call.params)
+        return deltas + ([CallDelta(self.calls_sent, call.name, text)] if text else [])
+
+    def _finish(self, name: str, params: tuple[tuple[str, Any], ...] | None) -> list[CallDelta]:
+        """End the streamed call with the parameters not sent yet."""
+        params = params or ()
+        rest = "".join(_member(i, *params[i]) for i in range(self.params_sent, len(params)))
+        index = self.calls_sent
+        self.calls_sent += 1
+        self.params_sent = None
+        return [CallDelta(index, name, rest + ("}" if params else "{}"), done=True)]
 
     def _find_region(self, final: bool) -> int:
-        """Commit the first region that opens with a complete call; -> where content must stop."""
+        """Commit the first region that opens with a complete call (or, early, a call with a parameter
+        read); -> where content must stop."""
         while True:
             p = first_marker(self.text, self.scan)
             if p < 0:
                 return len(self.text) - partial_marker(self.text)
             region = self.parser.region(self.text[p:], final)
-            if region.calls and not final:
+            started = self.early and region.incomplete and region.open_call is not None and region.open_call.params
+            if (region.calls or started) and not final:
                 self.region_at = p
                 return p
             if region.error is not None and not region.opened and not region.incomplete:
