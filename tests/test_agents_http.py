@@ -109,7 +109,7 @@ def test_chat_stream_sends_argument_deltas(agent_server: str) -> None:
     c = oai(agent_server)
     stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[CHAT_TOOL],
                                        tool_choice="required", max_tokens=80, stream=True)
-    name, args, finish, ids = "", "", None, set()
+    name, args, finish, ids, deltas = "", "", None, set(), 0
     for chunk in stream:
         for ch in chunk.choices:
             for tc in ch.delta.tool_calls or []:
@@ -117,9 +117,11 @@ def test_chat_stream_sends_argument_deltas(agent_server: str) -> None:
                 ids.add(tc.id) if tc.id else None
                 name += tc.function.name or ""
                 args += tc.function.arguments or ""
+                deltas += bool(tc.function.arguments)
             finish = ch.finish_reason or finish
     assert name == "get_weather" and finish == "tool_calls" and len(ids) == 1
     valid(args)
+    assert deltas >= 2  # a member at a time (city, unit), not the whole arguments at the end
 
 
 def test_responses_forced_call_stream_and_function_output_turn(agent_server: str) -> None:
@@ -142,7 +144,7 @@ def test_responses_forced_call_stream_and_function_output_turn(agent_server: str
             elif event.type == "response.output_item.done" and event.item.type == "function_call":
                 done = event.item
         final = stream.get_final_response()
-    assert done is not None and "".join(deltas) == done.arguments
+    assert done is not None and "".join(deltas) == done.arguments and len(deltas) >= 2
     valid(done.arguments)
     assert [o.type for o in final.output] == ["function_call"]
     # the result turn continues the stored response
@@ -164,9 +166,10 @@ def test_anthropic_forced_tool_use_stream_and_tool_result(agent_server: str) -> 
     valid(uses[0].input)
     with c.messages.stream(model="local", max_tokens=80, messages=ask, tools=[tool],
                            tool_choice={"type": "any"}) as stream:
-        partial = "".join(e.partial_json for e in stream if e.type == "input_json")
+        parts = [e.partial_json for e in stream if e.type == "input_json"]
         final = stream.get_final_message()
-    assert final.stop_reason == "tool_use" and json.loads(partial) == final.content[-1].input
+    assert final.stop_reason == "tool_use" and json.loads("".join(parts)) == final.content[-1].input
+    assert len(parts) >= 2  # input_json_delta a member at a time
     valid(final.content[-1].input)
     follow = c.messages.create(model="local", max_tokens=12, tools=[tool], thinking={"type": "disabled"},
                                messages=ask + [{"role": "assistant", "content": [u.model_dump() for u in uses]},

@@ -339,3 +339,41 @@ def test_a_repeated_parameter_streams_again_and_parses_to_its_last_value() -> No
 def test_non_streaming_output_sends_each_call_whole() -> None:
     out, got = _replay("x\n" + XML_CALLS[0], stream=False)
     assert [p.kind for _, p in got if p.kind.startswith("tool")] == ["tool_start", "tool_args", "tool_done"]
+
+
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "opts": {"a": [1, "}"]}}}\n</tool_call>'
+
+
+def test_json_calls_stream_a_member_at_a_time() -> None:
+    script = "Checking.\n" + JSON_CALL
+    out, got = _replay(script)
+    assert out.result.content == "Checking."
+    args = [(at, p.text) for at, p in got if p.kind == "tool_args"]
+    assert [t for _, t in args] == ['{"city": "Paris"', ', "days": 2', ', "opts": {"a": [1, "}"]}', '}']
+    assert args[0][0] == script.index('"Paris"') + len('"Paris",')  # once the comma shows the value ended
+    assert args[1][0] == script.index("2,") + 2
+    assert out.result.tool_calls[0].arguments == PARSER.parse(script)[1][0].arguments
+    for step in range(1, 9):
+        out, got = _replay(script + "\n" + JSON_CALL.replace("Paris", "Oslo"), step=step)
+        calls = out.result.tool_calls
+        assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Oslo"], step
+        for i, call in enumerate(calls):
+            assert "".join(p.text for _, p in got if p.kind == "tool_args" and p.index == i) == call.arguments
+
+
+@pytest.mark.parametrize("script", [
+    '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>',  # name last: whole
+    '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>',  # a string
+    '<tool_call>{"name": "unknown", "arguments": {"city": "Paris"}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2 oops}}</tool_call>',
+])
+def test_other_json_spellings_at_every_boundary(script: str) -> None:
+    content, parsed = PARSER.parse(script)
+    for step in (1, 2, 5):
+        out, got = _replay(script, step=step)
+        r = out.result
+        if parsed and parsed[0].name == MALFORMED:  # a started call that fails stays, the error follows
+            assert [c.name for c in r.tool_calls][-1] == MALFORMED
+            continue
+        assert r.content == content and [(c.name, c.arguments) for c in r.tool_calls] == \
+            [(c.name, c.arguments) for c in parsed]

@@ -32,6 +32,7 @@ MARKERS = ("<tool_call>", "<function_calls>", "<function=", "<function name=", "
 _MARKER = re.compile("|".join(re.escape(m) for m in MARKERS))
 _NAME_ATTR = re.compile(r"""\s*name\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))\s*>""")
 _WS = re.compile(r"\s*")
+_JSON_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,6 +168,7 @@ class Parser:
         try:
             obj, end = json.JSONDecoder().raw_decode(text, pos)
         except ValueError:
+            self._open = self._json_members(text, pos)[0]
             if "</tool_call>" not in text[pos:]:
                 raise Incomplete() from None
             raise Malformed("the <tool_call> body is not a JSON object") from None
@@ -182,7 +184,42 @@ class Parser:
         if not isinstance(args, dict):
             raise Malformed(f"the arguments of {name} are not a JSON object")
         self._check_name(name)
-        return ParsedCall(name, json.dumps(args, ensure_ascii=False)), end
+        members, whole = self._json_members(text, pos)
+        params = members.params if members is not None and whole else tuple(args.items())
+        return ParsedCall(name, json.dumps(args, ensure_ascii=False), params), end
+
+    def _json_members(self, text: str, pos: int) -> tuple[OpenCall | None, bool]:
+        """The arguments members of a JSON-form call written {"name": N, "arguments": {...}} (N
+        declared) that are complete so far, in the order written; and whether its arguments object
+        closed. A member is complete once a comma or the closing brace follows its value."""
+        m = _JSON_HEAD.match(text, pos)
+        if m is None:
+            return None, False
+        name = json.loads(m.group(1))
+        if name not in self.tools:
+            return None, False
+        decoder = json.JSONDecoder()
+        params: list[tuple[str, Any]] = []
+        i = _skip_ws(text, m.end())
+        if text.startswith("}", i):
+            return OpenCall(name, ()), True
+        while True:
+            try:
+                key, i = decoder.raw_decode(text, i)
+                i = _skip_ws(text, i)
+                if not (isinstance(key, str) and text.startswith(":", i)):
+                    break
+                value, i = decoder.raw_decode(text, _skip_ws(text, i + 1))
+            except ValueError:
+                break
+            i = _skip_ws(text, i)
+            if not text.startswith((",", "}"), i):
+                break
+            params.append((key, value))
+            if text[i] == "}":
+                return OpenCall(name, tuple(params)), True
+            i = _skip_ws(text, i + 1)
+        return OpenCall(name, tuple(params)), False
 
     def _xml_call(self, text: str, pos: int) -> tuple[ParsedCall, int]:
         if _at(text, pos, "<function="):
@@ -343,9 +380,9 @@ def _member(i: int, name: str, value: Any) -> str:
 class ToolCallStream:
     """Content text in, (content delta, call deltas) out, as the output grows. Holds only a possible
     marker prefix (and the whitespace before it) and the tool region. A region is committed once its
-    first call is complete, or, with `early`, once it has read the first parameter of an XML-form
-    call; from then on each XML-form call streams a parameter at a time (a call in the JSON form
-    comes whole). A streamed call that then fails to parse is ended with the parameters read, and the
+    first call is complete, or, with `early`, once it has read the first parameter of a call; from
+    then on each call streams a parameter at a time (a JSON-form call written {"name": N,
+    "arguments": {...}} a member at a time; other JSON spellings come whole). A streamed call that then fails to parse is ended with the parameters read, and the
     reserved malformed_tool_call follows it (the whole-output parse would return only the latter:
     `early` is for streams, where the call cannot be taken back)."""
 
