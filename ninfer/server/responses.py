@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from ninfer.engine.chat import Message, ToolCall
+from ninfer.engine.chat import EFFORTS, Message, ToolCall
 from ninfer.engine.request import Usage
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
@@ -288,8 +288,8 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
             if reasoning.get(name) is not None:
                 raise RequestError(f"reasoning.{name} is not supported", param=f"reasoning.{name}",
                                    code="reasoning_option_not_supported")
-        if reasoning.get("effort") not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
-            raise bad("reasoning.effort", "reasoning.effort must be one of none, minimal, low, medium, high, xhigh")
+        if reasoning.get("effort") is not None and reasoning.get("effort") not in EFFORTS:
+            raise bad("reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)}")
         summaries = {reasoning.get("summary"), reasoning.get("generate_summary")} - {None}
         if any(s not in ("auto", "concise", "detailed") for s in summaries) or len(summaries) > 1:
             raise bad("reasoning.summary", "reasoning.summary must be auto, concise or detailed "
