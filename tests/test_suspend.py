@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from test_server_http import free_port
+from test_speculative import q35_mtp  # noqa: F401 - the tiny Qwen3.5 with an MTP head (a fixture)
 
 openai = pytest.importorskip("openai")
 
@@ -65,6 +66,105 @@ def test_suspend_keeps_retained_prefixes_exactly(smollm2_artifact: Path) -> None
         ref.engine.shutdown()
     assert (first, second) == (ref_first, ref_second)
     assert final.usage.cached_tokens == ref_final.usage.cached_tokens
+
+
+def test_pinned_snapshot_and_host_weights_keep_prefixes_exactly(smollm2_artifact: Path) -> None:
+    """--suspend-snapshot pinned (a block for the whole state reserved at load and kept) and
+    --suspend-weights host (the stored weights copied to host memory at suspend, read back instead of
+    the file): two suspend cycles, then the same two turns as an Engine never suspended."""
+    from ninfer.engine.config import SchedulerConfig
+    from ninfer.engine.loader import load_engine
+    from ninfer.engine.suspend import SuspendOptions
+
+    def load():
+        return load_engine(str(smollm2_artifact), backend="torch", scheduler=SchedulerConfig(max_context=1024),
+                           announce=False)
+
+    m = load()
+    engine = m.engine
+    prompt = m.tokenizer.encode("The lighthouse keeper climbed the stairs and looked out at the sea. " * 6)
+    try:
+        r = engine.configure_suspend(SuspendOptions("pinned", "host")).result(60)
+        reserved = r.host_reserved_bytes
+        pool = engine.runner.kv.k[0]
+        assert reserved == sum(t.numel() * t.element_size() for ts in engine.runner.suspend_caches().values()
+                               for t in ts) and reserved >= pool.numel() * pool.element_size()
+        first, _ = _run(engine, prompt, "a")
+        for cycle in range(2):
+            r = engine.suspend().result(60)
+            assert r.state == "suspended" and r.host_reserved_bytes == reserved
+            state = r.last_suspend.state_bytes
+            assert 0 < state < reserved  # only the live pages, into the front of the block
+            assert r.last_suspend.artifact_read_bytes > 0  # the weights were copied to host memory
+            assert r.host_snapshot_bytes == state + r.last_suspend.artifact_read_bytes  # state + stored weights
+            r = engine.resume().result(120)
+            assert r.state == "resident" and r.host_snapshot_bytes == 0 and r.host_reserved_bytes == reserved
+            assert r.last_resume.state_bytes == state and r.last_resume.artifact_read_bytes == 0  # no file read
+        second, final = _run(engine, prompt + first, "b")
+        assert final.usage.cached_tokens >= len(prompt)
+    finally:
+        engine.shutdown()
+    ref = load()
+    try:
+        ref_first, _ = _run(ref.engine, prompt, "a")
+        ref_second, ref_final = _run(ref.engine, prompt + ref_first, "b")
+    finally:
+        ref.engine.shutdown()
+    assert (first, second) == (ref_first, ref_second)
+    assert final.usage.cached_tokens == ref_final.usage.cached_tokens
+
+
+def test_suspend_under_spec_mtp_keeps_the_heads_cache(q35_mtp) -> None:
+    """--spec mtp: the MTP head's pages are part of the snapshot, so after a resume the next step
+    samples and drafts exactly as on a runner that was never suspended."""
+    import torch
+
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+    from ninfer.engine.batch import ScheduledBatch, SequenceWork
+    from ninfer.engine.request import SamplingParams
+    from ninfer.engine.suspend import HostWeights, reserve
+
+    greedy = SamplingParams(temperature=0.0)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183, 77, 301, 19, 2]
+    pages = [5, 9, 2, 7]
+
+    def runner() -> TorchModelRunner:
+        return TorchModelRunner(q35_mtp[0], num_pages=32, page_size=16, dtype=torch.float32, num_state_slots=2,
+                                mtp_draft_tokens=3)
+
+    def step(r: TorchModelRunner, tokens: list[int], start: int):
+        out = r.run(ScheduledBatch([SequenceWork(seq_id=0, token_ids=tokens, start_pos=start, block_table=pages,
+                                                 sample=True, sampling=greedy, state_slot=1)]))
+        return out.sampled[0], out.drafts[0]
+
+    for reserved, weights in ((False, False), (True, True)):
+        a, b = runner(), runner()
+        token_a, drafts_a = step(a, prompt, 0)
+        assert (token_a, drafts_a) == step(b, prompt, 0)
+        block = reserve(a.suspend_caches(), a.device) if reserved else None
+        assert block is None or "mtp_k" in block
+        host = HostWeights(a.weights_artifact, a.device) if weights else None
+        snapshot, state_bytes, weight_bytes = a.release_memory(pages, [1], block)
+        assert a.mtp is None and weight_bytes > 0 and state_bytes > 0
+        assert a.restore_memory(snapshot, host)[0] == state_bytes
+        tokens = [token_a]
+        for _ in range(3):  # decode steps read the restored target and head caches
+            got, want = step(a, tokens[-1:], len(prompt) + len(tokens) - 1), step(b, tokens[-1:],
+                                                                                 len(prompt) + len(tokens) - 1)
+            assert got == want
+            tokens.append(got[0])
+
+
+def test_suspend_options_are_checked() -> None:
+    from ninfer.errors import ConfigError
+    from ninfer.server.config import ServerConfig
+
+    with pytest.raises(ConfigError, match="--suspend-snapshot must be pageable or pinned"):
+        ServerConfig(model_suspend=True, suspend_snapshot="locked")
+    with pytest.raises(ConfigError, match="--suspend-weights must be artifact or host"):
+        ServerConfig(model_suspend=True, suspend_weights="disk")
+    with pytest.raises(ConfigError, match="need --model-suspend"):
+        ServerConfig(suspend_weights="host")
 
 
 @pytest.fixture(scope="module")

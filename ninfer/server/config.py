@@ -72,6 +72,8 @@ class ServerConfig:
     request_log_keep: int = 4  # rotated copies kept
     model_suspend: bool = False  # the model may give its memory back while idle (suspend, sleep)
     auto_resume: bool = True  # a request to a suspended model resumes it (else 503)
+    suspend_snapshot: str = "pageable"  # where a suspend keeps the retained state: pageable | pinned
+    suspend_weights: str = "artifact"  # where a resume reads the weights: artifact | host
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
     assistant_prefill: bool = False  # a final assistant Chat message is continued in place
@@ -125,6 +127,12 @@ class ServerConfig:
             if self.no_thinking and self.default_reasoning_effort != "none":
                 raise ConfigError(f"--default-reasoning-effort {self.default_reasoning_effort} conflicts with "
                                   "--no-thinking (an effort asks for thinking; none is the only effort without it)")
+        if self.suspend_snapshot not in ("pageable", "pinned"):
+            raise ConfigError(f"--suspend-snapshot must be pageable or pinned, got {self.suspend_snapshot!r}")
+        if self.suspend_weights not in ("artifact", "host"):
+            raise ConfigError(f"--suspend-weights must be artifact or host, got {self.suspend_weights!r}")
+        if (self.suspend_snapshot, self.suspend_weights) != ("pageable", "artifact") and not self.model_suspend:
+            raise ConfigError("--suspend-snapshot and --suspend-weights need --model-suspend")
         if self.thinking_budget_message is not None and not self.thinking_budget_message.strip():
             raise ConfigError("--thinking-budget-message must not be empty")
         if not self.keepalive_seconds > 0:
