@@ -1,7 +1,8 @@
 """Model suspend on the torch backend (engine/suspend.py): in-process on the default model, the
 retained conversation's prefix is reused exactly after a resume; then `ninfer serve --model-suspend`
-as a real process: the /v1/models/{id}/suspend|resume|residency routes, auto_resume, 409 model_busy
-while a stream runs, and a router's sleep under --models-max."""
+as a real process (--suspend-snapshot pinned --suspend-weights host): the
+/v1/models/{id}/suspend|resume|residency routes, auto_resume, 409 model_busy while a stream runs, and
+a router's sleep under --models-max; the suspend options and --spec mtp in process."""
 from __future__ import annotations
 
 import signal
@@ -173,7 +174,8 @@ def suspending(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory)
     port = free_port()
     log = tmp / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--model-id", "smol",
-           "--model-suspend", "--max-context", "2048", "--port", str(port), "--log-stats-interval-ms", "0"]
+           "--model-suspend", "--suspend-snapshot", "pinned", "--suspend-weights", "host", "--max-context", "2048",
+           "--port", str(port), "--log-stats-interval-ms", "0"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -200,6 +202,7 @@ def test_suspend_resume_routes_and_auto_resume(suspending: str) -> None:
     first = c.chat.completions.create(**CHAT)
     r = httpx.get(url + "/v1/models/smol/residency").json()
     assert r["state"] == "resident" and r["releasable_device_bytes"] > 0 and r["suspend_count"] == 0
+    assert r["host_reserved_bytes"] > 0  # --suspend-snapshot pinned: reserved at load
     r = httpx.post(url + "/v1/models/smol/suspend", json={}, timeout=60).json()
     assert r["state"] == "suspended" and r["auto_resume"] is True and r["host_snapshot_bytes"] > 0
     assert r["last_suspend"]["weight_bytes"] > 0
@@ -210,7 +213,9 @@ def test_suspend_resume_routes_and_auto_resume(suspending: str) -> None:
     assert again.choices[0].message.content == first.choices[0].message.content
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     r = httpx.get(url + "/v1/models/smol/residency").json()
-    assert r["state"] == "resident" and r["resume_count"] == 1 and r["last_resume"]["artifact_read_bytes"] > 0
+    assert r["state"] == "resident" and r["resume_count"] == 1
+    # --suspend-weights host: the suspend read the stored weights into host memory, the resume no file
+    assert r["last_suspend"]["artifact_read_bytes"] > 0 and r["last_resume"]["artifact_read_bytes"] == 0
     # auto_resume off: requests fail with 503 and /health reports the server unavailable
     r = httpx.post(url + "/v1/models/smol/suspend", json={"auto_resume": False}, timeout=60).json()
     assert r["state"] == "suspended" and r["auto_resume"] is False
