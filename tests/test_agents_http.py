@@ -40,6 +40,9 @@ OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "description"
 ASK = "What is the weather in Paris?"
 
 
+REQUEST_LOG: list[Path] = []  # the agent server's --request-log-jsonl
+
+
 @pytest.fixture(scope="module")
 def agent_server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory):
     assert TEMPLATE.read_text().startswith(QWEN_STYLE_TEMPLATE.split("{%- if add_generation_prompt %}")[0])
@@ -49,10 +52,11 @@ def agent_server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactor
     log = root / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--port", str(port),
            "--api-key", KEY, "--model-id", MODEL, "--chat-template", str(template), "--max-context", "2048",
-           "--greedy"]
+           "--greedy", "--request-log-jsonl", str(root / "requests.jsonl")]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    REQUEST_LOG.append(root / "requests.jsonl")
     deadline = time.monotonic() + 600  # a loaded shared machine can take minutes to load the model
     try:
         while True:
@@ -243,3 +247,14 @@ def test_openai_agents_sdk_runs_a_function_tool(agent_server: str) -> None:
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
     assert len(demo.CALLS) == 1 and isinstance(demo.CALLS[0]["city"], str)
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def test_request_log_records_the_tool_call_parse(agent_server: str) -> None:
+    c = oai(agent_server)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[CHAT_TOOL],
+                              tool_choice="required", max_tokens=80)
+    done = [json.loads(line) for line in REQUEST_LOG[-1].read_text().splitlines()]
+    done = [r for r in done if r["event"] == "request_done" and r["protocol"] == "chat"]
+    report = done[-1]["result"]["tool_call_parse"]
+    assert report["marker_seen"] and report["call_count"] == 1 and report["fallback_reason"] == "none"
+    assert not report["malformed_call_reported"]

@@ -93,6 +93,9 @@ def test_recovery_keeps_complete_calls_and_drops_the_rest() -> None:
     content, got = calls(text)
     assert content == "" and [n for n, _ in got] == ["noop", MALFORMED]
     assert "JSON" in got[1][1]["error"]
+    # prose after complete calls is dropped without a reserved call
+    assert calls('Sure.\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>\nI will wait for it.') == \
+        ("Sure.", [("noop", {})])
     # an opened call that never closes
     content, got = calls("Let me check.\n<function=get_weather><parameter=city>Paris")
     assert content == "Let me check." and got[0][0] == MALFORMED and "ended" in got[0][1]["error"]
@@ -113,6 +116,7 @@ SCRIPTS = [
     '<function_calls><invoke name="search"><parameter name="q">a</parameter></invoke></function_calls>',
     '<tool_call>{"name": "noop", "arguments": {}}</tool_call><tool_call>{"name": "bad"}</tool_call> more',
     'Text then a stray <invo and <tool_ca',
+    'Go.\n<function=get_weather><parameter=city>Oslo</parameter></function>\nDone, waiting for the result.',
 ]
 
 
@@ -377,3 +381,27 @@ def test_other_json_spellings_at_every_boundary(script: str) -> None:
             continue
         assert r.content == content and [(c.name, c.arguments) for c in r.tool_calls] == \
             [(c.name, c.arguments) for c in parsed]
+
+
+# ---- the request log's tool_call_parse -------------------------------------------------------
+
+@pytest.mark.parametrize("script, stream, expect", [
+    ("Plain text.", True, {"marker_seen": False, "call_count": 0, "fallback_reason": "none"}),
+    (XML_CALLS[1], True, {"marker_seen": True, "call_count": 1, "malformed_call_reported": False}),
+    ('<function=get_weather><parameter=city>A</parameter><parameter=city>B</parameter></function>', False,
+     {"call_count": 1, "duplicate_parameters_repaired": 1}),
+    ('<tool_call>{"name": "noop", "arguments": {}}</tool_call> and then some prose', False,
+     {"call_count": 1, "recovered": True, "recovered_call_count": 1, "malformed_call_reported": False,
+      "trailing_content_dropped": True, "fallback_reason": "trailing_content"}),
+    ('<tool_call>{"name": "noop", "arguments": {}}</tool_call><tool_call>{"name": "nope", "arguments": {}}'
+     '</tool_call>', True, {"recovered": True, "call_count": 2, "fallback_reason": "undeclared_tool"}),
+    ('<function=get_weather><parameter=city>Paris', True,
+     {"recovered": False, "malformed_call_reported": True, "trailing_content_dropped": False,
+      "fallback_reason": "malformed_structure"}),
+])
+def test_tool_call_parse_report(script: str, stream: bool, expect: dict) -> None:
+    for step in (1, len(script)):
+        out, _ = _replay(script, stream=stream, step=step)
+        report = out.log_fields()["tool_call_parse"]
+        assert {k: report[k] for k in expect} == expect, step
+    assert ChatOutput().log_fields() == {"tool_call_parse": None}

@@ -83,6 +83,11 @@ class ChatOutput:
             pieces[0].timings = event.timings
         return pieces
 
+    def log_fields(self) -> dict[str, Any]:
+        """The request log's request_done.result fields of the output (tool_call_parse: null without
+        callable tools)."""
+        return {"tool_call_parse": self._calls.report if self._calls is not None else None}
+
     def _call_pieces(self, delta: CallDelta) -> list[Piece]:
         calls = self.result.tool_calls
         index = len(calls) - 1

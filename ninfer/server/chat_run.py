@@ -165,12 +165,11 @@ async def run_chat(call: Call, protocol: str, decode: Decode) -> None:
         raise err
     encoder.req = req
     out = ChatOutput(chat.callable_tools, chat.parallel_tool_calls, stream=chat.stream)
-    async with Generation(call, req, chat.stream) as gen:
+    async with Generation(call, req, chat.stream, observe=out.feed, result_fields=out.log_fields) as gen:
         encoder.created = gen.created
         if not chat.stream:
             async for event in gen.events(None):
                 assert isinstance(event, OutputEvent)
-                out.feed(event)
             await encoder.respond(out.result)
             return
         try:
@@ -182,7 +181,7 @@ async def run_chat(call: Call, protocol: str, decode: Decode) -> None:
                 if event.progress is not None:
                     await encoder.progress(event)
                     continue
-                for piece in out.feed(event):
+                for piece in gen.observed:  # out.feed(event), run before the event was logged
                     await encoder.piece(piece)
                 if event.finish_reason is not None:
                     await encoder.finish(out.result)

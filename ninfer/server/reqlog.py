@@ -122,8 +122,9 @@ class RequestLog:
 
     def request_done(self, n: int, protocol: str, final: OutputEvent, total_seconds: float, *,
                      model: str | None = None, prepare_seconds: float | None = None,
-                     ttft_seconds: float | None = None) -> None:
-        """timings_seconds: prepare (arrival to submission), ttft (submission to the first token),
+                     ttft_seconds: float | None = None, result: dict[str, Any] | None = None) -> None:
+        """`result`: protocol fields added to the result (a chat request's tool_call_parse).
+        timings_seconds: prepare (arrival to submission), ttft (submission to the first token),
         prefill (admission to the first token), decode (first to last token), total (submission
         to the end); engine_timing.queue_wait_seconds: submission to admission."""
         self.stats.done(final, model)
@@ -146,7 +147,7 @@ class RequestLog:
                     result={"finish_reason": final.finish_reason, "prompt_tokens": prompt, "completion_tokens": out,
                             "cached_tokens": cached, "computed_prefill_tokens": prompt - cached,
                             "reasoning_tokens": u.reasoning_tokens if u else 0,
-                            "post_thinking_sampling": final.post_thinking_sampling},
+                            "post_thinking_sampling": final.post_thinking_sampling, **(result or {})},
                     prefix_reuse_path=final.reuse_path, prefix_reuse_tier=final.reuse_tier,
                     timings_seconds={"prepare": prepare_seconds, "ttft": ttft_seconds,
                                      "prefill": t.prompt_ms / 1e3 if t else None,

@@ -17,7 +17,8 @@ complete call, markers are tried in order (at most MAX_MARKERS) and the first re
 to the end of the output is the structured turn; earlier markup stays content. A region that opens
 a function but does not parse is recovered: complete calls before the failure are kept, the failed
 one becomes a call of the reserved malformed_tool_call tool (its arguments say what went wrong, so
-the model can retry), and the text after it is dropped. Only declared tools become calls.
+the model can retry), and the text after it is dropped; prose after complete calls is dropped
+without a reserved call. Only declared tools become calls.
 """
 from __future__ import annotations
 
@@ -56,7 +57,12 @@ class Incomplete(Exception):
 
 
 class Malformed(Exception):
-    """The region cannot be read as calls."""
+    """The region cannot be read as calls. `reason`: the request log's fallback reason
+    (malformed_structure, invalid_tool_name, undeclared_tool, trailing_content)."""
+
+    def __init__(self, message: str, reason: str = "malformed_structure") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -69,6 +75,7 @@ class Region:
     opened: bool
     incomplete: bool = False  # stopped because the text ended inside a call
     open_call: OpenCall | None = None  # the XML-form call it stopped inside, when its name was read
+    reason: str = "none"  # why it failed (the request log's fallback reason); "none" when it did not
 
 
 def string_admitting(schema: Any) -> bool:
@@ -91,20 +98,30 @@ class Parser:
 
     def parse(self, text: str) -> tuple[str, list[ParsedCall]]:
         """(content, calls) of a finished output."""
+        content, calls, _ = self.parse_region(text)
+        return content, calls
+
+    def parse_region(self, text: str) -> tuple[str, list[ParsedCall], Region | None]:
+        """(content, calls, the region they came from) of a finished output."""
         starts = [m.start() for m in _MARKER.finditer(text)][:MAX_MARKERS]
         regions = [(p, self.region(text[p:], final=True)) for p in starts]
         first = True  # no region opened a function yet (markup that opens none is quoted text)
         for p, region in regions:
             if region.error is None and region.calls:
-                return text[:p].rstrip(), region.calls
+                return text[:p].rstrip(), region.calls, region
             if region.opened:
                 if first and region.calls:  # the first region opens with a complete call: recover it
-                    return text[:p].rstrip(), region.calls + [self.malformed(region.error)]
+                    return text[:p].rstrip(), region.calls + self.reported(region), region
                 first = False
         for p, region in regions:
             if region.opened:
-                return text[:p].rstrip(), region.calls + [self.malformed(region.error)]
-        return text, []
+                return text[:p].rstrip(), region.calls + self.reported(region), region
+        return text, [], None
+
+    def reported(self, region: Region) -> list[ParsedCall]:
+        """The reserved call a failed region adds: none when only prose followed its calls (that text
+        is dropped)."""
+        return [] if region.error is None or region.reason == "trailing_content" else [self.malformed(region.error)]
 
     @staticmethod
     def malformed(error: str | None) -> ParsedCall:
@@ -131,10 +148,12 @@ class Parser:
         except Incomplete:
             if final:
                 return Region(calls, "the output ended inside the tool call", opened or self._opens(text),
-                              open_call=self._open)
+                              open_call=self._open, reason="malformed_structure")
             return Region(calls, None, opened or self._opens(text), incomplete=True, open_call=self._open)
         except Malformed as e:
-            return Region(calls, str(e), opened or self._opens(text), open_call=self._open)
+            reason = "trailing_content" if e.reason == "malformed_structure" and calls and self._open is None \
+                and not _opens_markup(text, pos) else e.reason
+            return Region(calls, str(e), opened or self._opens(text), open_call=self._open, reason=reason)
 
     def _opens(self, text: str) -> bool:
         """Does the region open a declared function (its first call's name is readable)?"""
@@ -173,7 +192,7 @@ class Parser:
                 raise Incomplete() from None
             raise Malformed("the <tool_call> body is not a JSON object") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            raise Malformed('the <tool_call> JSON needs a "name" string and an "arguments" object')
+            raise Malformed('the <tool_call> JSON needs a "name" string and an "arguments" object', "invalid_tool_name")
         name = obj["name"]
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
@@ -248,7 +267,8 @@ class Parser:
 
     def _check_name(self, name: str) -> None:
         if name not in self.tools:
-            raise Malformed(f"{name!r} is not one of the offered tools ({', '.join(self.tools) or 'none'})")
+            raise Malformed(f"{name!r} is not one of the offered tools ({', '.join(self.tools) or 'none'})",
+                            "undeclared_tool")
 
 
 def _parameter(text: str, pos: int, fn: str, final: bool) -> tuple[str, str, int]:
@@ -310,8 +330,13 @@ def _name_attr(text: str, pos: int) -> tuple[str, int]:
     if m is None:
         if ">" not in text[pos:]:
             raise Incomplete()
-        raise Malformed(f"expected name=\"...\" at {text[pos:pos + 40]!r}")
+        raise Malformed(f"expected name=\"...\" at {text[pos:pos + 40]!r}", "invalid_tool_name")
     return next(g for g in m.groups() if g is not None), m.end()
+
+
+def _opens_markup(text: str, pos: int) -> bool:
+    """Does the text at pos (after whitespace) start tool-call markup (as opposed to prose)?"""
+    return text.startswith("<", _skip_ws(text, pos))
 
 
 def _at(text: str, pos: int, s: str) -> bool:
@@ -360,6 +385,25 @@ def first_marker(text: str, start: int = 0) -> int:
     return -1 if m is None else m.start()
 
 
+def parse_report(text: str, calls: list[ParsedCall], region: Region | None) -> dict[str, Any]:
+    """The request log's tool_call_parse of a finished output: whether a complete marker was seen,
+    the structured calls, repeated parameters (the last value kept), and when the region failed,
+    what recovery kept and why (fallback_reason none, malformed_structure, invalid_tool_name,
+    undeclared_tool or trailing_content)."""
+    failed = region is not None and region.error is not None
+    reported = failed and region.reason != "trailing_content"
+    kept = [c for c in calls if c.name != MALFORMED]
+    return {"marker_seen": first_marker(text) >= 0,
+            "call_count": len(kept) + (1 if reported else 0),
+            "duplicate_parameters_repaired": sum(len(c.params) - len({n for n, _ in c.params})
+                                                 for c in kept if c.params),
+            "recovered": failed and bool(region.calls),
+            "recovered_call_count": len(region.calls) if failed else 0,
+            "malformed_call_reported": reported,
+            "trailing_content_dropped": failed and region.error != "the output ended inside the tool call",
+            "fallback_reason": region.reason if failed else "none"}
+
+
 @dataclass(slots=True, frozen=True)
 class CallDelta:
     """A step of call `index` in the output: the first names it, `text` extends its arguments,
@@ -396,6 +440,7 @@ class ToolCallStream:
         self.calls_sent = 0  # calls ended
         self.params_sent: int | None = None  # the open (started) call's parameters sent; None: none open
         self.done = False
+        self.report: dict[str, Any] | None = None  # the request log's tool_call_parse, once final
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[CallDelta]]:
         assert not self.done
@@ -406,20 +451,23 @@ class ToolCallStream:
             hold = self._find_region(final)
             if self.region_at is None:
                 if final:
-                    content, calls = self.parser.parse(self.text)
+                    content, calls, region = self.parser.parse_region(self.text)
+                    self.report = parse_report(self.text, calls, region)
                     return self._release(len(content), content), [d for c in calls for d in self._whole(c)]
                 return self._release(hold), []
             content = self._release(len(self.text[:self.region_at].rstrip()))
         else:
             content = ""
         region = self.parser.region(self.text[self.region_at:], final)
+        if final:
+            self.report = parse_report(self.text, region.calls, region)
         deltas: list[CallDelta] = []
         for call in region.calls[self.calls_sent:]:
             deltas += self._finish(call.name, call.params) if self.params_sent is not None else self._whole(call)
         if region.open_call is not None and (region.incomplete or self.params_sent is not None):
             deltas += self._stream(region.open_call, close=region.error is not None)
-        if final and region.error is not None:
-            deltas += self._whole(self.parser.malformed(region.error))
+        if final:
+            deltas += [d for c in self.parser.reported(region) for d in self._whole(c)]
         return content, deltas
 
     def _whole(self, call: ParsedCall) -> list[CallDelta]:
