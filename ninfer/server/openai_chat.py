@@ -84,6 +84,9 @@ def normalize_messages(value: Any) -> list[Message]:
                 msg.name = name
         if role == "assistant":
             msg.tool_calls = history_calls(m.get("tool_calls"), f"{where}.tool_calls")
+            legacy = m.get("function_call")
+            if legacy is not None:  # legacy function-call history: one call, no id
+                msg.tool_calls += legacy_call(legacy, f"{where}.function_call")
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if isinstance(reasoning, str) and reasoning:
                 msg.reasoning = reasoning
@@ -96,6 +99,18 @@ def normalize_messages(value: Any) -> list[Message]:
                 msg.tool_call_id = call_id
         out.append(msg)
     return out
+
+
+def legacy_call(fn: Any, where: str) -> list[ToolCall]:
+    """An assistant turn's legacy function_call {name, arguments} as its one tool call."""
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad(f"{where}.name", f"{where}.name must be a non-empty string")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, dict):
+        args = json.dumps(args, ensure_ascii=False)
+    if not isinstance(args, str):
+        raise bad(f"{where}.arguments", f"{where}.arguments must be a JSON string")
+    return [ToolCall(id="", name=fn["name"], arguments=args)]
 
 
 def history_calls(calls: Any, where: str) -> list[ToolCall]:
