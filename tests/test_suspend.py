@@ -117,7 +117,8 @@ def test_pinned_snapshot_and_host_weights_keep_prefixes_exactly(smollm2_artifact
 
 def test_suspend_under_spec_mtp_keeps_the_heads_cache(q35_mtp) -> None:
     """--spec mtp: the MTP head's pages are part of the snapshot, so after a resume the next step
-    samples and drafts exactly as on a runner that was never suspended."""
+    samples and drafts exactly as on a runner that was never suspended (also with an int8 KV cache,
+    whose scales travel with the pages, into a reserved block and with host weights)."""
     import torch
 
     from ninfer.engine.backends.torch_runner import TorchModelRunner
@@ -129,21 +130,21 @@ def test_suspend_under_spec_mtp_keeps_the_heads_cache(q35_mtp) -> None:
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183, 77, 301, 19, 2]
     pages = [5, 9, 2, 7]
 
-    def runner() -> TorchModelRunner:
+    def runner(kv_dtype: str) -> TorchModelRunner:
         return TorchModelRunner(q35_mtp[0], num_pages=32, page_size=16, dtype=torch.float32, num_state_slots=2,
-                                mtp_draft_tokens=3)
+                                mtp_draft_tokens=3, kv_dtype=kv_dtype)
 
     def step(r: TorchModelRunner, tokens: list[int], start: int):
         out = r.run(ScheduledBatch([SequenceWork(seq_id=0, token_ids=tokens, start_pos=start, block_table=pages,
                                                  sample=True, sampling=greedy, state_slot=1)]))
         return out.sampled[0], out.drafts[0]
 
-    for reserved, weights in ((False, False), (True, True)):
-        a, b = runner(), runner()
+    for reserved, weights, kv_dtype in ((False, False, "auto"), (True, True, "int8")):
+        a, b = runner(kv_dtype), runner(kv_dtype)
         token_a, drafts_a = step(a, prompt, 0)
         assert (token_a, drafts_a) == step(b, prompt, 0)
         block = reserve(a.suspend_caches(), a.device) if reserved else None
-        assert block is None or "mtp_k" in block
+        assert block is None or {"mtp_k", "k_scale", "conv"} <= set(block)  # head K/V, int8 scales, state
         host = HostWeights(a.weights_artifact, a.device) if weights else None
         snapshot, state_bytes, weight_bytes = a.release_memory(pages, [1], block)
         assert a.mtp is None and weight_bytes > 0 and state_bytes > 0
