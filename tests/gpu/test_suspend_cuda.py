@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from ninfer.engine.config import SchedulerConfig
@@ -61,16 +62,17 @@ def test_cuda_suspend_gives_device_memory_back_and_keeps_prefixes(smollm2_artifa
     assert final.usage.cached_tokens == ref_final.usage.cached_tokens
 
 
-def test_cuda_pinned_snapshot_and_host_weights(smollm2_artifact: Path) -> None:
-    """--suspend-snapshot pinned (a page-locked block for the whole KV pool reserved at load) and
-    --suspend-weights host (the stored weights in pinned host memory, no file read at resume): the
-    device memory still goes back, two cycles keep the conversation, and the tokens match an Engine
-    never suspended."""
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
+def test_cuda_pinned_snapshot_and_host_weights(smollm2_artifact: Path, kv_dtype: str) -> None:
+    """--suspend-snapshot pinned (a page-locked block for the whole KV pool reserved at load; int8 /
+    fp8 caches with their scales, fp8 codes as bytes) and --suspend-weights host (the stored weights
+    in pinned host memory, no file read at resume): the device memory still goes back, two cycles
+    keep the conversation, and the tokens match an Engine never suspended."""
     from ninfer.engine.suspend import SuspendOptions
 
     def load():
         return load_engine(str(smollm2_artifact), backend="cuda", scheduler=SchedulerConfig(max_context=4096),
-                           announce=False)
+                           announce=False, kv_dtype=kv_dtype)
 
     m = load()
     engine = m.engine
