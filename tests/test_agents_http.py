@@ -40,6 +40,9 @@ OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "description"
 ASK = "What is the weather in Paris?"
 
 
+REQUEST_LOG: list[Path] = []  # the agent server's --request-log-jsonl
+
+
 @pytest.fixture(scope="module")
 def agent_server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory):
     assert TEMPLATE.read_text().startswith(QWEN_STYLE_TEMPLATE.split("{%- if add_generation_prompt %}")[0])
@@ -49,10 +52,11 @@ def agent_server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactor
     log = root / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--port", str(port),
            "--api-key", KEY, "--model-id", MODEL, "--chat-template", str(template), "--max-context", "2048",
-           "--greedy"]
+           "--greedy", "--request-log-jsonl", str(root / "requests.jsonl")]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    REQUEST_LOG.append(root / "requests.jsonl")
     deadline = time.monotonic() + 600  # a loaded shared machine can take minutes to load the model
     try:
         while True:
@@ -109,7 +113,7 @@ def test_chat_stream_sends_argument_deltas(agent_server: str) -> None:
     c = oai(agent_server)
     stream = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[CHAT_TOOL],
                                        tool_choice="required", max_tokens=80, stream=True)
-    name, args, finish, ids = "", "", None, set()
+    name, args, finish, ids, deltas = "", "", None, set(), 0
     for chunk in stream:
         for ch in chunk.choices:
             for tc in ch.delta.tool_calls or []:
@@ -117,9 +121,11 @@ def test_chat_stream_sends_argument_deltas(agent_server: str) -> None:
                 ids.add(tc.id) if tc.id else None
                 name += tc.function.name or ""
                 args += tc.function.arguments or ""
+                deltas += bool(tc.function.arguments)
             finish = ch.finish_reason or finish
     assert name == "get_weather" and finish == "tool_calls" and len(ids) == 1
     valid(args)
+    assert deltas >= 2  # a member at a time (city, unit), not the whole arguments at the end
 
 
 def test_responses_forced_call_stream_and_function_output_turn(agent_server: str) -> None:
@@ -142,7 +148,7 @@ def test_responses_forced_call_stream_and_function_output_turn(agent_server: str
             elif event.type == "response.output_item.done" and event.item.type == "function_call":
                 done = event.item
         final = stream.get_final_response()
-    assert done is not None and "".join(deltas) == done.arguments
+    assert done is not None and "".join(deltas) == done.arguments and len(deltas) >= 2
     valid(done.arguments)
     assert [o.type for o in final.output] == ["function_call"]
     # the result turn continues the stored response
@@ -164,9 +170,10 @@ def test_anthropic_forced_tool_use_stream_and_tool_result(agent_server: str) -> 
     valid(uses[0].input)
     with c.messages.stream(model="local", max_tokens=80, messages=ask, tools=[tool],
                            tool_choice={"type": "any"}) as stream:
-        partial = "".join(e.partial_json for e in stream if e.type == "input_json")
+        parts = [e.partial_json for e in stream if e.type == "input_json"]
         final = stream.get_final_message()
-    assert final.stop_reason == "tool_use" and json.loads(partial) == final.content[-1].input
+    assert final.stop_reason == "tool_use" and json.loads("".join(parts)) == final.content[-1].input
+    assert len(parts) >= 2  # input_json_delta a member at a time
     valid(final.content[-1].input)
     follow = c.messages.create(model="local", max_tokens=12, tools=[tool], thinking={"type": "disabled"},
                                messages=ask + [{"role": "assistant", "content": [u.model_dump() for u in uses]},
@@ -240,3 +247,14 @@ def test_openai_agents_sdk_runs_a_function_tool(agent_server: str) -> None:
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
     assert len(demo.CALLS) == 1 and isinstance(demo.CALLS[0]["city"], str)
     assert isinstance(result.final_output, str) and result.final_output
+
+
+def test_request_log_records_the_tool_call_parse(agent_server: str) -> None:
+    c = oai(agent_server)
+    c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[CHAT_TOOL],
+                              tool_choice="required", max_tokens=80)
+    done = [json.loads(line) for line in REQUEST_LOG[-1].read_text().splitlines()]
+    done = [r for r in done if r["event"] == "request_done" and r["protocol"] == "chat"]
+    report = done[-1]["result"]["tool_call_parse"]
+    assert report["marker_seen"] and report["call_count"] == 1 and report["fallback_reason"] == "none"
+    assert not report["malformed_call_reported"]

@@ -39,6 +39,10 @@ def test_version_prints_version_and_build_id() -> None:
     (("serve", "--rope-yarn-factor", "5"), "--rope-yarn-factor"),
     (("serve", "--rope-yarn", "--rope-scaling-factor", "2"), "excludes --rope-yarn"),
     (("run", "--threads", "-1", "hi"), "--threads"),
+    (("run", "--reasoning-effort", "extreme", "hi"), "--reasoning-effort must be one of"),
+    (("run", "--raw", "--reasoning-effort", "low", "hi"), "cannot be combined with --raw"),
+    (("serve", "--default-reasoning-effort", "extreme"), "--default-reasoning-effort must be one of"),
+    (("serve", "--default-reasoning-effort", "high", "--no-thinking"), "conflicts with --no-thinking"),
 ])
 def test_errors_are_one_line_without_traceback(args: tuple[str, ...], message: str) -> None:
     out = ninfer(*args)

@@ -25,7 +25,8 @@ def test_request_records_carry_resolved_budget_seed_timings_and_reuse_path(tmp_p
     final = OutputEvent("r1", finish_reason="length", usage=Usage(4, 5, 2),
                         timings=Timings(cache_n=2, prompt_n=2, prompt_ms=30.0, predicted_n=5, predicted_ms=80.0),
                         reuse_path="private_endpoint", queue_wait_seconds=0.25)
-    log.request_done(1, "chat", final, 0.5, model="m", prepare_seconds=0.01, ttft_seconds=0.3)
+    log.request_done(1, "chat", final, 0.5, model="m", prepare_seconds=0.01, ttft_seconds=0.3,
+                     result={"tool_call_parse": {"marker_seen": False, "call_count": 0}})
     log.request_error(2, "messages", RequestError("client text here", status=503, code="request_queue_timeout",
                                                   type="service_unavailable"), 1.5)
     log.close()
@@ -37,6 +38,7 @@ def test_request_records_carry_resolved_budget_seed_timings_and_reuse_path(tmp_p
     assert start["sampler"]["seed"] == 77 and start["sampler"]["seed_requested"] is False
     assert start["model"] == "m" and start["prepare_seconds"] == 0.01
     assert done["prefix_reuse_path"] == "private_endpoint"
+    assert done["result"]["tool_call_parse"] == {"marker_seen": False, "call_count": 0}
     assert done["timings_seconds"] == {"prepare": 0.01, "ttft": 0.3, "prefill": 0.03, "decode": 0.08, "total": 0.5}
     assert done["engine_timing"] == {"queue_wait_seconds": 0.25}
     assert done["result"]["computed_prefill_tokens"] == 2 and done["result"]["completion_tokens"] == 5

@@ -31,6 +31,14 @@ class FakeEngine:
         future.set_result(self.residency)
         return future
 
+    def configure_suspend(self, options):
+        import concurrent.futures
+
+        self.residency.options = options
+        future = concurrent.futures.Future()
+        future.set_result(self.residency)
+        return future
+
     def resume(self):
         import concurrent.futures
 

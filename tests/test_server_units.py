@@ -141,6 +141,15 @@ def test_messages_normalized_and_media_refused() -> None:
     assert e.value.param == "messages[0].name"
     with pytest.raises(RequestError):
         normalize_messages([{"role": "robot", "content": "x"}])
+    # legacy function-call history: the assistant's function_call and the function's result
+    msgs = normalize_messages([{"role": "user", "content": "q"},
+                               {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
+                               {"role": "function", "name": "f", "content": "2"}])
+    assert [(c.name, c.arguments) for c in msgs[1].tool_calls] == [("f", "{}")]
+    assert (msgs[2].role, msgs[2].name, msgs[2].content) == ("tool", "f", "2")
+    with pytest.raises(RequestError) as e:
+        normalize_messages([{"role": "assistant", "content": None, "function_call": {"arguments": "{}"}}])
+    assert e.value.param == "messages[0].function_call.name"
 
 
 @pytest.mark.parametrize("body, code", [

@@ -93,6 +93,9 @@ def test_recovery_keeps_complete_calls_and_drops_the_rest() -> None:
     content, got = calls(text)
     assert content == "" and [n for n, _ in got] == ["noop", MALFORMED]
     assert "JSON" in got[1][1]["error"]
+    # prose after complete calls is dropped without a reserved call
+    assert calls('Sure.\n<tool_call>{"name": "noop", "arguments": {}}</tool_call>\nI will wait for it.') == \
+        ("Sure.", [("noop", {})])
     # an opened call that never closes
     content, got = calls("Let me check.\n<function=get_weather><parameter=city>Paris")
     assert content == "Let me check." and got[0][0] == MALFORMED and "ended" in got[0][1]["error"]
@@ -113,6 +116,7 @@ SCRIPTS = [
     '<function_calls><invoke name="search"><parameter name="q">a</parameter></invoke></function_calls>',
     '<tool_call>{"name": "noop", "arguments": {}}</tool_call><tool_call>{"name": "bad"}</tool_call> more',
     'Text then a stray <invo and <tool_ca',
+    'Go.\n<function=get_weather><parameter=city>Oslo</parameter></function>\nDone, waiting for the result.',
 ]
 
 
@@ -237,3 +241,167 @@ def test_namespaced_calls_restore_the_namespace() -> None:
                          finish_reason="stop"))
     call = out.result.tool_calls[0]
     assert (call.namespace, call.name, call.arguments) == ("mcp__w", "get", "{}")
+
+
+# ---- per-parameter argument deltas -----------------------------------------------------------
+
+XML_CALLS = [  # one call of get_weather in each XML form, then the same call again
+    '<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n'
+    '</function>\n</tool_call>',
+    '<function=get_weather><parameter=city>Paris</parameter><parameter=days>2</parameter></function>',
+    '<function name="get_weather"><parameter name="city">Paris</parameter><param name="days">2</param></function>',
+    '<function_calls>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+    '<parameter name="days">2</parameter>\n</invoke>\n</function_calls>',
+]
+TWO_INVOKES = ('<function_calls>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+               '<parameter name="days">2</parameter>\n</invoke>\n<invoke name="search"><parameter name="q">x'
+               '</parameter><parameter name="n">[1]</parameter></invoke></function_calls>')
+
+
+def _replay(text: str, stream: bool = True, step: int = 1) -> tuple[ChatOutput, list[tuple[int, object]]]:
+    """Feed `text` `step` characters at a time; -> the output and (characters fed, piece) pairs."""
+    out = ChatOutput(TOOLS, stream=stream)
+    got = []
+    for at in range(0, len(text), step):
+        chunk = text[at:at + step]
+        final = at + step >= len(text)
+        for p in out.feed(OutputEvent("r", text=chunk, finish_reason="stop" if final else None)):
+            got.append((min(at + step, len(text)), p))
+    return out, got
+
+
+@pytest.mark.parametrize("form", XML_CALLS)
+def test_xml_calls_stream_a_parameter_at_a_time(form: str) -> None:
+    script = "Let me check.\n" + form + "\n" + form
+    out, got = _replay(script)
+    r = out.result
+    assert r.content == "Let me check." and len(r.tool_calls) == 2
+    assert [c.arguments for c in r.tool_calls] == ['{"city": "Paris", "days": 2}'] * 2
+    for index, start in ((0, script.index(form)), (1, script.rindex(form))):
+        end = start + len(form)
+        args = [(at, p.text) for at, p in got if p.kind == "tool_args" and p.index == index]
+        assert [t for _, t in args] == ['{"city": "Paris"', ', "days": 2', '}']
+        # each parameter is sent as soon as what follows its closing tag shows the value ended
+        city_close = script.index("</param", start) + len("</parameter>" if "</parameter>" in form else "</param>")
+        assert start < args[0][0] <= script.index("<", city_close) + 1
+        assert args[1][0] < end  # the second before the call's closing tag
+        starts = [at for at, p in got if p.kind == "tool_start" and p.index == index]
+        assert starts == [args[0][0]]
+    # the stream's result is the whole-output parse
+    assert [(c.name, c.arguments) for c in r.tool_calls] == [(c.name, c.arguments) for c in PARSER.parse(script)[1]]
+
+
+@pytest.mark.parametrize("script", [*SCRIPTS, *("Sure.\n" + f for f in XML_CALLS), TWO_INVOKES,
+                                    TWO_INVOKES.replace("</function_calls>", "")])
+def test_argument_deltas_join_at_every_chunk_size(script: str) -> None:
+    content, parsed = PARSER.parse(script)
+    for step in range(1, 9):
+        out, got = _replay(script, step=step)
+        r = out.result
+        assert r.content == content and [(c.name, c.arguments) for c in r.tool_calls] == \
+            [(c.name, c.arguments) for c in parsed], step
+        for i, call in enumerate(r.tool_calls):
+            assert "".join(p.text for _, p in got if p.kind == "tool_args" and p.index == i) == call.arguments
+            kinds = [p.kind for _, p in got if p.index == i and p.kind.startswith("tool")]
+            assert kinds.count("tool_start") == kinds.count("tool_done") == 1
+            assert kinds[0] == "tool_start" and kinds[-1] == "tool_done"
+
+
+def test_a_value_closing_tag_followed_by_text_is_not_the_end_while_streaming() -> None:
+    out = ChatOutput(TOOLS)
+    pieces = out.feed(OutputEvent("r", text="<function=get_weather><parameter=city>A</parameter>"))
+    assert pieces == []  # what follows decides: nothing is sent yet
+    pieces = out.feed(OutputEvent("r", text=" and B</parameter>\n<parameter=days>3</parameter>"))
+    assert [(p.kind, p.text) for p in pieces] == [("tool_start", ""), ("tool_args", '{"city": "A</parameter> and B"')]
+    pieces = out.feed(OutputEvent("r", text="</function>", finish_reason="stop"))
+    assert [(p.kind, p.text) for p in pieces] == [("tool_args", ', "days": 3}'), ("tool_done", "")]
+
+
+def test_a_streamed_call_that_fails_is_ended_and_followed_by_malformed_tool_call() -> None:
+    script = "<function=get_weather><parameter=city>Paris</parameter><parameter=days>two</parameter></function>"
+    # the whole-output parse (non-streaming requests): only the reserved call, as the spec says
+    whole, _ = _replay(script, stream=False)
+    assert [c.name for c in whole.result.tool_calls] == [MALFORMED]
+    # a stream already sent get_weather and its city: it is ended with what was read, then the error
+    out, got = _replay(script)
+    calls = out.result.tool_calls
+    assert [(c.name, c.arguments) for c in calls[:1]] == [("get_weather", '{"city": "Paris"}')]
+    assert calls[1].name == MALFORMED and "days" in json.loads(calls[1].arguments)["error"]
+    # the output ending inside a streamed call
+    out, _ = _replay("<function=get_weather><parameter=city>Paris</parameter><parameter=days>2")
+    assert [(c.name, c.arguments) for c in out.result.tool_calls][:1] == [("get_weather", '{"city": "Paris"}')]
+    assert out.result.tool_calls[1].name == MALFORMED
+
+
+def test_a_repeated_parameter_streams_again_and_parses_to_its_last_value() -> None:
+    script = "<function=get_weather><parameter=city>A</parameter><parameter=city>B</parameter></function>"
+    out, _ = _replay(script)
+    assert out.result.tool_calls[0].arguments == '{"city": "A", "city": "B"}'
+    assert json.loads(out.result.tool_calls[0].arguments) == json.loads(PARSER.parse(script)[1][0].arguments)
+
+
+def test_non_streaming_output_sends_each_call_whole() -> None:
+    out, got = _replay("x\n" + XML_CALLS[0], stream=False)
+    assert [p.kind for _, p in got if p.kind.startswith("tool")] == ["tool_start", "tool_args", "tool_done"]
+
+
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "opts": {"a": [1, "}"]}}}\n</tool_call>'
+
+
+def test_json_calls_stream_a_member_at_a_time() -> None:
+    script = "Checking.\n" + JSON_CALL
+    out, got = _replay(script)
+    assert out.result.content == "Checking."
+    args = [(at, p.text) for at, p in got if p.kind == "tool_args"]
+    assert [t for _, t in args] == ['{"city": "Paris"', ', "days": 2', ', "opts": {"a": [1, "}"]}', '}']
+    assert args[0][0] == script.index('"Paris"') + len('"Paris",')  # once the comma shows the value ended
+    assert args[1][0] == script.index("2,") + 2
+    assert out.result.tool_calls[0].arguments == PARSER.parse(script)[1][0].arguments
+    for step in range(1, 9):
+        out, got = _replay(script + "\n" + JSON_CALL.replace("Paris", "Oslo"), step=step)
+        calls = out.result.tool_calls
+        assert [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Oslo"], step
+        for i, call in enumerate(calls):
+            assert "".join(p.text for _, p in got if p.kind == "tool_args" and p.index == i) == call.arguments
+
+
+@pytest.mark.parametrize("script", [
+    '<tool_call>{"arguments": {"city": "Paris"}, "name": "get_weather"}</tool_call>',  # name last: whole
+    '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>',  # a string
+    '<tool_call>{"name": "unknown", "arguments": {"city": "Paris"}}</tool_call>',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2 oops}}</tool_call>',
+])
+def test_other_json_spellings_at_every_boundary(script: str) -> None:
+    content, parsed = PARSER.parse(script)
+    for step in (1, 2, 5):
+        out, got = _replay(script, step=step)
+        r = out.result
+        if parsed and parsed[0].name == MALFORMED:  # a started call that fails stays, the error follows
+            assert [c.name for c in r.tool_calls][-1] == MALFORMED
+            continue
+        assert r.content == content and [(c.name, c.arguments) for c in r.tool_calls] == \
+            [(c.name, c.arguments) for c in parsed]
+
+
+# ---- the request log's tool_call_parse -------------------------------------------------------
+
+@pytest.mark.parametrize("script, stream, expect", [
+    ("Plain text.", True, {"marker_seen": False, "call_count": 0, "fallback_reason": "none"}),
+    (XML_CALLS[1], True, {"marker_seen": True, "call_count": 1, "malformed_call_reported": False}),
+    ('<function=get_weather><parameter=city>A</parameter><parameter=city>B</parameter></function>', False,
+     {"call_count": 1, "duplicate_parameters_repaired": 1}),
+    ('<tool_call>{"name": "noop", "arguments": {}}</tool_call> and then some prose', False,
+     {"call_count": 1, "recovered": True, "recovered_call_count": 1, "malformed_call_reported": False,
+      "trailing_content_dropped": True, "fallback_reason": "trailing_content"}),
+    ('<tool_call>{"name": "noop", "arguments": {}}</tool_call><tool_call>{"name": "nope", "arguments": {}}'
+     '</tool_call>', True, {"recovered": True, "call_count": 2, "fallback_reason": "undeclared_tool"}),
+    ('<function=get_weather><parameter=city>Paris', True,
+     {"recovered": False, "malformed_call_reported": True, "trailing_content_dropped": False,
+      "fallback_reason": "malformed_structure"}),
+])
+def test_tool_call_parse_report(script: str, stream: bool, expect: dict) -> None:
+    for step in (1, len(script)):
+        out, _ = _replay(script, stream=stream, step=step)
+        report = out.log_fields()["tool_call_parse"]
+        assert {k: report[k] for k in expect} == expect, step
+    assert ChatOutput().log_fields() == {"tool_call_parse": None}

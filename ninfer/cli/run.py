@@ -28,6 +28,10 @@ def run(
     stop: List[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
     system: Optional[str] = typer.Option(None, "--system", help="System message."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
+    reasoning_effort: Optional[str] = typer.Option(
+        None, "--reasoning-effort",
+        help="Reasoning effort for the template: none (thinking off), minimal, low, medium, high, xhigh or max; "
+             "a value the template rejects renders as the nearest one it accepts."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object: text, token ids, finish reason, timings."),
     json_schema: Optional[str] = typer.Option(None, "--json-schema",
                                               help="Constrain the answer to a JSON Schema (a file or inline JSON; {} for any JSON object)."),
@@ -44,7 +48,7 @@ def run(
     device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
 ) -> None:
     prepare_threads(threads, backend, announce=not json_out)
-    from ninfer.engine.chat import Message, render
+    from ninfer.engine.chat import EFFORTS, Message, render
     from ninfer.engine.config import SchedulerConfig
     from ninfer.engine.loader import load_engine
     from ninfer.engine.request import PreparedRequest
@@ -57,6 +61,10 @@ def run(
         raise ConfigError("--max-tokens must be >= 1")
     if system is not None and raw:
         raise ConfigError("--system applies to the chat template; it cannot be combined with --raw")
+    if reasoning_effort is not None and reasoning_effort not in EFFORTS:
+        raise ConfigError(f"--reasoning-effort must be one of {', '.join(EFFORTS)}, got {reasoning_effort!r}")
+    if reasoning_effort is not None and raw:
+        raise ConfigError("--reasoning-effort applies to the chat template; it cannot be combined with --raw")
     flags = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
     sampling_from_flags(**flags)  # bad values fail before the model loads
@@ -85,7 +93,9 @@ def run(
             ids = tok.encode(prompt, add_special_tokens=True)
         else:
             messages = ([Message("system", system)] if system is not None else []) + [Message("user", prompt)]
-            ids = render(tok, messages).ids
+            kwargs = {} if reasoning_effort is None else (
+                {"enable_thinking": False} if reasoning_effort == "none" else {"reasoning_effort": reasoning_effort})
+            ids = render(tok, messages, kwargs=kwargs).ids
         req = PreparedRequest(request_id=f"run-{uuid.uuid4().hex[:12]}", prompt_token_ids=ids, sampling=sampling,
                               max_tokens=max_tokens, stop=list(stop), raw_prompt=raw, grammar=grammar)
         text, token_ids, final = [], [], None

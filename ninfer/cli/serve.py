@@ -98,6 +98,10 @@ def serve(
     assistant_prefill: bool = typer.Option(False, "--assistant-prefill",
                                            help="Continue a final assistant Chat message in place (as /v1/messages does)."),
     no_thinking: bool = typer.Option(False, "--no-thinking", help="Disable thinking by default (requests may enable it)."),
+    default_reasoning_effort: Optional[str] = typer.Option(
+        None, "--default-reasoning-effort",
+        help="Effort for requests that name none: none, minimal, low, medium, high, xhigh or max "
+             "(none turns thinking off by default)."),
     preserve_thinking: bool = typer.Option(False, "--preserve-thinking",
                                            help="Preserve closed-turn assistant reasoning by default."),
     default_thinking_budget: Optional[int] = typer.Option(None, "--default-thinking-budget",
@@ -150,7 +154,14 @@ def serve(
     sleep_idle_seconds: float = typer.Option(0, "--sleep-idle-seconds",
                                              help="Put a model idle this long to sleep (needs --model-suspend)."),
     model_suspend: bool = typer.Option(False, "--model-suspend",
-                                       help="Let an idle model give its memory back (suspend, sleep; torch backend)."),
+                                       help="Let an idle model give its memory back (suspend, sleep)."),
+    suspend_snapshot: str = typer.Option("pageable", "--suspend-snapshot",
+                                         help="Where a suspend keeps the retained state: pageable (host memory "
+                                              "allocated at suspend, sized to what is live) or pinned (a block for "
+                                              "the whole state reserved at start-up and kept)."),
+    suspend_weights: str = typer.Option("artifact", "--suspend-weights",
+                                        help="Where a resume reads the weights: artifact (the file again) or host "
+                                             "(a suspend copies them to host memory)."),
     no_auto_resume: bool = typer.Option(False, "--no-auto-resume",
                                         help="A request to a suspended model fails with 503 instead of resuming it."),
 ) -> None:
@@ -236,10 +247,12 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
                           structured_output=p["structured_output"], log_stats_interval_ms=p["log_stats_interval_ms"],
                           request_log_jsonl=p["request_log_jsonl"], request_log_max_mib=p["request_log_max_mib"],
                           request_log_keep=p["request_log_keep"], model_suspend=p["model_suspend"],
-                          auto_resume=not p["no_auto_resume"],
+                          auto_resume=not p["no_auto_resume"], suspend_snapshot=p["suspend_snapshot"],
+                          suspend_weights=p["suspend_weights"],
                           log_stats_panel=_on_off(p["log_stats_panel"], "--log-stats-panel"),
                           unconstrained_response_format=p["unconstrained_response_format"], model_path=p["model"] or "",
                           no_thinking=p["no_thinking"], preserve_thinking=p["preserve_thinking"],
+                          default_reasoning_effort=p["default_reasoning_effort"],
                           assistant_prefill=p["assistant_prefill"],
                           default_thinking_budget=p["default_thinking_budget"],
                           thinking_budget_message=p["thinking_budget_message"],

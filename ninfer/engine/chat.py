@@ -23,6 +23,11 @@ if TYPE_CHECKING:  # the server imports this module before the model (and torch)
 ESC_OPEN, ESC_CLOSE = "\U000F0000", "\U000F0001"
 _ESCAPED = re.compile(f"{ESC_OPEN}(\\d+){ESC_CLOSE}")
 
+# The reasoning efforts clients send, lowest first ("none" disables thinking and never reaches the
+# template as an effort).
+EFFORT_LEVELS = ("minimal", "low", "medium", "high", "xhigh", "max")
+EFFORTS = ("none", *EFFORT_LEVELS)
+
 
 @dataclass(slots=True)
 class ToolCall:
@@ -126,6 +131,20 @@ def _arguments(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
+def template_effort(tokenizer: Tokenizer, effort: str, chat_template: str | None = None) -> str:
+    """The effort a template renders for a requested one: the value itself when the template
+    accepts it, else the nearest value it accepts (a tie rounds up: on a template that takes low,
+    medium and xhigh, high and max render as xhigh, minimal as low). A template that accepts no
+    value, or whose acceptance cannot be tried, gets the value as requested."""
+    if effort not in EFFORT_LEVELS:
+        return effort
+    accepted = tokenizer.accepted_efforts(EFFORT_LEVELS, chat_template)
+    if not accepted or effort in accepted:
+        return effort
+    rank = EFFORT_LEVELS.index(effort)
+    return min(accepted, key=lambda v: (abs(EFFORT_LEVELS.index(v) - rank), -EFFORT_LEVELS.index(v)))
+
+
 def render(tokenizer: Tokenizer, messages: list[Message], *, tools: list[Tool] | None = None,
            kwargs: Mapping[str, Any] | None = None, prefill: str | None = None,
            add_generation_prompt: bool = True, chat_template: str | None = None) -> Rendered:
@@ -134,6 +153,8 @@ def render(tokenizer: Tokenizer, messages: list[Message], *, tools: list[Tool] |
     TemplateError when the template fails."""
     specials = tokenizer.special_token_strings
     esc = _Escaper(specials)
+    if kwargs and isinstance(kwargs.get("reasoning_effort"), str):
+        kwargs = {**kwargs, "reasoning_effort": template_effort(tokenizer, kwargs["reasoning_effort"], chat_template)}
     text = tokenizer.apply_chat_template(esc(template_messages(messages)), tools=esc(template_tools(tools or [])),
                                          add_generation_prompt=add_generation_prompt,
                                          chat_template=chat_template, **esc(dict(kwargs or {})))

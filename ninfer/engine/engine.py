@@ -337,6 +337,10 @@ class Engine:
         Raises (through the future) EngineBusy with work in flight, SuspendNotSupported."""
         return self.call_on_worker(lambda: suspend_mod.suspend(self))
 
+    def configure_suspend(self, options: suspend_mod.SuspendOptions) -> concurrent.futures.Future:
+        """Adopt --suspend-snapshot / --suspend-weights (pinned reserves its block now); -> Future[Residency]."""
+        return self.call_on_worker(lambda: suspend_mod.configure(self, options))
+
     def resume(self) -> concurrent.futures.Future:
         """Take the memory again and restore the retained state; -> Future[Residency]."""
         return self.call_on_worker(lambda: suspend_mod.resume(self))

@@ -3,11 +3,19 @@ retained conversations so that their prefixes are reused exactly after a resume.
 
 A suspend runs on the Engine's worker between steps and only while nothing is queued, admitted or
 running (EngineBusy otherwise; it never cancels work). The runner copies the live KV pages and
-recurrent-state slots (those the page and state pools hold: retained conversations) into a host
-snapshot sized to what is live, and drops its weights, its KV pool and its state pool. A resume
-reads the weights again from the artifact (--suspend-weights artifact), allocates the pools afresh
-and copies the snapshot back into the same page and slot ids, so the scheduler's block tables and
-the prefix cache stay valid untouched. `Residency` is what GET /v1/models/{id}/residency reports.
+recurrent-state slots (those the page and state pools hold: retained conversations; with --spec
+mtp the MTP head's pages too) into a host snapshot, and drops its weights, its KV pool and its
+state pool. A resume reads the weights again, allocates the pools afresh and copies the snapshot
+back into the same page and slot ids, so the scheduler's block tables and the prefix cache stay
+valid untouched. `Residency` is what GET /v1/models/{id}/residency reports.
+
+Where the snapshot lives (--suspend-snapshot): `pageable` host memory allocated at suspend, sized to
+what is live and freed after the resume; or `pinned`: a block sized for the whole persistent state
+(every KV page and state slot), reserved when the model loads and kept (page-locked when the model
+is on a GPU; on the CPU backend the device memory is host memory, so the block is ordinary memory
+reserved up front). Where the weights come from at resume (--suspend-weights): the `artifact`
+file again, or `host`: a suspend copies the artifact's stored tensors into host memory and the
+resume reads those instead of the file.
 """
 from __future__ import annotations
 
@@ -19,6 +27,28 @@ from ninfer.engine.errors import EngineBusy, SuspendNotSupported
 
 if TYPE_CHECKING:
     from ninfer.engine.engine import Engine
+
+
+SNAPSHOT_MODES = ("pageable", "pinned")
+WEIGHT_MODES = ("artifact", "host")
+# caches indexed by KV page id (the scales of an int8 / fp8 KV cache, the MTP head's K/V); the others by state slot
+PAGED = ("k", "v", "k_scale", "v_scale", "mtp_k", "mtp_v")
+
+
+@dataclass(slots=True, frozen=True)
+class SuspendOptions:
+    """--suspend-snapshot and --suspend-weights."""
+
+    snapshot: str = "pageable"
+    weights: str = "artifact"
+
+    def __post_init__(self) -> None:
+        from ninfer.errors import ConfigError
+
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise ConfigError(f"--suspend-snapshot must be pageable or pinned, got {self.snapshot!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(f"--suspend-weights must be artifact or host, got {self.weights!r}")
 
 
 @dataclass(slots=True)
@@ -47,15 +77,30 @@ class Residency:
     last_suspend: MemoryMove | None = None
     last_resume: MemoryMove | None = None
     last_error: str | None = None
+    options: SuspendOptions = field(default_factory=SuspendOptions)
+    host_reserved_bytes: int = 0  # the pinned snapshot block, held for the life of the model
     snapshot: Any = field(default=None, repr=False)  # the runner's snapshot while suspended
+    reserved: Any = field(default=None, repr=False)  # --suspend-snapshot pinned: the block
+    weights: Any = field(default=None, repr=False)  # --suspend-weights host: the weights while suspended
 
     def to_dict(self) -> dict[str, Any]:
         return {"state": self.state, "releasable_device_bytes": self.releasable_bytes,
-                "host_snapshot_bytes": self.host_snapshot_bytes, "host_reserved_bytes": 0,
+                "host_snapshot_bytes": self.host_snapshot_bytes, "host_reserved_bytes": self.host_reserved_bytes,
                 "suspend_count": self.suspends, "resume_count": self.resumes,
                 "last_suspend": self.last_suspend.to_dict() if self.last_suspend else None,
                 "last_resume": self.last_resume.to_dict() if self.last_resume else None,
                 "last_error": self.last_error}
+
+
+def configure(engine: Engine, options: SuspendOptions) -> Residency:
+    """Worker thread, when the model loads: adopt the options; `pinned` reserves the snapshot block."""
+    r = engine.residency
+    r.options = options
+    runner = engine.runner
+    if options.snapshot == "pinned" and r.reserved is None and hasattr(runner, "suspend_caches"):
+        r.reserved = reserve(runner.suspend_caches(), runner.device)
+        r.host_reserved_bytes = sum(t.numel() * t.element_size() for ts in r.reserved.values() for t in ts)
+    return r
 
 
 def check_idle(engine: Engine) -> None:
@@ -86,12 +131,15 @@ def suspend(engine: Engine) -> Residency:
         if engine.state_pool is not None else []
     t0 = time.monotonic()
     try:
-        snapshot, state_bytes, weight_bytes = runner.release_memory(used_pages, used_slots)
+        weights = HostWeights(runner.weights_artifact, runner.device) if r.options.weights == "host" else None
+        snapshot, state_bytes, weight_bytes = runner.release_memory(used_pages, used_slots, r.reserved)
     except BaseException:
         r.state = "resident"
         raise
-    r.last_suspend = MemoryMove(time.monotonic() - t0, state_bytes, weight_bytes, 0)
-    r.snapshot, r.host_snapshot_bytes = snapshot, state_bytes
+    read = weights.read_bytes if weights is not None else 0
+    r.last_suspend = MemoryMove(time.monotonic() - t0, state_bytes, weight_bytes, read)
+    r.snapshot, r.weights = snapshot, weights
+    r.host_snapshot_bytes = state_bytes + (weights.nbytes if weights is not None else 0)
     r.state, r.suspends, r.last_error = "suspended", r.suspends + 1, None
     return r
 
@@ -104,24 +152,60 @@ def resume(engine: Engine) -> Residency:
         return r
     t0 = time.monotonic()
     try:
-        state_bytes, weight_bytes, read_bytes = engine.runner.restore_memory(r.snapshot)
+        state_bytes, weight_bytes, read_bytes = engine.runner.restore_memory(r.snapshot, r.weights)
     except Exception as e:  # noqa: BLE001 - reported, the model stays suspended
         r.last_error = f"{type(e).__name__}: {e}"
         raise
     r.last_resume = MemoryMove(time.monotonic() - t0, state_bytes, weight_bytes, read_bytes)
-    r.snapshot, r.host_snapshot_bytes = None, 0
+    r.snapshot, r.weights, r.host_snapshot_bytes = None, None, 0
     with engine._cv:
         r.state, r.resumes, r.last_error = "resident", r.resumes + 1, None
     return r
 
 
-PAGED = ("k", "v", "k_scale", "v_scale")  # caches indexed by page id (the scales of an int8 / fp8 KV cache)
+class HostWeights:
+    """An artifact's stored tensors copied into host memory (--suspend-weights host): what a resume
+    reads instead of the file. Same interface as Artifact for the loader (meta, load_parts)."""
+
+    def __init__(self, artifact: Any, device: Any) -> None:
+        import torch
+
+        pin = torch.device(device).type == "cuda"
+        self.meta = artifact.meta
+        self.read_bytes = getattr(artifact, "payload_bytes", 0)  # read from the file at suspend
+        # clone: the file's tensors are views of its memory map, which is not a copy in memory
+        self._parts = {name: {s: (t.pin_memory() if pin else t.clone()) for s, t in parts.items()}
+                       for name, parts in artifact.load_parts("cpu").items()}
+        self.nbytes = sum(t.numel() * t.element_size() for parts in self._parts.values() for t in parts.values())
+        self.payload_bytes = 0  # a resume from here reads no file
+
+    def load_parts(self, device: Any = "cpu") -> dict[str, dict[str, Any]]:
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cpu":
+            return {name: dict(parts) for name, parts in self._parts.items()}
+        return {name: {s: t.to(device, non_blocking=True) for s, t in parts.items()}
+                for name, parts in self._parts.items()}
 
 
-def take_snapshot(caches: dict[str, list[Any]], pages: list[int], slots: list[int], device: Any) -> dict[str, Any]:
-    """Host copies of the live rows of a runner's caches: {"k": [...], "v": [...]} (and the int8 /
-    fp8 caches' {"k_scale", "v_scale"}) are paged by page id, {"conv": [...], "ssm": [...]} by state
-    slot. -> {"pages", "slots", name: [host tensors]}."""
+def reserve(caches: dict[str, list[Any]], device: Any) -> dict[str, list[Any]]:
+    """--suspend-snapshot pinned: a host block shaped like every cache (page-locked for a GPU)."""
+    import torch
+
+    from ninfer.engine.transfer import indexable
+
+    pin = torch.device(device).type == "cuda"
+    return {name: [torch.empty(t.shape, dtype=indexable(t).dtype, device="cpu", pin_memory=pin) for t in tensors]
+            for name, tensors in caches.items()}
+
+
+def take_snapshot(caches: dict[str, list[Any]], pages: list[int], slots: list[int], device: Any,
+                  reserved: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+    """Host copies of the live rows of a runner's caches: the PAGED ones by page id (K, V, an int8 /
+    fp8 cache's scales, the MTP head's K/V), the others ({"conv": [...], "ssm": [...]}) by state slot. -> {"pages", "slots", name: [host tensors]}.
+    With a `reserved` block the rows go to its front, one copy per tensor (no allocation). Float8
+    caches move as their bytes (transfer.indexable)."""
     import torch
 
     from ninfer.engine.transfer import indexable
@@ -132,7 +216,18 @@ def take_snapshot(caches: dict[str, list[Any]], pages: list[int], slots: list[in
     snapshot: dict[str, Any] = {"pages": pages, "slots": slots}
     for name, tensors in caches.items():
         ids = index["pages"] if name in PAGED else index["slots"]
-        snapshot[name] = [indexable(t).index_select(0, ids).to(host, copy=True) for t in tensors]
+        if reserved is None:
+            snapshot[name] = [indexable(t).index_select(0, ids).to(host, copy=True) for t in tensors]
+            continue
+        rows = []
+        for t, block in zip(tensors, reserved[name]):
+            t, front = indexable(t), block[:len(ids)]
+            if t.device.type == "cpu":
+                torch.index_select(t, 0, ids, out=front)
+            else:
+                front.copy_(t.index_select(0, ids), non_blocking=True)
+            rows.append(front)
+        snapshot[name] = rows
     return snapshot
 
 
@@ -142,12 +237,13 @@ def restore_snapshot(caches: dict[str, list[Any]], snapshot: dict[str, Any], dev
 
     from ninfer.engine.transfer import indexable
 
+    pinned = torch.device(device).type == "cuda"  # a copy from pageable memory is synchronous anyway
     index = {"pages": torch.tensor(snapshot["pages"], dtype=torch.long, device=device),
              "slots": torch.tensor(snapshot["slots"], dtype=torch.long, device=device)}
     for name, tensors in caches.items():
         ids = index["pages"] if name in PAGED else index["slots"]
         for t, saved in zip(tensors, snapshot[name]):
-            indexable(t).index_copy_(0, ids, saved.to(device))
+            indexable(t).index_copy_(0, ids, saved.to(device, non_blocking=pinned))
     return snapshot_bytes(snapshot)
 
 

@@ -61,6 +61,7 @@ class Tokenizer:
         self._plain_tok: _HFTokenizer | None = None  # parse_special=False encoder, built on first use
         self._bytes: list[bytes] | None = None  # token_bytes table, built on first use
         self._templates: dict[str, jinja2.Template] = {}
+        self._efforts: dict[str, tuple[str, ...] | None] = {}
 
     @classmethod
     def from_metadata(cls, meta: ArtifactMetadata) -> Tokenizer:
@@ -233,6 +234,26 @@ class Tokenizer:
                 if i == len(tries) - 1:
                     raise TemplateError(f"the chat template cannot render a one-message chat: "
                                         f"{type(e).__name__}: {e}", field="chat_template") from None
+
+    def accepted_efforts(self, candidates: tuple[str, ...], chat_template: str | None = None) -> tuple[str, ...] | None:
+        """The reasoning efforts of `candidates` the template renders a one-message chat with, tried
+        once per template. None: the template rejects every value, or cannot render that chat at all
+        (a request's value then renders as it is, with its own error)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if (source or "") in self._efforts:
+            return self._efforts[source or ""]
+        chat = [{"role": "user", "content": "Hello"}]
+
+        def renders(**kwargs: Any) -> bool:
+            try:
+                self.apply_chat_template(chat, add_generation_prompt=True, chat_template=chat_template, **kwargs)
+                return True
+            except Exception:  # noqa: BLE001 - a template's raise_exception or any failure of its functions
+                return False
+
+        accepted = tuple(v for v in candidates if renders(reasoning_effort=v)) if renders() else ()
+        self._efforts[source or ""] = accepted or None
+        return accepted or None
 
     def _compiled(self, chat_template: str | None) -> jinja2.Template:
         source = chat_template if chat_template is not None else self.chat_template

@@ -23,7 +23,8 @@ from ninfer.engine.chat import Message, ToolCall
 from ninfer.engine.request import OutputEvent, Usage
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
-from ninfer.server.chat_request import ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking
+from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, named_effort,
+                                        parse_post_thinking)
 from ninfer.server.chat_run import ChatEncoder, prepare, run_chat
 from ninfer.server.errors import CLIENT_ERRORS, http_error
 from ninfer.server.http import Call, anthropic_error_type
@@ -253,11 +254,13 @@ def decode_messages(call: Call, body: dict[str, Any], generate: bool = True) -> 
     kwargs = merge_template_kwargs(body.get("chat_template_kwargs"),
                                    {"enable_thinking": enable, "preserve_thinking": opt_bool(body, "preserve_thinking")})
     effort = (body.get("output_config") or {}).get("effort")
+    named = named_effort(effort, kwargs)
     kwargs = effort_kwargs(effort, "output_config.effort", kwargs)
     tools = anthropic_tools(body)
     choice, parallel = anthropic_tool_choice(body, tools)
     chat = ChatRequest(protocol="anthropic", messages=turns, prefill=prefill, sampling=state.base_sampling,
-                       template_kwargs=kwargs, response_format=fmt, tools=tools, tool_choice=choice,
+                       template_kwargs=kwargs, requested_effort=named, response_format=fmt, tools=tools,
+                       tool_choice=choice,
                        parallel_tool_calls=parallel, thinking_budget=budget, omit_reasoning=omitted)
     if not generate:
         return chat

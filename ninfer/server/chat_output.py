@@ -10,7 +10,7 @@ from typing import Any
 
 from ninfer.engine.chat import Tool, ToolCall
 from ninfer.engine.request import OutputEvent, Timings, TokenLogprob
-from ninfer.server.toolcalls import ParsedCall, Parser, ToolCallStream
+from ninfer.server.toolcalls import CallDelta, Parser, ToolCallStream
 
 
 @dataclass(slots=True)
@@ -48,13 +48,14 @@ class ChatResult:
 
 class ChatOutput:
     """Turns a request's engine events into pieces and accumulates the result. With callable
-    tools, content goes through the tool-call parser (toolcalls.py); parallel_tool_calls false
-    keeps the first call."""
+    tools, content goes through the tool-call parser (toolcalls.py); a stream (`stream`) gets each
+    XML-form call a parameter at a time. parallel_tool_calls false keeps the first call."""
 
-    def __init__(self, tools: list[Tool] = (), parallel_tool_calls: bool = True) -> None:
+    def __init__(self, tools: list[Tool] = (), parallel_tool_calls: bool = True, stream: bool = True) -> None:
         self.result = ChatResult()
         self._tools = {t.engine_name: t for t in tools}
-        self._calls = ToolCallStream(Parser({n: t.parameters for n, t in self._tools.items()})) if tools else None
+        self._calls = ToolCallStream(Parser({n: t.parameters for n, t in self._tools.items()}), early=stream) \
+            if tools else None
         self._parallel = parallel_tool_calls
 
     def feed(self, event: OutputEvent) -> list[Piece]:
@@ -66,32 +67,44 @@ class ChatOutput:
         if event.reasoning:
             r.reasoning += event.reasoning
             pieces.append(Piece("reasoning", event.reasoning))
-        text, calls = event.text, []
+        text, deltas = event.text, []
         if self._calls is not None and not self._calls.done and (text or final):
-            text, calls = self._calls.feed(text, final=final)
+            text, deltas = self._calls.feed(text, final=final)
         if text or event.logprobs:
             r.content += text
             r.logprobs.extend(event.logprobs)
             pieces.append(Piece("content", text, logprobs=event.logprobs))
-        for parsed in calls:
-            if r.tool_calls and not self._parallel:
-                break
-            pieces += self._call_pieces(parsed)
+        for delta in deltas:
+            if delta.index == 0 or self._parallel:
+                pieces += self._call_pieces(delta)
         if final:
             r.final = event
         if pieces and event.timings is not None:
             pieces[0].timings = event.timings
         return pieces
 
-    def _call_pieces(self, parsed: ParsedCall) -> list[Piece]:
-        tool = self._tools.get(parsed.name)
-        call = ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=tool.name if tool else parsed.name,
-                        arguments=parsed.arguments, namespace=tool.namespace if tool else None)
-        index = len(self.result.tool_calls)
-        self.result.tool_calls.append(call)
-        return [Piece("tool_start", index=index, call=replace(call, arguments="")),
-                Piece("tool_args", call.arguments, index=index, call=call),
-                Piece("tool_done", index=index, call=call)]
+    def log_fields(self) -> dict[str, Any]:
+        """The request log's request_done.result fields of the output (tool_call_parse: null without
+        callable tools)."""
+        return {"tool_call_parse": self._calls.report if self._calls is not None else None}
+
+    def _call_pieces(self, delta: CallDelta) -> list[Piece]:
+        calls = self.result.tool_calls
+        index = len(calls) - 1
+        pieces = []
+        if delta.index >= len(calls):  # a new call: its id and name
+            tool = self._tools.get(delta.name)
+            calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=tool.name if tool else delta.name,
+                                  arguments="", namespace=tool.namespace if tool else None))
+            index = len(calls) - 1
+            pieces.append(Piece("tool_start", index=index, call=replace(calls[index])))
+        call = calls[index]
+        if delta.text:
+            call.arguments += delta.text
+            pieces.append(Piece("tool_args", delta.text, index=index, call=call))
+        if delta.done:
+            pieces.append(Piece("tool_done", index=index, call=call))
+        return pieces
 
 
 def piece_dict(piece: Piece) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ninfer.engine.chat import Message, Tool
+from ninfer.engine.chat import EFFORTS, Message, Tool
 from ninfer.engine.request import SamplingParams
 from ninfer.errors import RequestError
 from ninfer.server.params import bad, opt_int, opt_number, sampling_from
@@ -17,7 +17,6 @@ from ninfer.server.structured import JsonFormat
 
 # template kwargs a request may not override: the template's inputs and the tokenizer's tokens
 RESERVED_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token")
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,6 +53,7 @@ class ChatRequest:
     thinking_budget: int | None = None  # the request's cap (None: the server default)
     post_thinking: dict[str, Any] | None = None  # the request's post_thinking fields (None: the server's choice)
     omit_reasoning: bool = False  # Anthropic thinking.display "omitted": reasoning travels in the signature only
+    requested_effort: str | None = None  # the reasoning effort the request named itself (logs; None: none named)
 
     @property
     def callable_tools(self) -> list[Tool]:
@@ -96,6 +96,15 @@ def effort_kwargs(effort: Any, param: str, kwargs: dict[str, Any]) -> dict[str, 
             raise bad(param, f"{param} none disagrees with enable_thinking true")
         return {**kwargs, "enable_thinking": False}
     return {**kwargs, "reasoning_effort": effort}
+
+
+def named_effort(effort: Any, kwargs: dict[str, Any]) -> str | None:
+    """The effort a request named itself: its typed field, else chat_template_kwargs.reasoning_effort
+    (default/auto name none: they ask for the server's level)."""
+    if isinstance(effort, str) and effort not in ("default", "auto"):
+        return effort
+    value = kwargs.get("reasoning_effort")
+    return value if isinstance(value, str) else None
 
 
 POST_THINKING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seed")

@@ -30,8 +30,10 @@ from ninfer.server.tools import forced_grammar
 
 
 def template_kwargs(state: ServerState, chat: ChatRequest) -> dict[str, Any]:
-    """The request's template kwargs over the server defaults (--no-thinking, --preserve-thinking).
-    A structured response or a forced tool call that does not ask for thinking runs without it."""
+    """The request's template kwargs over the server defaults (--no-thinking, --preserve-thinking,
+    --default-reasoning-effort). A structured response or a forced tool call that does not ask for
+    thinking runs without it. The default effort yields to everything the request decides: its own
+    effort, thinking it disables, a forced call, an assistant prefill."""
     kwargs = dict(chat.template_kwargs)
     if chat.tool_choice.mode == "required" and kwargs.get("enable_thinking") is True:
         raise RequestError("tool_choice: a forced tool call starts the answer, so it cannot follow reasoning the "
@@ -44,6 +46,14 @@ def template_kwargs(state: ServerState, chat: ChatRequest) -> dict[str, Any]:
         if chat.tool_choice.mode == "required":
             kwargs.pop("reasoning_effort", None)  # a server default effort yields to a forced call
         kwargs.setdefault("enable_thinking", False)
+    default = state.config.default_reasoning_effort
+    if (default is not None and chat.requested_effort is None and "reasoning_effort" not in kwargs
+            and kwargs.get("enable_thinking") is not False and chat.tool_choice.mode != "required"
+            and chat.prefill is None):
+        if default != "none":
+            kwargs["reasoning_effort"] = default
+        elif "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = False
     return kwargs
 
 
@@ -99,7 +109,8 @@ def prepare(state: ServerState, chat: ChatRequest, request_id: str, generate: bo
     thinking = rendered.opens_reasoning or (kwargs.get("enable_thinking") is not False and OPEN in template)
     # timings_per_token and return_progress shape a stream only: the engine does the work only then
     hints: dict[str, Any] = {"protocol": chat.protocol, "timings_per_token": chat.stream and chat.timings_per_token,
-                             "return_progress": chat.stream and chat.return_progress, "thinking": thinking}
+                             "return_progress": chat.stream and chat.return_progress, "thinking": thinking,
+                             "requested_reasoning_effort": chat.requested_effort}
     return PreparedRequest(request_id=request_id, prompt_token_ids=rendered.ids, sampling=chat.sampling,
                            max_tokens=chat.max_tokens, stop=list(chat.stop), ignore_eos=chat.ignore_eos,
                            grammar=grammar, hints=hints,
@@ -153,13 +164,12 @@ async def run_chat(call: Call, protocol: str, decode: Decode) -> None:
         state.reject(protocol, err)
         raise err
     encoder.req = req
-    out = ChatOutput(chat.callable_tools, chat.parallel_tool_calls)
-    async with Generation(call, req, chat.stream) as gen:
+    out = ChatOutput(chat.callable_tools, chat.parallel_tool_calls, stream=chat.stream)
+    async with Generation(call, req, chat.stream, observe=out.feed, result_fields=out.log_fields) as gen:
         encoder.created = gen.created
         if not chat.stream:
             async for event in gen.events(None):
                 assert isinstance(event, OutputEvent)
-                out.feed(event)
             await encoder.respond(out.result)
             return
         try:
@@ -171,7 +181,7 @@ async def run_chat(call: Call, protocol: str, decode: Decode) -> None:
                 if event.progress is not None:
                     await encoder.progress(event)
                     continue
-                for piece in out.feed(event):
+                for piece in gen.observed:  # out.feed(event), run before the event was logged
                     await encoder.piece(piece)
                 if event.finish_reason is not None:
                     await encoder.finish(out.result)

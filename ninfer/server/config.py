@@ -72,10 +72,13 @@ class ServerConfig:
     request_log_keep: int = 4  # rotated copies kept
     model_suspend: bool = False  # the model may give its memory back while idle (suspend, sleep)
     auto_resume: bool = True  # a request to a suspended model resumes it (else 503)
+    suspend_snapshot: str = "pageable"  # where a suspend keeps the retained state: pageable | pinned
+    suspend_weights: str = "artifact"  # where a resume reads the weights: artifact | host
     keepalive_seconds: float = 5.0  # SSE ": keep-alive" comment after this long without an event
     model_path: str = ""  # the model argument as given, for /props model_path
     assistant_prefill: bool = False  # a final assistant Chat message is continued in place
     no_thinking: bool = False  # requests that do not decide start without thinking
+    default_reasoning_effort: str | None = None  # the effort of requests that name none (none: thinking off)
     preserve_thinking: bool = False  # closed-turn reasoning kept in the prompt by default
     default_thinking_budget: int | None = None  # the cap of a thinking request that names none
     thinking_budget_message: str | None = None  # the early-close guidance instead of the built-in one
@@ -115,6 +118,21 @@ class ServerConfig:
             raise ConfigError("--request-log-keep must be >= 0")
         if self.default_thinking_budget is not None and self.default_thinking_budget < 1:
             raise ConfigError("--default-thinking-budget must be a positive integer")
+        if self.default_reasoning_effort is not None:
+            from ninfer.engine.chat import EFFORTS
+
+            if self.default_reasoning_effort not in EFFORTS:
+                raise ConfigError(f"--default-reasoning-effort must be one of {', '.join(EFFORTS)}, "
+                                  f"got {self.default_reasoning_effort!r}")
+            if self.no_thinking and self.default_reasoning_effort != "none":
+                raise ConfigError(f"--default-reasoning-effort {self.default_reasoning_effort} conflicts with "
+                                  "--no-thinking (an effort asks for thinking; none is the only effort without it)")
+        if self.suspend_snapshot not in ("pageable", "pinned"):
+            raise ConfigError(f"--suspend-snapshot must be pageable or pinned, got {self.suspend_snapshot!r}")
+        if self.suspend_weights not in ("artifact", "host"):
+            raise ConfigError(f"--suspend-weights must be artifact or host, got {self.suspend_weights!r}")
+        if (self.suspend_snapshot, self.suspend_weights) != ("pageable", "artifact") and not self.model_suspend:
+            raise ConfigError("--suspend-snapshot and --suspend-weights need --model-suspend")
         if self.thinking_budget_message is not None and not self.thinking_budget_message.strip():
             raise ConfigError("--thinking-budget-message must not be empty")
         if not self.keepalive_seconds > 0:

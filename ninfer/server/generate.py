@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,11 +91,18 @@ class Generation:
     """One request through the engine. Use as an async context manager: entering takes an
     ingress place (429 when full), leaving releases it and cancels an unfinished request."""
 
-    def __init__(self, call: Call, req: PreparedRequest, stream: bool = False, ingress: bool = True) -> None:
+    def __init__(self, call: Call, req: PreparedRequest, stream: bool = False, ingress: bool = True,
+                 observe: Callable[[OutputEvent], Any] | None = None,
+                 result_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.call = call
         self.req = req
         self.stream = stream
         self.ingress = ingress  # False: one of several engine requests of one HTTP request (fanout.py)
+        # observe: sees each event before it is logged (its return value is `observed` while the
+        # event is yielded), so result_fields (the request_done.result additions) can describe the final one
+        self.observe = observe
+        self.observed: Any = None
+        self.result_fields = result_fields
         self.protocol = str(req.hints.get("protocol", ""))
         self.created = int(time.time())
         self._pump: EventPump | None = None
@@ -154,6 +161,8 @@ class Generation:
             if item is not TIMEOUT:
                 heard = True
                 assert isinstance(item, OutputEvent)
+                if self.observe is not None and item.finish_reason != "error":
+                    self.observed = self.observe(item)
                 if ttft is None and item.token_ids:
                     ttft = time.monotonic() - self._t0
                 if item.finish_reason is not None:
@@ -168,7 +177,8 @@ class Generation:
                         state.reqlog.request_error(self._n, self.protocol, err, elapsed, model=state.log_name)
                         raise err
                     state.reqlog.request_done(self._n, self.protocol, item, elapsed, model=state.log_name,
-                                              prepare_seconds=prepare, ttft_seconds=ttft)
+                                              prepare_seconds=prepare, ttft_seconds=ttft,
+                                              result=self.result_fields() if self.result_fields else None)
             yield item
 
     def _in_a_lane(self) -> bool:

@@ -12,8 +12,8 @@ from ninfer.engine.chat import Message, ToolCall
 from ninfer.engine.request import OutputEvent
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
-from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking,
-                                       parse_thinking_budget)
+from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, named_effort,
+                                       parse_post_thinking, parse_thinking_budget)
 from ninfer.server.chat_run import ChatEncoder, render_chat, run_chat
 from ninfer.server.generate import logprob_records, prompt_progress, slot_extras, system_fingerprint, usage_dict
 from ninfer.server.http import Call
@@ -84,6 +84,9 @@ def normalize_messages(value: Any) -> list[Message]:
                 msg.name = name
         if role == "assistant":
             msg.tool_calls = history_calls(m.get("tool_calls"), f"{where}.tool_calls")
+            legacy = m.get("function_call")
+            if legacy is not None:  # legacy function-call history: one call, no id
+                msg.tool_calls += legacy_call(legacy, f"{where}.function_call")
             reasoning = m.get("reasoning_content", m.get("reasoning"))
             if isinstance(reasoning, str) and reasoning:
                 msg.reasoning = reasoning
@@ -96,6 +99,18 @@ def normalize_messages(value: Any) -> list[Message]:
                 msg.tool_call_id = call_id
         out.append(msg)
     return out
+
+
+def legacy_call(fn: Any, where: str) -> list[ToolCall]:
+    """An assistant turn's legacy function_call {name, arguments} as its one tool call."""
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad(f"{where}.name", f"{where}.name must be a non-empty string")
+    args = fn.get("arguments", "{}")
+    if isinstance(args, dict):
+        args = json.dumps(args, ensure_ascii=False)
+    if not isinstance(args, str):
+        raise bad(f"{where}.arguments", f"{where}.arguments must be a JSON string")
+    return [ToolCall(id="", name=fn["name"], arguments=args)]
 
 
 def history_calls(calls: Any, where: str) -> list[ToolCall]:
@@ -147,6 +162,11 @@ def final_prefill(call: Call, body: dict[str, Any], messages: list[Message]) -> 
     if len(messages) == 1:
         raise bad("messages", "an assistant prefill needs a turn before it")
     return messages[:-1], last.content
+
+
+def requested_effort(body: dict[str, Any]) -> str | None:
+    kwargs = body.get("chat_template_kwargs")
+    return named_effort(body.get("reasoning_effort"), kwargs if isinstance(kwargs, dict) else {})
 
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
@@ -222,7 +242,7 @@ def decode_chat(call: Call, body: dict[str, Any]) -> ChatRequest:
     tools = chat_tools(body)
     parallel = opt_bool(body, "parallel_tool_calls")
     chat = ChatRequest(protocol="chat", messages=messages, prefill=prefill, sampling=sampling,
-                       template_kwargs=template_kwargs(body),
+                       template_kwargs=template_kwargs(body), requested_effort=requested_effort(body),
                        tools=tools, tool_choice=chat_tool_choice(body, tools), parallel_tool_calls=parallel is not False,
                        response_format=fmt, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, stream=stream,
                        return_progress=bool(opt_bool(body, "return_progress")),
@@ -357,11 +377,11 @@ class ChatCompletionEncoder(ChatEncoder):
                 start = {"index": piece.index, "id": call.id, "type": "function",
                          "function": {"name": call.name, "arguments": ""}}
             await self.call.write(self._chunk({"tool_calls": [start]}))
-        elif piece.kind == "tool_args":
-            if self._custom(piece.call):
-                delta = {"index": piece.index, "custom": {"input": _custom_input(piece.call)}}
-            else:
-                delta = {"index": piece.index, "function": {"arguments": piece.text}}
+        elif piece.kind == "tool_args" and not self._custom(piece.call):
+            delta = {"index": piece.index, "function": {"arguments": piece.text}}
+            await self.call.write(self._chunk({"tool_calls": [delta]}))
+        elif piece.kind == "tool_done" and self._custom(piece.call):  # a custom tool's input: one string, whole
+            delta = {"index": piece.index, "custom": {"input": _custom_input(piece.call)}}
             await self.call.write(self._chunk({"tool_calls": [delta]}))
 
     async def finish(self, result: ChatResult) -> None:

@@ -114,14 +114,17 @@ class RequestLog:
                     stream=stream, prompt_tokens=len(req.prompt_token_ids),
                     requested_output_tokens=budget, requested_max_tokens=req.max_tokens,
                     structured_output=req.grammar is not None, prepare_seconds=prepare_seconds,
+                    requested_reasoning_effort=req.hints.get("requested_reasoning_effort"),
+                    enable_thinking=req.hints.get("thinking"),
                     sampler={"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                              "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
                              "seed": s.seed if seed is None else seed, "seed_requested": s.seed is not None})
 
     def request_done(self, n: int, protocol: str, final: OutputEvent, total_seconds: float, *,
                      model: str | None = None, prepare_seconds: float | None = None,
-                     ttft_seconds: float | None = None) -> None:
-        """timings_seconds: prepare (arrival to submission), ttft (submission to the first token),
+                     ttft_seconds: float | None = None, result: dict[str, Any] | None = None) -> None:
+        """`result`: protocol fields added to the result (a chat request's tool_call_parse).
+        timings_seconds: prepare (arrival to submission), ttft (submission to the first token),
         prefill (admission to the first token), decode (first to last token), total (submission
         to the end); engine_timing.queue_wait_seconds: submission to admission."""
         self.stats.done(final, model)
@@ -144,7 +147,7 @@ class RequestLog:
                     result={"finish_reason": final.finish_reason, "prompt_tokens": prompt, "completion_tokens": out,
                             "cached_tokens": cached, "computed_prefill_tokens": prompt - cached,
                             "reasoning_tokens": u.reasoning_tokens if u else 0,
-                            "post_thinking_sampling": final.post_thinking_sampling},
+                            "post_thinking_sampling": final.post_thinking_sampling, **(result or {})},
                     prefix_reuse_path=final.reuse_path, prefix_reuse_tier=final.reuse_tier,
                     timings_seconds={"prepare": prepare_seconds, "ttft": ttft_seconds,
                                      "prefill": t.prompt_ms / 1e3 if t else None,

@@ -19,12 +19,12 @@ from typing import Any
 
 import orjson
 
-from ninfer.engine.chat import Message, ToolCall
+from ninfer.engine.chat import EFFORTS, Message, ToolCall
 from ninfer.engine.request import Usage
 from ninfer.errors import RequestError
 from ninfer.server.chat_output import ChatResult, Piece
-from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, parse_post_thinking,
-                                       parse_thinking_budget)
+from ninfer.server.chat_request import (ChatRequest, effort_kwargs, merge_template_kwargs, named_effort,
+                                       parse_post_thinking, parse_thinking_budget)
 from ninfer.server.chat_run import ChatEncoder, prepare, run_chat
 from ninfer.server.generate import logprob_records
 from ninfer.server.http import Call
@@ -288,8 +288,8 @@ def _check_fields(body: dict[str, Any], known: set[str]) -> None:
             if reasoning.get(name) is not None:
                 raise RequestError(f"reasoning.{name} is not supported", param=f"reasoning.{name}",
                                    code="reasoning_option_not_supported")
-        if reasoning.get("effort") not in (None, "none", "minimal", "low", "medium", "high", "xhigh"):
-            raise bad("reasoning.effort", "reasoning.effort must be one of none, minimal, low, medium, high, xhigh")
+        if reasoning.get("effort") is not None and reasoning.get("effort") not in EFFORTS:
+            raise bad("reasoning.effort", f"reasoning.effort must be one of {', '.join(EFFORTS)}")
         summaries = {reasoning.get("summary"), reasoning.get("generate_summary")} - {None}
         if any(s not in ("auto", "concise", "detailed") for s in summaries) or len(summaries) > 1:
             raise bad("reasoning.summary", "reasoning.summary must be auto, concise or detailed "
@@ -340,7 +340,9 @@ def decode_create(call: Call, body: dict[str, Any], known: set[str] = _KNOWN,
         raise bad("input", "input must contain a user message (or continue a response that has one)")
     kwargs = merge_template_kwargs(body.get("chat_template_kwargs"),
                                    {"preserve_thinking": opt_bool(body, "preserve_thinking")})
-    kwargs = effort_kwargs((body.get("reasoning") or {}).get("effort"), "reasoning.effort", kwargs)
+    effort = (body.get("reasoning") or {}).get("effort")
+    named = named_effort(effort, kwargs)
+    kwargs = effort_kwargs(effort, "reasoning.effort", kwargs)
     max_tokens = opt_int(body, "max_output_tokens", lo=0)
     opt_number(body, "temperature", 0.0, 2.0)  # the Responses range; sampling_from reads the value
     top_logprobs = opt_int(body, "top_logprobs", lo=0, hi=20) or 0
@@ -352,7 +354,7 @@ def decode_create(call: Call, body: dict[str, Any], known: set[str] = _KNOWN,
     chat = ChatRequest(protocol="responses", messages=turns_of(history, instructions), sampling=sampling,
                        tools=tools, tool_choice=responses_tool_choice(body, tools),
                        parallel_tool_calls=opt_bool(body, "parallel_tool_calls") is not False,
-                       template_kwargs=kwargs, response_format=fmt, max_tokens=max_tokens,
+                       template_kwargs=kwargs, requested_effort=named, response_format=fmt, max_tokens=max_tokens,
                        stream=opt_bool(body, "stream") or False, logprobs=logprobs, top_logprobs=top_logprobs,
                        thinking_budget=parse_thinking_budget(body) if generate else None,
                        post_thinking=parse_post_thinking(body) if generate else None)

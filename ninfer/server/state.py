@@ -86,6 +86,11 @@ class ServerState:
     def set_ready(self, loaded: LoadedModel) -> None:
         """Publish the warm model; from here on every route serves."""
         self.base_sampling = base_sampling(loaded, self.config)
+        if self.config.model_suspend:  # --suspend-snapshot pinned reserves its block now
+            from ninfer.engine.suspend import SuspendOptions
+
+            loaded.engine.configure_suspend(SuspendOptions(self.config.suspend_snapshot,
+                                                           self.config.suspend_weights)).result()
         if self.config.structured_output:
             from ninfer.engine.grammar import JsonGrammars  # xgrammar loads only when asked for
             self.grammars = JsonGrammars(loaded.tokenizer, loaded.facts.logits_size)

@@ -119,10 +119,17 @@ class CudaModelRunner:
 
     # ---- suspend (engine/suspend.py): give the device memory back, take it again -------------
 
-    def _caches(self) -> dict[str, list[torch.Tensor]]:
+    def suspend_caches(self) -> dict[str, list[torch.Tensor]]:
+        """The persistent state a suspend keeps: KV (and an int8 / fp8 cache's scales) by page,
+        recurrent state by slot."""
         return {"k": self.k_cache, "v": self.v_cache, **({"k_scale": self.k_scale, "v_scale": self.v_scale}
                                                           if self.k_scale else {}),
                 **({"conv": self.conv, "ssm": self.ssm} if self.conv else {})}
+
+    @property
+    def weights_artifact(self):
+        """Where the weights are read from (again, at a resume)."""
+        return self._build_args[0]
 
     def resident_bytes(self) -> int:
         """Device bytes a suspend releases: weights, KV and state pools, step inputs (graph pools not counted)."""
@@ -131,11 +138,12 @@ class CudaModelRunner:
                              self.verify_conv, self.verify_ssm))
 
     @torch.inference_mode()
-    def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
-        """Copy the live KV pages and state slots to host memory, then drop weights, pools, step
-        state and CUDA graphs (their memory pools with them). -> (snapshot, its bytes, weight bytes)."""
+    def release_memory(self, pages: list[int], slots: list[int], reserved: dict | None = None) -> tuple[dict, int, int]:
+        """Copy the live KV pages and state slots to host memory (into the pinned `reserved` block,
+        when given), then drop weights, pools, step state and CUDA graphs (their memory pools with
+        them). -> (snapshot, its bytes, weight bytes)."""
         with torch.cuda.device(self.device):
-            snapshot = take_snapshot(self._caches(), pages, slots, self.device)
+            snapshot = take_snapshot(self.suspend_caches(), pages, slots, self.device, reserved)
             torch.cuda.synchronize(self.device)
             weight_bytes = tensor_bytes((self.model, self.ops))
             for name in ("model", "ops", "k_cache", "v_cache", "k_scale", "v_scale", "conv", "ssm", "state",
@@ -145,15 +153,18 @@ class CudaModelRunner:
         return snapshot, snapshot_bytes(snapshot), weight_bytes
 
     @torch.inference_mode()
-    def restore_memory(self, snapshot: dict) -> tuple[int, int, int]:
-        """Build the runner again (weights read from the artifact, fresh pools; graphs are captured
-        again on first use) and copy the snapshot into the same page and slot ids."""
+    def restore_memory(self, snapshot: dict, weights: object | None = None) -> tuple[int, int, int]:
+        """Build the runner again (weights read from `weights`, a suspend's host copy, else the
+        artifact; fresh pools; graphs are captured again on first use) and copy the snapshot into
+        the same page and slot ids."""
         artifact, kwargs = self._build_args
-        self.__init__(artifact, **kwargs)
+        source = weights if weights is not None else artifact
+        self.__init__(source, **kwargs)
+        self._build_args = (artifact, kwargs)  # the file stays the source of a later resume
         with torch.cuda.device(self.device):
-            state_bytes = restore_snapshot(self._caches(), snapshot, self.device)
+            state_bytes = restore_snapshot(self.suspend_caches(), snapshot, self.device)
             torch.cuda.synchronize(self.device)
-        return state_bytes, tensor_bytes((self.model, self.ops)), getattr(artifact, "payload_bytes", 0)
+        return state_bytes, tensor_bytes((self.model, self.ops)), getattr(source, "payload_bytes", 0)
 
     def _check_shapes(self, c: ModelConfig) -> None:
         gqa = c.num_attention_heads // c.num_key_value_heads

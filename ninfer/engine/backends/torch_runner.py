@@ -17,7 +17,6 @@ from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.torch_ops import KV_DTYPES, KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
-from ninfer.engine.errors import SuspendNotSupported
 from ninfer.engine.speculative import sample_rows
 from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError, NInferError
@@ -109,38 +108,54 @@ class TorchModelRunner:
     # ---- suspend (engine/suspend.py): give the memory back, take it again ---------------------
 
     def resident_bytes(self) -> int:
-        """Bytes a suspend releases: weights, the KV pool and the state pool."""
-        return tensor_bytes((self.model, self.ops, self.kv.tensors(),
-                              (self.states.conv, self.states.ssm) if self.states is not None else ()))
+        """Bytes a suspend releases: weights, the KV pool and the state pool (and the MTP head's)."""
+        return tensor_bytes((self.model, self.ops, self.suspend_caches(), self.mtp))
 
-    def _caches(self, kv: KVCache, states: RecurrentStates | None) -> dict[str, list[torch.Tensor]]:
+    @property
+    def weights_artifact(self) -> Artifact:
+        """Where the weights are read from (again, at a resume)."""
+        return self._artifact
+
+    def suspend_caches(self) -> dict[str, list[torch.Tensor]]:
+        """The persistent state a suspend keeps: KV by page (the MTP head's too), recurrent state by slot."""
+        return self._caches(self.kv, self.states, self.mtp)
+
+    @staticmethod
+    def _caches(kv: KVCache, states: RecurrentStates | None, mtp: MtpDrafts | None) -> dict[str, list[torch.Tensor]]:
         return {"k": kv.k, "v": kv.v, **({"k_scale": kv.k_scale, "v_scale": kv.v_scale} if kv.k_scale else {}),
-                **({"conv": states.conv, "ssm": states.ssm} if states is not None else {})}
+                **({"conv": states.conv, "ssm": states.ssm} if states is not None else {}),
+                **({"mtp_k": mtp.kv.k, "mtp_v": mtp.kv.v} if mtp is not None else {})}
 
     @torch.inference_mode()
-    def release_memory(self, pages: list[int], slots: list[int]) -> tuple[dict, int, int]:
-        """Copy the live KV pages and state slots to host memory, then drop the weights and the pools.
-        -> (snapshot, its bytes, weight bytes released)."""
-        if self.mtp is not None:
-            raise SuspendNotSupported("--model-suspend is not supported with --spec mtp yet")
-        snapshot = take_snapshot(self._caches(self.kv, self.states), pages, slots, self.device)
-        weight_bytes = tensor_bytes((self.model, self.ops))
-        self.model = self.ops = self.kv = self.states = None  # type: ignore[assignment]
+    def release_memory(self, pages: list[int], slots: list[int], reserved: dict | None = None) -> tuple[dict, int, int]:
+        """Copy the live KV pages and state slots to host memory (into `reserved`, when given), then
+        drop the weights and the pools. -> (snapshot, its bytes, weight bytes released)."""
+        snapshot = take_snapshot(self.suspend_caches(), pages, slots, self.device, reserved)
+        weight_bytes = tensor_bytes((self.model, self.ops, self.mtp.head if self.mtp is not None else None))
+        self.model = self.ops = self.kv = self.states = self.mtp = None  # type: ignore[assignment]
+        self._verify_states = None
         release_device_memory(self.device)
         return snapshot, snapshot_bytes(snapshot), weight_bytes
 
     @torch.inference_mode()
-    def restore_memory(self, snapshot: dict) -> tuple[int, int, int]:
-        """Read the weights again, allocate the pools and copy the snapshot back into the same page
-        and slot ids. -> (state bytes copied, weight bytes rebuilt, artifact bytes read)."""
+    def restore_memory(self, snapshot: dict, weights: object | None = None) -> tuple[int, int, int]:
+        """Read the weights again (from `weights`, a suspend's host copy, else the artifact), allocate
+        the pools and copy the snapshot back into the same page and slot ids. -> (state bytes copied,
+        weight bytes rebuilt, artifact bytes read)."""
         c = self.config
+        source = weights if weights is not None else self._artifact
         ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=self._pack)
-        model = architecture(c).model.load(WeightReader(self._artifact, ops, self.device), c)
+        reader = WeightReader(source, ops, self.device)
+        model = architecture(c).model.load(reader, c)
         kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device, self.kv_storage)
         states = self._states(self.num_state_slots)
-        state_bytes = restore_snapshot(self._caches(kv, states), snapshot, self.device)
-        self.ops, self.model, self.kv, self.states = ops, model, kv, states
-        return state_bytes, tensor_bytes((model, ops)), getattr(self._artifact, "payload_bytes", 0)
+        mtp = MtpDrafts(architecture(c).mtp_head.load(reader, c), model, ops, self.spec, self.num_pages,
+                        self.page_size, self.kv_dtype, self.device, self.mtp_draft_tokens) \
+            if self.mtp_draft_tokens else None
+        state_bytes = restore_snapshot(self._caches(kv, states, mtp), snapshot, self.device)
+        self.ops, self.model, self.kv, self.states, self.mtp = ops, model, kv, states, mtp
+        weight_bytes = tensor_bytes((model, ops, mtp.head if mtp is not None else None))
+        return state_bytes, weight_bytes, getattr(source, "payload_bytes", 0)
 
     def _states(self, slots: int) -> RecurrentStates | None:
         return RecurrentStates(self.spec, slots, self.kv_dtype, self.device) if self.spec.recurrent else None
