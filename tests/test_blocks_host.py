@@ -47,3 +47,45 @@ def test_kernel_block_decoding_is_gguf_reference(name: str, build_dir: Path) -> 
     ref = gguf.quants.dequantize(data, qtype)
     # one fused multiply-add where the reference rounds the product first: at most an ulp or so apart
     np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+
+# ---- gemv_blocks_tile on the host: every lane's fragments, the mma emulated ----------------------------
+
+TILE_FORMATS = {"q4_k": 0, "q6_k": 2}  # blocks.cu's TILE_FMT formats
+
+
+@pytest.fixture(scope="module")
+def tile_dir(build_dir: Path) -> Path:
+    shutil.copy(HERE / "kernels_host" / "tile_blocks.cpp", build_dir / "tile_blocks.cpp")
+    return build_dir
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (round to nearest even) as uint16."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("name", list(TILE_FORMATS))
+@pytest.mark.parametrize("N,K,M", [(40, 768, 1), (37, 2560, 3), (16, 512, 8), (24, 1280, 5)])
+def test_tile_gemv_fragments_match_gguf_reference(name: str, N: int, K: int, M: int, tile_dir: Path) -> None:
+    """The tile kernel's per-lane pieces for all 32 lanes of every warp with the mma emulated from
+    the fragments (tests/kernels_host/tile_blocks.cpp) against x @ W^T in float64 from gguf-py's
+    dequantize: N not a multiple of 16 (a partial last tile), K / 256 odd and even (q6_k blocks 2 mod
+    4 bytes: the funnel-shift loads), more blocks than warps and fewer, rows 1..8 of x."""
+    exe = tile_dir / f"tile_{name}"
+    if not exe.exists():
+        subprocess.run([CXX, "-O1", "-std=c++17", "-w", "-DBLOCKS_HOST", f"-DBLK_FMT={TILE_FORMATS[name]}",
+                        "-o", str(exe), str(tile_dir / "tile_blocks.cpp")], check=True, cwd=tile_dir)
+    qtype = Q[name.upper()]
+    rng = np.random.default_rng(N * K + M)
+    w = random_blocks(rng, qtype, N, K, scale=0.05)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    xb = _bf16(x)
+    run = subprocess.run([str(exe)], input=struct.pack("<iii", N, K, M) + w.tobytes() + xb.tobytes(),
+                         capture_output=True, check=True)
+    ours = np.frombuffer(run.stdout, dtype=np.float32).reshape(M, N).astype(np.float64)
+    xd = (xb.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    ref = xd @ gguf.quants.dequantize(w, qtype).reshape(N, K).astype(np.float64).T
+    err = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+    assert err < 1e-6, err

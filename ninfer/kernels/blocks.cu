@@ -457,3 +457,248 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
   }
 }
 #endif
+
+// ---- gemv_blocks_tile: the mma product over whole blocks, for the formats decode reads most -----------
+// (q4_k, q6_k: a Q4_K_M file's every weight at widths that are multiples of 256). Same contract and
+// outputs as gemv_blocks_mma (bf16 activations, M = 1..8, fp32 accumulation, batch invariant), built
+// for bandwidth: one block of TILE_WARPS warps owns 16 output rows n0 .. n0 + 15 and its warps split
+// the row's QK-element blocks (warp v takes blocks v, v + TILE_WARPS, ...). Per block a lane loads its
+// share of rows g and g + 8 once, with the widest loads the format's alignment allows (q4_k: the
+// 16-byte header, then 8 code bytes from each 32-byte group; q6_k: 4-byte words, two 2-byte-aligned
+// halves where a block starts 2 mod 4), decodes the scales of both rows once per block, and then runs
+// QK / 16 mma.m16n8k16 (A = 16 rows x 16 k of codes, B = those 16 k x 8 activation rows) in which
+// every k shares one scale, so the scale applies to the mma result in fp32:
+//   q4_k: lane t holds bytes 8t .. 8t + 7 of each 32-byte group; their low nibbles are elements
+//         8t .. 8t + 7 of sub-block 2G, the high ones of 2G + 1: two mmas per sub-block. A nibble
+//         placed at mantissa bits 3..6 under exponent 2^4 is the bf16 16 + q (exact; one shift and one
+//         and/or per pair of codes), so the mma sums (16 + q) x, and acc += s * mma + (o - 16 s) * sum(x),
+//         sum(x) per sub-block by an mma with A = ones (o = -dmin m, the sub-block's offset).
+//   q6_k: lane t holds bytes 4t .. 4t + 3 of each 16-byte run of ql and qh; one ql word and one qh word
+//         give 4 codes of each of two 32-element quarters; code bytes under exponent 2^6 are the bf16
+//         64 + q, and one bf16x2 fma takes 96 off (q - 32, exact). One mma per 16-element scale group.
+// In every mma a lane's four codes of a row are elements e, e + 1, e + 2, e + 3 (TILE_ELEM), paired
+// (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9, and the activations are
+// paired the same way (tile_b). The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also
+// compile for the host, where tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
+#if BLK_FMT == 0 || BLK_FMT == 2
+#define TILE_FMT 1
+#define TILE_WARPS 8
+#define TILE_NM (QK / 16)  // mmas per block
+#if BLK_FMT == 0
+#define TILE_GROUP 2  // consecutive mmas that share a scale
+#define TILE_NW 8     // code words per row and lane
+#define TILE_NH 4     // header words per row
+#else
+#define TILE_GROUP 1
+#define TILE_NW 12
+#define TILE_NH 5
+#endif
+#define TILE_NG (TILE_NM / TILE_GROUP)  // scale groups per block
+#define TILE_MASK (BLK_FMT == 0 ? 0x00780078u : 0x007E007Eu)  // a code pair's mantissa bits
+
+#ifdef BLOCKS_HOST
+u32 bf16x2_fma(u32 a, u32 b, u32 c);  // the host stand-in's
+#else
+__device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+#endif
+
+// 4-byte words of a block that starts 2-byte aligned (q6_k), at 4-byte multiples `off` into it: base is
+// the block's start rounded down to 4 bytes and sh 0 or 16 (the rounding in bits). Where sh is 16 a
+// second aligned load and a funnel shift give the word; offsets are constants after unrolling.
+__device__ __forceinline__ u32 ld32_at(const u32* base, int sh, int off) {
+  const u32 lo = __ldg(base + off / 4);
+  return sh ? __funnelshift_r(lo, __ldg(base + off / 4 + 1), 16) : lo;
+}
+
+// v in a register the compiler keeps: `zero` is 0 at run time (derived from a kernel argument), so v
+// is not a constant to ptxas, which otherwise rebuilds a constant register before every use (an
+// and/or with two constants needs one of them in a register; so does the mma's A = ones).
+__device__ __forceinline__ u32 opaque(u32 v, u32 zero) { return v | zero; }
+
+// One block of rows g (r = 0) and g + 8 (r = 1) as lane t reads it: code words and header words.
+struct TileRows {
+  u32 q[2][TILE_NW];
+  u32 h[2][TILE_NH];
+};
+
+__device__ __forceinline__ void tile_load(const u8* __restrict__ b0, const u8* __restrict__ b1, int t, TileRows& d) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const u8* b = r ? b1 : b0;
+#if BLK_FMT == 0
+    const uint4 h = __ldg((const uint4*)b);
+    d.h[r][0] = h.x; d.h[r][1] = h.y; d.h[r][2] = h.z; d.h[r][3] = h.w;
+#pragma unroll
+    for (int G = 0; G < 4; ++G) {
+      const uint2 v = __ldg((const uint2*)(b + 16 + 32 * G + 8 * t));
+      d.q[r][2 * G] = v.x;
+      d.q[r][2 * G + 1] = v.y;
+    }
+#else
+    const u32* base = (const u32*)((size_t)b & ~(size_t)3);
+    const int sh = (int)((size_t)b & 2) * 8;
+    // words 3 i + 0, 1, 2 of run i = 2 h + hh: ql at 64 h + 16 hh (+ 32), qh at 128 + 32 h + 16 hh; lane's bytes 4t..
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int h = i >> 1, hh = i & 1;
+      d.q[r][3 * i] = ld32_at(base + t, sh, 64 * h + 16 * hh);
+      d.q[r][3 * i + 1] = ld32_at(base + t, sh, 64 * h + 32 + 16 * hh);
+      d.q[r][3 * i + 2] = ld32_at(base + t, sh, 128 + 32 * h + 16 * hh);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d.h[r][i] = ld32_at(base, sh, 192 + 4 * i);  // the 16 int8 scales
+    d.h[r][4] = (u32)__ldg((const u16*)(b + 208));                        // d
+#endif
+  }
+}
+
+// The scale s and offset o (0 where the format has none; q4_k: o - 16 s, see above) of each of the
+// block's TILE_NG scale groups, rows 0 and 1.
+__device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float s[2][TILE_NG], float o[2][TILE_NG]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#if BLK_FMT == 0
+    const u32 s0 = d.h[r][1], s1 = d.h[r][2], s2 = d.h[r][3];
+    const float dd = f16_lo(d.h[r][0]), dm = f16_hi(d.h[r][0]);
+    // 6-bit scales and mins of sub-blocks 0..3 and 4..7, one per byte
+    const u32 sc[2] = {s0 & 0x3F3F3F3Fu, (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u)};
+    const u32 mn[2] = {s1 & 0x3F3F3F3Fu, ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u)};
+    const float dd_off = -8388608.0f * dd, dm_off = 8388608.0f * dm;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      // 2^23 + byte as a float; times d minus 2^23 d is d * byte, rounded once
+      const float fs = __uint_as_float(__byte_perm(sc[j >> 2], magic, 0x7540u | (u32)(j & 3)));  // magic: 0x4B000000
+      const float fm = __uint_as_float(__byte_perm(mn[j >> 2], magic, 0x7540u | (u32)(j & 3)));
+      s[r][j] = fmaf(fs, dd, dd_off);
+      o[r][j] = fmaf(-16.0f, s[r][j], fmaf(fm, -dm, dm_off));
+    }
+#else
+    (void)magic;
+    const float dd = f16_lo(d.h[r][4]);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      // mma i = 8 h + 4 hh + q uses scale 8 h + 2 q + hh
+      const int h = i >> 3, hh = (i >> 2) & 1, q = i & 3, idx = 8 * h + 2 * q + hh;
+      s[r][i] = dd * (float)(i8)byte_of(d.h[r][idx >> 2], idx & 3);
+      o[r][i] = 0.0f;
+    }
+#endif
+  }
+}
+
+// The first of lane t's four elements (of the block) in mma i: tile_lane(t) + tile_elem(i).
+__device__ __forceinline__ int tile_lane(int t) { return (BLK_FMT == 0 ? 8 : 4) * t; }
+__device__ __forceinline__ int tile_elem(int i) {
+#if BLK_FMT == 0
+  return 32 * (i >> 1) + 4 * (i & 1);
+#else
+  return 128 * (i >> 3) + 32 * (i & 3) + 16 * ((i >> 2) & 1);
+#endif
+}
+
+// A fragment of mma i: a0 / a2 row 0's codes (e, e + 2) / (e + 1, e + 3), a1 / a3 row 1's, as bf16
+// pairs (q4_k: 16 + q; q6_k: q - 32).
+__device__ __forceinline__ void tile_a(const TileRows& d, int i, u32 mask, u32* a) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#if BLK_FMT == 0
+    const int j = i >> 1;  // sub-block: group j / 2, low nibbles for even j
+    const u32 w = d.q[r][2 * (j >> 1) + (i & 1)];
+    const u32 lo = (j & 1) ? (w >> 1) : (w << 3), hi = (j & 1) ? (w >> 9) : (w >> 5);
+    a[r] = (lo & mask) | 0x41804180u;  // mask: 0x00780078
+    a[r + 2] = (hi & mask) | 0x41804180u;
+#else
+    const int run = i >> 2, q = i & 3;
+    const u32 L = d.q[r][3 * run + (q & 1)], H = d.q[r][3 * run + 2];
+    const u32 lo = (q & 2) ? (L >> 4) : L;
+    const u32 hb = q == 0 ? (H << 4) : q == 1 ? (H << 2) : q == 2 ? H : (H >> 2);
+    const u32 v = (lo & 0x0F0F0F0Fu) | (hb & 0x30303030u);  // four 6-bit codes, one per byte
+    constexpr u32 ONE2 = 0x3F803F80u, NEG96 = 0xC2C0C2C0u;
+    a[r] = bf16x2_fma(((v << 1) & mask) | 0x42804280u, ONE2, NEG96);  // mask: 0x007E007E
+    a[r + 2] = bf16x2_fma(((v >> 7) & mask) | 0x42804280u, ONE2, NEG96);
+#endif
+  }
+}
+
+// B fragment from 4 consecutive activations (x e .. e + 3 as two words): pairs (e, e + 2), (e + 1, e + 3).
+__device__ __forceinline__ void tile_b(uint2 xv, u32& b0, u32& b1) {
+  b0 = __byte_perm(xv.x, xv.y, 0x5410);
+  b1 = __byte_perm(xv.x, xv.y, 0x7632);
+}
+
+#if !ACT_F32 && !defined(BLOCKS_HOST)
+// Grid: ceil(N / 16) blocks of TILE_WARPS * 32 threads.
+extern "C" __global__ void __launch_bounds__(TILE_WARPS * 32)
+gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
+                 i64 y_stride, int M, int N, int K, int y_f32) {
+  __shared__ float part[TILE_WARPS][32][4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const i64 row_bytes = (i64)(K / QK) * BLK_BYTES;
+  const u8* w0 = w + (i64)min(n0 + g, N - 1) * row_bytes;  // rows past N: read, never stored
+  const u8* w1 = w + (i64)min(n0 + g + 8, N - 1) * row_bytes;
+  // activation row g; lanes past M read row 0 (their columns are computed, never stored, and a
+  // column of the mma depends only on its own activations)
+  const act* xl = x + (g < M ? g : 0) * x_stride + tile_lane(t);
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const u32 zero = (u32)M >> 31;  // 0 (M >= 1)
+  const u32 mask = opaque(TILE_MASK, zero), magic = opaque(0x4B000000u, zero);
+  u32 ones[4];  // A = ones (bf16 1.0 pairs): the mma that sums activations
+#pragma unroll
+  for (int j = 0; j < 4; ++j) ones[j] = opaque(0x3F803F80u, zero << j);  // four registers, not one copied
+  const int nb = K / QK;
+  for (int b = warp; b < nb; b += TILE_WARPS) {
+    TileRows d;
+    tile_load(w0 + (i64)b * BLK_BYTES, w1 + (i64)b * BLK_BYTES, t, d);
+    const act* xb = xl + (i64)b * QK;
+    float s[2][TILE_NG], o[2][TILE_NG];
+    tile_scales(d, magic, s, o);
+#pragma unroll
+    for (int grp = 0; grp < TILE_NG; ++grp) {
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum of the group's x per column (the same for every row)
+#pragma unroll
+      for (int u = 0; u < TILE_GROUP; ++u) {
+        const int i = grp * TILE_GROUP + u;
+        const uint2 xv = __ldg((const uint2*)(xb + tile_elem(i)));
+        u32 b0, b1, a[4];
+        tile_b(xv, b0, b1);
+        tile_a(d, i, mask, a);
+        mma16816(c, a[0], a[1], a[2], a[3], b0, b1);
+        if (HAS_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
+      }
+      acc[0] = fmaf(c[0], s[0][grp], acc[0]);
+      acc[1] = fmaf(c[1], s[0][grp], acc[1]);
+      acc[2] = fmaf(c[2], s[1][grp], acc[2]);
+      acc[3] = fmaf(c[3], s[1][grp], acc[3]);
+      if (HAS_OFFSET) {
+        acc[0] = fmaf(cx[0], o[0][grp], acc[0]);
+        acc[1] = fmaf(cx[1], o[0][grp], acc[1]);
+        acc[2] = fmaf(cx[2], o[1][grp], acc[2]);
+        acc[3] = fmaf(cx[3], o[1][grp], acc[3]);
+      }
+    }
+  }
+  // the warps' partial sums, added in warp order
+#pragma unroll
+  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
+  __syncthreads();
+  if (warp) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float r = part[0][lane][j];
+#pragma unroll
+    for (int v = 1; v < TILE_WARPS; ++v) r += part[v][lane][j];
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (n < N && m < M) {
+      if (y_f32) ((float*)y)[m * y_stride + n] = r;
+      else ((act*)y)[m * y_stride + n] = to_act(r);
+    }
+  }
+}
+#endif
+#endif
