@@ -75,7 +75,7 @@ def test_tile_gemv_fragments_match_gguf_reference(name: str, N: int, K: int, M: 
     4 bytes: the funnel-shift loads), more blocks than warps and fewer, rows 1..8 of x."""
     exe = tile_dir / f"tile_{name}"
     if not exe.exists():
-        subprocess.run([CXX, "-O1", "-std=c++17", "-w", "-DBLOCKS_HOST", f"-DBLK_FMT={TILE_FORMATS[name]}",
+        subprocess.run([CXX, "-O1", "-std=c++17", "-w", f"-DBLK_FMT={TILE_FORMATS[name]}",
                         "-o", str(exe), str(tile_dir / "tile_blocks.cpp")], check=True, cwd=tile_dir)
     qtype = Q[name.upper()]
     rng = np.random.default_rng(N * K + M)

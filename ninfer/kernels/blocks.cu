@@ -496,9 +496,7 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 #define TILE_NG (TILE_NM / TILE_GROUP)  // scale groups per block
 #define TILE_MASK (BLK_FMT == 0 ? 0x00780078u : 0x007E007Eu)  // a code pair's mantissa bits
 
-#ifdef BLOCKS_HOST
-u32 bf16x2_fma(u32 a, u32 b, u32 c);  // the host stand-in's
-#else
+#ifndef BLOCKS_HOST  // the host stand-in (tests/kernels_host/common.cuh) has its own
 __device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
   u32 r;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));

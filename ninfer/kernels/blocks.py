@@ -38,21 +38,35 @@ def _weight(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, K: int) -> t
     return N, BLOCK_CODES[fmt.format]
 
 
-ROUTES = ("warp", "mma")  # gemv_blocks (fp32 math, any activation dtype), gemv_blocks_mma (bf16, tensor cores)
-MMA_WARPS = 8  # blocks.cu
+# gemv_blocks (fp32 math, any activation dtype), gemv_blocks_mma (bf16, tensor cores), gemv_blocks_tile
+# (bf16, tensor cores, whole blocks per lane: the formats in TILE_FORMATS)
+ROUTES = ("warp", "mma", "tile")
+TILE_FORMATS = ("q4_k", "q6_k")  # blocks.cu's TILE_FMT
+MMA_WARPS = TILE_WARPS = 8  # blocks.cu
+
+
+def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype) -> bool:
+    """Whether gemv_blocks takes weights of `fmt` with activations of `dtype` on `route`."""
+    if fmt.format not in BLOCK_CODES or route not in ROUTES:
+        return False
+    if route == "warp":
+        return True
+    return dtype == torch.bfloat16 and (route == "mma" or fmt.format in TILE_FORMATS)
 
 
 def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
                 route: str = "warp") -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8, W in block format `fmt` (its stored uint8 part).
-    x bf16 or fp32 (the activation dtype; route "mma": bf16 only); out in x's dtype or fp32. Row
+    x bf16 or fp32 (the activation dtype; routes "mma" and "tile": bf16 only); out in x's dtype or fp32. Row
     strides of x and out may exceed their widths (x's: a 16-byte multiple)."""
     M, K = x.shape
     N, code = _weight(kc, fmt, w, K)
     if route not in ROUTES:
         raise KernelError(f"unknown block gemv route {route!r} (one of {', '.join(ROUTES)})")
-    if route == "mma" and x.dtype != torch.bfloat16:
-        raise KernelError(f"the mma route takes bfloat16 activations, got {x.dtype}")
+    if route != "warp" and x.dtype != torch.bfloat16:
+        raise KernelError(f"the {route} route takes bfloat16 activations, got {x.dtype}")
+    if route == "tile" and fmt.format not in TILE_FORMATS:
+        raise KernelError(f"the tile route takes {', '.join(TILE_FORMATS)} weights, not {fmt.format}")
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use dequant_blocks + matmul for more")
     defines = {"BLK_FMT": code, **_act(x.dtype, "x")}
@@ -65,8 +79,9 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
             I32(1 if out.dtype == F32_DT else 0)]
-    if route == "mma":
-        kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
+    if route in ("mma", "tile"):
+        kc.kernel("blocks.cu", f"gemv_blocks_{route}", defines).launch(
+            (math.ceil(N / 16), 1, 1), ((MMA_WARPS if route == "mma" else TILE_WARPS) * 32, 1, 1), args)
         return
     shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
     kc.kernel("blocks.cu", "gemv_blocks", defines).launch(

@@ -1,6 +1,7 @@
 """blocks.cu (llama.cpp block formats read in place) against the torch dequantize reference on fresh
-random blocks: gemv for 1..8 rows on both routes (warp: fp32 math, bf16 and fp32 activations; mma:
-tensor cores, bf16), bf16 and fp32 outputs, batch invariance, dequant_blocks (prefill expansion and
+random blocks: gemv for 1..8 rows on every route (warp: fp32 math, bf16 and fp32 activations; mma:
+tensor cores, bf16; tile: tensor cores over whole q4_k / q6_k blocks, bf16, also at the llama-8b
+and SmolLM2 decode shapes), bf16 and fp32 outputs, batch invariance, dequant_blocks (prefill expansion and
 the embedding gather), and the cuda runner against the torch runner on a tiny GGUF of every block
 type and on synthetic llama-8b Q4_K / Q4_K_M weights."""
 from __future__ import annotations
@@ -43,7 +44,8 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
 
 
-CASES = [("warp", BF, BF), ("warp", BF, F32), ("warp", F32, F32), ("mma", BF, BF), ("mma", BF, F32)]
+CASES = [("warp", BF, BF), ("warp", BF, F32), ("warp", F32, F32), ("mma", BF, BF), ("mma", BF, F32),
+         ("tile", BF, BF), ("tile", BF, F32)]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -53,6 +55,8 @@ def test_gemv_blocks(kc: KernelCompiler, name: str, M: int, route: str, act: tor
                      out_dtype: torch.dtype) -> None:
     """N = 1000 (not a multiple of 16: the mma route's last tile is partial), K = 2048 + 256."""
     fmt = TensorFormat(name)
+    if not B.route_ok(route, fmt, act):
+        pytest.skip(f"the {route} route does not take {name}")
     N, K = 1000, 2304
     w = blocks(name, N, K, seed=M)
     x = (torch.randn(M, K, generator=torch.Generator(DEV).manual_seed(M), device=DEV)).to(act)
@@ -63,10 +67,12 @@ def test_gemv_blocks(kc: KernelCompiler, name: str, M: int, route: str, act: tor
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("route", ["warp", "mma"])
+@pytest.mark.parametrize("route", B.ROUTES)
 def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str, route: str) -> None:
     """Row 0 bit-equal whatever M is; x and out may be row-strided views (a fused projection's slice)."""
     fmt = TensorFormat(name)
+    if not B.route_ok(route, fmt, BF):
+        pytest.skip(f"the {route} route does not take {name}")
     N, K = 576, 1536
     w = blocks(name, N, K, seed=11)
     x = torch.randn(8, K + 256, device=DEV).to(BF)[:, :K]
@@ -76,6 +82,35 @@ def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str, 
     B.gemv_blocks(kc, x[:1], fmt, w, out1, route)
     assert torch.equal(out1[0], out8[0])
     assert rel(out8, x.double() @ dequantize(fmt, {"": w}, torch.float64).T) < 1e-5
+
+
+# (N, K) of llama-8b's decode gemvs (o, down, gate/up halves, lm_head) and SmolLM2-135M's down
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (576, 1536)]
+
+
+@pytest.mark.parametrize("name", B.TILE_FORMATS)
+@pytest.mark.parametrize("N,K", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_gemv_blocks_tile_at_model_shapes(kc: KernelCompiler, name: str, N: int, K: int) -> None:
+    """The tile route at the shapes decode runs, rows 1..8, fresh random blocks: bf16 and fp32 outputs
+    against fp64 over gguf-py's dequantization (the torch reference), and row r of an 8-row call
+    bit-equal to the same row alone."""
+    fmt = TensorFormat(name)
+    w = blocks(name, N, K, seed=N + K)
+    x = torch.randn(8, K, generator=torch.Generator(DEV).manual_seed(K), device=DEV).to(BF)
+    ref = x.double() @ dequantize(fmt, {"": w}, torch.float64).T
+    out8 = poisoned((8, N), F32)
+    B.gemv_blocks(kc, x, fmt, w, out8, "tile")
+    assert rel(out8, ref) < 1e-5
+    for M in range(1, 8):
+        out = poisoned((M, N), F32)
+        B.gemv_blocks(kc, x[:M], fmt, w, out, "tile")
+        assert torch.equal(out, out8[:M]), M
+        outb = poisoned((M, N), BF)
+        B.gemv_blocks(kc, x[:M], fmt, w, outb, "tile")
+        assert rel(outb, ref[:M]) < 1e-2
+    mma = poisoned((8, N), F32)
+    B.gemv_blocks(kc, x, fmt, w, mma, "mma")
+    assert rel(out8, mma.double()) < 1e-5
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -111,6 +146,11 @@ def test_block_launchers_check_arguments(kc: KernelCompiler) -> None:
         B.gemv_blocks(kc, x, TensorFormat("int8", 32), w, poisoned((1, 64), BF))
     with pytest.raises(KernelError, match="bfloat16 activations"):
         B.gemv_blocks(kc, x.float(), TensorFormat("q4_k"), w, poisoned((1, 64), F32), "mma")
+    with pytest.raises(KernelError, match="bfloat16 activations"):
+        B.gemv_blocks(kc, x.float(), TensorFormat("q4_k"), w, poisoned((1, 64), F32), "tile")
+    w5 = blocks("q5_0", 64, 512, seed=0)
+    with pytest.raises(KernelError, match="tile route takes"):
+        B.gemv_blocks(kc, x, TensorFormat("q5_0"), w5, poisoned((1, 64), BF), "tile")
 
 
 # ---- whole models: the cuda runner against the torch runner -----------------------------------------

@@ -33,3 +33,20 @@ static inline act to_act(float f) { return f; }
 template <int N> void load_act(const act* p, float* f) { for (int i = 0; i < N; ++i) f[i] = p[i]; }
 template <int N> void store_act(act* p, const float* f) { for (int i = 0; i < N; ++i) p[i] = f[i]; }
 static inline float warp_sum(float v) { return v; }
+// for gemv_blocks_tile's per-lane pieces (tests/kernels_host/tile_blocks.cpp)
+#define BLOCKS_HOST 1
+#include <algorithm>
+#include <cstddef>
+template <class T> static inline T __ldg(const T* p) { return *p; }
+static inline u32 __funnelshift_r(u32 lo, u32 hi, u32 sh) {
+  return (u32)((((unsigned long long)hi << 32) | lo) >> (sh & 31));
+}
+static inline u32 bf16x2_half_fma(u32 a, u32 b, u32 c) {  // one bf16 fma, rounded to nearest even
+  const float f = fmaf(__uint_as_float(a << 16), __uint_as_float(b << 16), __uint_as_float(c << 16));
+  u32 u;
+  memcpy(&u, &f, 4);
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+static inline u32 bf16x2_fma(u32 a, u32 b, u32 c) {
+  return bf16x2_half_fma(a & 0xffffu, b & 0xffffu, c & 0xffffu) | (bf16x2_half_fma(a >> 16, b >> 16, c >> 16) << 16);
+}

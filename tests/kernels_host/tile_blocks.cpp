@@ -2,30 +2,15 @@
 // tile_scales, tile_a and tile_b as the kernel calls them, the mma.m16n8k16 emulated from the lanes'
 // fragments (PTX's fragment layout), the scales applied and the warps' sums added as the kernel does.
 // stdin: int32 N, K, M, then the weight rows (N * K / QK * BLK_BYTES bytes), then x as bf16 bits
-// [M, K]; stdout: y [M, N] float32. Compile with -DBLOCKS_HOST -DBLK_FMT=0|2.
+// [M, K]; stdout: y [M, N] float32. Compile with -DBLK_FMT=0|2.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
 
-#include "common.cuh"
-template <class T> static inline T __ldg(const T* p) { return *p; }
-static inline u32 __funnelshift_r(u32 lo, u32 hi, u32 sh) {
-  return (u32)((((unsigned long long)hi << 32) | lo) >> (sh & 31));
-}
-static inline float bf16f(u32 h) { return __uint_as_float(h << 16); }
-static inline u32 f2bf16(float f) {  // round to nearest even
-  u32 u;
-  memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return u >> 16;
-}
-u32 bf16x2_fma(u32 a, u32 b, u32 c) {
-  const u32 lo = f2bf16(fmaf(bf16f(a & 0xffffu), bf16f(b & 0xffffu), bf16f(c & 0xffffu)));
-  const u32 hi = f2bf16(fmaf(bf16f(a >> 16), bf16f(b >> 16), bf16f(c >> 16)));
-  return lo | (hi << 16);
-}
 #include "blocks.cu"
+
+static inline float bf16f(u32 h) { return __uint_as_float(h << 16); }
 
 float smem[1];  // gemv_blocks' dynamic shared memory: declared by blocks.cu, never used here
 

@@ -4,7 +4,8 @@ kernels/gdn.py), cuBLAS through torch.mm for prompt-sized matmuls.
 Two routes, chosen by the step context, not by row count:
 - decode (one new token per sequence, at most 8 rows, replayed from a CUDA graph): gemv over the
   stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: on tensor
-  cores with bf16 activations, route "blocks_mma", else "blocks"), split-K paged decode attention,
+  cores with bf16 activations, route "blocks_tile" for q4_k / q6_k and "blocks_mma" for the others,
+  else "blocks"), split-K paged decode attention,
   one delta-rule step per sequence.
 - prompt (prefill, chunks, prefix-hit suffixes): torch.mm on dense weights (quantized weights
   expanded per projection on the fly; block formats by the dequant_blocks kernel) in blocks of
@@ -44,6 +45,7 @@ from ninfer.kernels.compiler import KernelCompiler
 from ninfer.kernels.profile import CUBLAS, DeviceProfile
 
 DTYPES = {torch.bfloat16: TensorFormat("bf16"), torch.float32: TensorFormat("f32")}  # activation dtypes
+BLOCK_ROUTES = {"blocks": "warp", "blocks_mma": "mma", "blocks_tile": "tile"}  # Weight.route -> blocks.py's
 
 
 @dataclass(slots=True)
@@ -54,7 +56,7 @@ class Weight:
     fmt: TensorFormat
     parts: dict[str, torch.Tensor]
     bias: torch.Tensor | None = None  # [N], activation dtype
-    route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES; blocks.cu's: "blocks", "blocks_mma")
+    route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES; blocks.cu's: BLOCK_ROUTES)
     segments: list[Weight] | None = None  # row blocks in their own formats (then fmt/parts unused)
 
     @property
@@ -146,7 +148,7 @@ class CudaOps:
         b = bias.to(self.device, self.dtype).contiguous() if bias is not None else None
         if all(f == first_fmt for f in fmts) and blocks_ok(first_fmt, k):  # kept as stored
             return Weight(first_fmt, {"": torch.cat([parts[""] for _, parts in items]).contiguous()}, b,
-                          self.blocks_route)
+                          self.blocks_route(first_fmt))
         if any(f.blocks for f in fmts) and all(blocks_ok(f, k) or gemv_ok(f, k) for f in fmts):
             # mixed formats around a block format: each run of one format kept as it is, one gemv per run
             runs: list[list[tuple[TensorFormat, dict[str, torch.Tensor]]]] = []
@@ -165,9 +167,11 @@ class CudaOps:
         return Weight(DTYPES[self.dtype],
                       {"": torch.cat([dequantize(f, p, self.dtype) for f, p in items]).contiguous()}, b)
 
-    @property
-    def blocks_route(self) -> str:
-        """blocks.cu's decode gemv: on tensor cores with bf16 activations, fp32 math otherwise."""
+    def blocks_route(self, fmt: TensorFormat) -> str:
+        """blocks.cu's decode gemv: on tensor cores with bf16 activations (whole blocks per lane where
+        the tile kernel takes the format), fp32 math otherwise."""
+        if B.route_ok("tile", fmt, self.dtype):
+            return "blocks_tile"
         return "blocks_mma" if self.dtype == torch.bfloat16 else "blocks"
 
     def gemv_route(self, fmt: TensorFormat, k: int) -> str:
@@ -182,7 +186,7 @@ class CudaOps:
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
         if blocks_ok(fmt, H):  # gathered by dequant_blocks
-            return Weight(fmt, {"": parts[""].contiguous()}, route=self.blocks_route)
+            return Weight(fmt, {"": parts[""].contiguous()}, route=self.blocks_route(fmt))
         if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and gemv_ok(fmt, H):
             return Weight(fmt, dict(parts))  # the embedding kernel reads quant.py's layout: the warp route
         # the embedding kernel copies rows of the activation dtype
@@ -240,7 +244,7 @@ class CudaOps:
                 self._gemv(x, seg, out[:, r0:r0 + seg.rows])
                 r0 += seg.rows
         elif w.fmt.blocks:
-            B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out, "mma" if w.route == "blocks_mma" else "warp")
+            B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out, BLOCK_ROUTES[w.route])
         elif w.route == CUBLAS and out.dtype == x.dtype:  # 8 padded rows: one cuBLAS shape whatever M is
             out.copy_(block_mm(x, w.parts[""].t(), L.MAX_GEMV_ROWS))
         elif w.route == CUBLAS:  # fp32 logits: a gemv kernel (cuBLAS would round them to the activation dtype)
