@@ -1,7 +1,8 @@
 """The block-format decode gemv on a GPU, old routes against new, at the shapes a llama-8b Q4_K_M
 decode step runs: per format, shape and row count, the error against float64 over gguf-py's
-dequantization and the time per call (CUDA graph of 20 calls, median of 20 replays) and weight GB/s
-of each route; then one decode step's gemv time per route summed over the model (32 layers of
+dequantization and the time per call (CUDA graph of 20 calls, each on its own copy of the weight so
+that the small ones do not sit in L2; median of 20 replays) and weight GB/s
+of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH); then one decode step's gemv time per route summed over the model (32 layers of
 q/k (q4_k) + v, o (q4_k), gate/up (q4_k), down, with v and down q6_k in the 16 `use_more_bits`
 layers, and the q6_k lm_head) and the tok/s that time alone would allow.
 
@@ -10,6 +11,7 @@ layers, and the q6_k lm_head) and the tok/s that time alone would allow.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 from pathlib import Path
@@ -27,9 +29,11 @@ from ninfer.kernels import blocks as BK  # noqa: E402
 from ninfer.kernels.compiler import KernelCompiler  # noqa: E402
 
 DEV = "cuda"
-# llama-8b: (name, N, K, format, calls per step); q/k fused (5120 rows), v alone in its format
+VARIANTS = ("mma", "tile", "tile+pf")  # routes; +pf: the tile kernel with blocks.TILE_PREFETCH on
+L2_BYTES = 128 << 20  # weights cycled through per timed call: more than the H200's 50 MB L2
 LAYERS, MORE_BITS = 32, 16
-STEP = [("qk", 5120, 4096, "q4_k", LAYERS), ("v", 1024, 4096, "q4_k", LAYERS - MORE_BITS),
+# llama-8b: (name, N, K, format, calls per step); q/k/v fused where v is q4_k, else q/k and v apart
+STEP = [("qkv", 6144, 4096, "q4_k", LAYERS - MORE_BITS), ("qk", 5120, 4096, "q4_k", MORE_BITS),
         ("v", 1024, 4096, "q6_k", MORE_BITS), ("o", 4096, 4096, "q4_k", LAYERS),
         ("gate_up", 28672, 4096, "q4_k", LAYERS), ("down", 4096, 14336, "q4_k", LAYERS - MORE_BITS),
         ("down", 4096, 14336, "q6_k", MORE_BITS), ("lm_head", 128256, 4096, "q6_k", 1)]
@@ -48,6 +52,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="rows 1 and 8 only")
     args = ap.parse_args()
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
+    default_prefetch = BK.TILE_PREFETCH
     print(f"{torch.cuda.get_device_name()}: gemv_blocks, time per call and weight bytes / time")
     rows = (1, 8) if args.quick else (1, 2, 4, 8)
     step: dict[tuple[str, int], float] = {}
@@ -58,26 +63,32 @@ def main() -> None:
             fmt = TensorFormat(name)
             w = weights(name, N, K, seed=N + K)
             ref_w = dequantize(fmt, {"": w}, torch.float64) if N * K <= 4096 * 14336 else None
+            # distinct copies, each call the next: every call reads its weight from memory, as a decode
+            # step does (one copy timed again and again stays in L2 when it fits)
+            copies = [w] + [w.clone() for _ in range(min(19, L2_BYTES // w.numel()))]
             seen[key] = {}
             for M in rows:
                 x = torch.randn(M, K, device=DEV).bfloat16()
                 ref = x.double() @ ref_w.T if ref_w is not None else None
                 line = f"{name:5s} {N:6d}x{K:5d} M={M}:"
-                for route in ("mma", "tile"):
+                for variant in VARIANTS:
+                    route = variant.split("+")[0]
+                    BK.TILE_PREFETCH = variant.endswith("+pf")
                     out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.float32)
-                    ms = bench(lambda: BK.gemv_blocks(kc, x, fmt, w, out, route))
-                    seen[key][(route, M)] = ms
+                    it = itertools.cycle(copies)
+                    ms = bench(lambda: BK.gemv_blocks(kc, x, fmt, next(it), out, route))
+                    BK.TILE_PREFETCH = default_prefetch
+                    seen[key][(variant, M)] = ms
                     err = f" rel {rel(out, ref):.1e}" if ref is not None else ""
-                    line += f"  {route} {ms * 1e3:7.1f} us {w.numel() / ms / 1e6:5.0f} GB/s{err}"
+                    line += f"  {variant} {ms * 1e3:6.1f} us {w.numel() / ms / 1e6:5.0f} GB/s{err}"
                 print(line, flush=True)
-            del ref_w
+            del ref_w, copies
         for (route, M), ms in seen[key].items():
             step[(route, M)] = step.get((route, M), 0.0) + calls * ms
     print("one llama-8b Q4_K_M decode step, gemv only (32 layers + lm_head):")
     for M in rows:
-        old, new = step[("mma", M)], step[("tile", M)]
-        print(f"  M={M}: mma {old:6.2f} ms ({M * 1e3 / old:6.1f} tok/s bound)   tile {new:6.2f} ms "
-              f"({M * 1e3 / new:6.1f} tok/s bound)   {old / new:4.2f}x")
+        print(f"  M={M}: " + "   ".join(f"{v} {step[(v, M)]:5.2f} ms ({M * 1e3 / step[(v, M)]:6.1f} tok/s bound)"
+                                       for v in VARIANTS))
     print(f"NVRTC compiles: {kc.compiled}")
 
 

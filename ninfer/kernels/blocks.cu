@@ -482,7 +482,11 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 // compile for the host, where tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
 #if BLK_FMT == 0 || BLK_FMT == 2
 #define TILE_FMT 1
-#define TILE_WARPS 8
+#define TILE_WARPS 8       // warps per block that split K (host emulation; the kernel takes 8 or 16)
+#define TILE_MAX_WARPS 16
+#ifndef TILE_PREFETCH
+#define TILE_PREFETCH 0
+#endif
 #define TILE_NM (QK / 16)  // mmas per block
 #if BLK_FMT == 0
 #define TILE_GROUP 2  // consecutive mmas that share a scale
@@ -629,12 +633,48 @@ __device__ __forceinline__ void tile_b(uint2 xv, u32& b0, u32& b1) {
 }
 
 #if !ACT_F32 && !defined(BLOCKS_HOST)
-// Grid: ceil(N / 16) blocks of TILE_WARPS * 32 threads.
-extern "C" __global__ void __launch_bounds__(TILE_WARPS * 32)
+// One block's products for the warp's 16 rows, added to acc (codes in d, activations from xb).
+__device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const act* __restrict__ xb, u32 mask,
+                                           u32 magic, const u32* ones) {
+  float s[2][TILE_NG], o[2][TILE_NG];
+  tile_scales(d, magic, s, o);
+#pragma unroll
+  for (int grp = 0; grp < TILE_NG; ++grp) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum of the group's x per column (the same for every row)
+#pragma unroll
+    for (int u = 0; u < TILE_GROUP; ++u) {
+      const int i = grp * TILE_GROUP + u;
+      const uint2 xv = __ldg((const uint2*)(xb + tile_elem(i)));
+      u32 b0, b1, a[4];
+      tile_b(xv, b0, b1);
+      tile_a(d, i, mask, a);
+      mma16816(c, a[0], a[1], a[2], a[3], b0, b1);
+      if (HAS_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
+    }
+    acc[0] = fmaf(c[0], s[0][grp], acc[0]);
+    acc[1] = fmaf(c[1], s[0][grp], acc[1]);
+    acc[2] = fmaf(c[2], s[1][grp], acc[2]);
+    acc[3] = fmaf(c[3], s[1][grp], acc[3]);
+    if (HAS_OFFSET) {
+      acc[0] = fmaf(cx[0], o[0][grp], acc[0]);
+      acc[1] = fmaf(cx[1], o[0][grp], acc[1]);
+      acc[2] = fmaf(cx[2], o[1][grp], acc[2]);
+      acc[3] = fmaf(cx[3], o[1][grp], acc[3]);
+    }
+  }
+}
+
+// Grid: ceil(N / 16) blocks of W * 32 threads, W = 8 or 16 (more warps split K where N gives few
+// blocks; W depends on N only, never on M). With -DTILE_PREFETCH=1 a warp loads its next block while
+// it computes the current one (two buffers: its loads stay in flight across its own arithmetic, at
+// the cost of registers: q4_k reaches the 128 that 512-thread blocks allow).
+extern "C" __global__ void __launch_bounds__(TILE_MAX_WARPS * 32)
 gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
                  i64 y_stride, int M, int N, int K, int y_f32) {
-  __shared__ float part[TILE_WARPS][32][4];
+  __shared__ float part[TILE_MAX_WARPS][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int nw = blockDim.x >> 5;
   const int n0 = blockIdx.x * 16;
   const i64 row_bytes = (i64)(K / QK) * BLK_BYTES;
   const u8* w0 = w + (i64)min(n0 + g, N - 1) * row_bytes;  // rows past N: read, never stored
@@ -649,39 +689,25 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
 #pragma unroll
   for (int j = 0; j < 4; ++j) ones[j] = opaque(0x3F803F80u, zero << j);  // four registers, not one copied
   const int nb = K / QK;
-  for (int b = warp; b < nb; b += TILE_WARPS) {
+#if TILE_PREFETCH
+  TileRows d0, d1;
+  if (warp < nb) tile_load(w0 + (i64)warp * BLK_BYTES, w1 + (i64)warp * BLK_BYTES, t, d0);
+  for (int b = warp; b < nb; b += 2 * nw) {
+    const int b1 = b + nw, b2 = b + 2 * nw;
+    if (b1 < nb) tile_load(w0 + (i64)b1 * BLK_BYTES, w1 + (i64)b1 * BLK_BYTES, t, d1);
+    tile_block(acc, d0, xl + (i64)b * QK, mask, magic, ones);
+    if (b1 >= nb) break;
+    if (b2 < nb) tile_load(w0 + (i64)b2 * BLK_BYTES, w1 + (i64)b2 * BLK_BYTES, t, d0);
+    tile_block(acc, d1, xl + (i64)b1 * QK, mask, magic, ones);
+  }
+#else
+  for (int b = warp; b < nb; b += nw) {
     TileRows d;
     tile_load(w0 + (i64)b * BLK_BYTES, w1 + (i64)b * BLK_BYTES, t, d);
-    const act* xb = xl + (i64)b * QK;
-    float s[2][TILE_NG], o[2][TILE_NG];
-    tile_scales(d, magic, s, o);
-#pragma unroll
-    for (int grp = 0; grp < TILE_NG; ++grp) {
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      float cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum of the group's x per column (the same for every row)
-#pragma unroll
-      for (int u = 0; u < TILE_GROUP; ++u) {
-        const int i = grp * TILE_GROUP + u;
-        const uint2 xv = __ldg((const uint2*)(xb + tile_elem(i)));
-        u32 b0, b1, a[4];
-        tile_b(xv, b0, b1);
-        tile_a(d, i, mask, a);
-        mma16816(c, a[0], a[1], a[2], a[3], b0, b1);
-        if (HAS_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
-      }
-      acc[0] = fmaf(c[0], s[0][grp], acc[0]);
-      acc[1] = fmaf(c[1], s[0][grp], acc[1]);
-      acc[2] = fmaf(c[2], s[1][grp], acc[2]);
-      acc[3] = fmaf(c[3], s[1][grp], acc[3]);
-      if (HAS_OFFSET) {
-        acc[0] = fmaf(cx[0], o[0][grp], acc[0]);
-        acc[1] = fmaf(cx[1], o[0][grp], acc[1]);
-        acc[2] = fmaf(cx[2], o[1][grp], acc[2]);
-        acc[3] = fmaf(cx[3], o[1][grp], acc[3]);
-      }
-    }
+    tile_block(acc, d, xl + (i64)b * QK, mask, magic, ones);
   }
-  // the warps' partial sums, added in warp order
+#endif
+// the warps' partial sums, added in warp order
 #pragma unroll
   for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
   __syncthreads();
@@ -690,7 +716,7 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
   for (int j = 0; j < 4; ++j) {
     float r = part[0][lane][j];
 #pragma unroll
-    for (int v = 1; v < TILE_WARPS; ++v) r += part[v][lane][j];
+    for (int v = 1; v < nw; ++v) r += part[v][lane][j];
     const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
     if (n < N && m < M) {
       if (y_f32) ((float*)y)[m * y_stride + n] = r;

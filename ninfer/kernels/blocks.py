@@ -42,7 +42,14 @@ def _weight(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, K: int) -> t
 # (bf16, tensor cores, whole blocks per lane: the formats in TILE_FORMATS)
 ROUTES = ("warp", "mma", "tile")
 TILE_FORMATS = ("q4_k", "q6_k")  # blocks.cu's TILE_FMT
-MMA_WARPS = TILE_WARPS = 8  # blocks.cu
+MMA_WARPS = 8  # blocks.cu
+TILE_PREFETCH = False  # blocks.cu's TILE_PREFETCH: each warp loads its next block while computing one
+TILE_SMALL_N_BLOCKS = 256  # below this many 16-row blocks the tile route splits K over 16 warps, not 8
+
+
+def tile_warps(N: int) -> int:
+    """Warps per block of gemv_blocks_tile for N output rows (never a function of M: batch invariance)."""
+    return 16 if math.ceil(N / 16) < TILE_SMALL_N_BLOCKS else 8
 
 
 def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype) -> bool:
@@ -79,9 +86,12 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
             I32(1 if out.dtype == F32_DT else 0)]
-    if route in ("mma", "tile"):
-        kc.kernel("blocks.cu", f"gemv_blocks_{route}", defines).launch(
-            (math.ceil(N / 16), 1, 1), ((MMA_WARPS if route == "mma" else TILE_WARPS) * 32, 1, 1), args)
+    if route == "mma":
+        kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
+        return
+    if route == "tile":
+        kc.kernel("blocks.cu", "gemv_blocks_tile", {**defines, "TILE_PREFETCH": int(TILE_PREFETCH)}).launch(
+            (math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
         return
     shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
     kc.kernel("blocks.cu", "gemv_blocks", defines).launch(

@@ -85,15 +85,20 @@ def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str, 
 
 
 # (N, K) of llama-8b's decode gemvs (o, down, gate/up halves, lm_head) and SmolLM2-135M's down
-SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (576, 1536)]
+# (k/v alone: 16 warps per block)
+SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (1024, 4096), (576, 1536)]
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("name", B.TILE_FORMATS)
 @pytest.mark.parametrize("N,K", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_gemv_blocks_tile_at_model_shapes(kc: KernelCompiler, name: str, N: int, K: int) -> None:
-    """The tile route at the shapes decode runs, rows 1..8, fresh random blocks: bf16 and fp32 outputs
-    against fp64 over gguf-py's dequantization (the torch reference), and row r of an 8-row call
-    bit-equal to the same row alone."""
+def test_gemv_blocks_tile_at_model_shapes(kc: KernelCompiler, name: str, N: int, K: int, prefetch: bool,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile route at the shapes decode runs (8 and 16 warps per block, with and without the
+    prefetch of the next block), rows 1..8, fresh random blocks: bf16 and fp32 outputs against fp64
+    over gguf-py's dequantization (the torch reference), and row r of an 8-row call bit-equal to the
+    same row alone."""
+    monkeypatch.setattr(B, "TILE_PREFETCH", prefetch)
     fmt = TensorFormat(name)
     w = blocks(name, N, K, seed=N + K)
     x = torch.randn(8, K, generator=torch.Generator(DEV).manual_seed(K), device=DEV).to(BF)
