@@ -67,7 +67,7 @@ def test_gemv_tiled_matches_fp64(kc: KernelCompiler, fmt: TensorFormat, N: int, 
         assert torch.equal(out_bf, out.to(BF)), M  # the same fp32 sums, rounded once
 
 
-VARIANTS = [{"T4_STAGES": s, "T4_XPRE": p} for s in (1, 2, 3, 4, 6, 8) for p in (0, 1)]
+VARIANTS = [{"T4_STAGES": s, "T4_XPRE": 0} for s in (1, 2, 3, 6, 8)] + [{"T4_STAGES": s, "T4_XPRE": 1} for s in (2, 4, 8)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
