@@ -304,7 +304,9 @@ def test_calibrator_loops_on_cpu_with_the_kernels_stubbed(monkeypatch: pytest.Mo
     assert set(gemv) == {"bf16", "int8", "int4_sym", "int4_asym"}
     assert all(set(t) == {1, 8} and all(v > 0 for v in t.values()) for r in gemv.values() for t in r.values())
     assert {k: set(r) for k, r in gemv.items()} == {"bf16": {"warp", "mma"}, "int8": {"warp", "mma"},
-                                                    "int4_sym": {"warp", "mma"}, "int4_asym": {"warp", "mma"}}
+                                                    "int4_sym": {"warp", "mma", "tiled"},
+                                                    "int4_asym": {"warp", "mma", "tiled"}}
+    assert ("int4", False, "tiled") in gemv_calls
     assert ("int8", True, "mma") in gemv_calls
     assert set(cublas) == {1, 8} and all(v > 0 for v in cublas.values())
     attention = c.attention()

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ninfer.formats import TensorFormat
-from ninfer.engine.quant import pack_int4, unpack_int4
 from ninfer.kernels.compiler import F32, I32, I64, KernelError, ptr
 
 if TYPE_CHECKING:
@@ -449,21 +448,26 @@ TILE_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 TILE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int4 bytes [..., B] -> values [..., B, 2]: the low nibble first (quant.py's order)."""
+    return torch.stack((q & 0x0F, q >> 4), dim=-1)
+
+
 def _tile_int4(q: torch.Tensor) -> torch.Tensor:
     """quant.py's int4 rows [N, K/2] -> gemv_tiled.cu's tiles (the same shape; see the kernel's header):
     byte ((T S + j) 512 + 16 (4 g + t) + 4 (2 c + h) + b) holds elements 2b, 2b + 1 of TILE_ORDER of
     row 16 T + 8 h + g, k = 64 j + 32 c + 8 t + e."""
     N, B = q.shape
-    v = unpack_int4(q).view(N // 16, 2, 8, B // 32, 2, 4, 8)  # T, h, g, j, c, t, e
+    v = _nibbles(q).view(N // 16, 2, 8, B // 32, 2, 4, 8)  # T, h, g, j, c, t, e
     v = v[..., list(TILE_ORDER)].permute(0, 3, 2, 5, 4, 1, 6)  # T, j, g, t, c, h, nibble
     return (v[..., 0::2] | (v[..., 1::2] << 4)).contiguous().view(N, B)
 
 
 def _untile_int4(p: torch.Tensor) -> torch.Tensor:
     N, B = p.shape
-    v = torch.stack((p & 0x0F, p >> 4), dim=-1).view(N // 16, B // 32, 8, 4, 2, 2, 8)  # T, j, g, t, c, h, nibble
-    v = v.permute(0, 5, 2, 1, 4, 3, 6)[..., list(TILE_NIBBLE)]  # T, h, g, j, c, t, e
-    return pack_int4(v.reshape(N, 2 * B))
+    v = _nibbles(p).view(N // 16, B // 32, 8, 4, 2, 2, 8)  # T, j, g, t, c, h, nibble
+    v = v.permute(0, 5, 2, 1, 4, 3, 6)[..., list(TILE_NIBBLE)].reshape(N, 2 * B)  # T, h, g, j, c, t, e
+    return v[:, 0::2] | (v[:, 1::2] << 4)
 
 
 def _tile_groups(g: int) -> int:
