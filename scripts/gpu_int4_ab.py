@@ -87,7 +87,7 @@ def main() -> None:
     print("\nper token (llama-8b shapes x their count per token), ms; default tiled vs mma:")
     for name in fmts:
         for M in rows:
-            mma, tiled = step.get((name, "mma", M)), step.get((name, "tiled", M))
+            mma, tiled = step.get((name, "mma", M), math.nan), step.get((name, "tiled", M), math.nan)
             variants = {k[1]: v for k, v in step.items() if k[0] == name and k[2] == M and k[1].startswith("tiled s")}
             best = min(variants, key=variants.get) if variants else "-"
             print(f"  {name} M={M}: mma {mma * 1e3:.3f}  tiled {tiled * 1e3:.3f}  ({mma / tiled:.2f}x)  "
