@@ -4,6 +4,8 @@
 #                                (llama-8b shapes, asym g32, rows 1 and 8; tuning variants)   ~2-3 min
 #   scripts/int4_ab.sh bench     ninfer bench, llama-8b int4 tg128 at 1 and 8 streams, the route forced
 #                                by a profile file: mma, then tiled                           ~3 min
+#   scripts/int4_ab.sh final     the tiled route's tests + model-level batch invariance on int4, then the
+#                                bench on the built-in defaults (int4 on tiles)               ~4-5 min
 # Logs go to ${OUT:-/tmp/int4_ab}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,5 +25,15 @@ case "${1:-}" in
         --device-profile "$OUT/$route.yaml" 2>&1 | tee "$OUT/bench_$route.log" | grep -v "^\s*$" | tail -8
     done
     ;;
-  *) echo "usage: scripts/int4_ab.sh kernels|bench"; exit 2 ;;
+  final)
+    # the route's GPU tests, model-level batch invariance on int4 (defaults = tiled, and each route
+    # forced), then tg128 at 1 and 8 streams on the built-in defaults (int4: tiled, per-shape variants)
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv_tiled.py \
+      "tests/gpu/test_batch_invariance.py::test_batch_and_prefix_invariance[int4-defaults]" \
+      "tests/gpu/test_batch_invariance.py::test_batch_and_prefix_invariance[int4-gemv-tiled]" \
+      2>&1 | tee "$OUT/final_tests.log" | tail -8
+    python3 -m ninfer.cli.main bench --synthetic llama-8b --backend cuda --weights int4 -p 0 -n 128 -r 2 -c 1,8 \
+      --device-profile off 2>&1 | tee "$OUT/bench_final.log" | grep -v "^\s*$" | tail -8
+    ;;
+  *) echo "usage: scripts/int4_ab.sh kernels|bench|final"; exit 2 ;;
 esac

@@ -545,14 +545,24 @@ def dequantize_weight(kc: KernelCompiler, fmt: TensorFormat, parts: dict[str, to
              I32(fmt.group_size)])
 
 
+def tiled_variant(N: int, K: int) -> dict[str, int]:
+    """The tiled kernel's slabs in flight per warp and activation prefetch for a weight [N, K], from the
+    H200 sweep of scripts/gpu_int4_ab.py (docs/PERF.md): long rows (down_proj) 3 stages with the
+    activations loaded beside the weights, many rows (gate_up, lm_head) 2 stages without, the rest 2
+    with. Variants change speed only: every one gives the same bits (tests/gpu/test_gemv_tiled.py)."""
+    if K >= 8192:
+        return {"T4_STAGES": 3, "T4_XPRE": 1}
+    return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1}
+
+
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
          out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None) -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
-    variant: extra compile defines of the tiled kernel (T4_STAGES, T4_XPRE; tuning scripts only: they
-    change speed, never results)."""
+    variant: the tiled kernel's compile defines (T4_STAGES, T4_XPRE) instead of tiled_variant(N, K)'s
+    (tuning scripts; they change speed, never results)."""
     if route not in GEMV_ROUTES:
         raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
     act_defines = _act(x.dtype, "x")
@@ -593,7 +603,7 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         align = 8 if g == 32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
-        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32), **(variant or {})}).launch(
+        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32), **(variant or tiled_variant(N, K))}).launch(
             (N // 16, 1, 1), (TILED_WARPS * 32, 1, 1), args)
     elif route == "mma":
         kc.kernel("gemv_mma.cu", "gemv_mma", {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K))}).launch(

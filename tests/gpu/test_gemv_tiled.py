@@ -67,7 +67,7 @@ def test_gemv_tiled_matches_fp64(kc: KernelCompiler, fmt: TensorFormat, N: int, 
         assert torch.equal(out_bf, out.to(BF)), M  # the same fp32 sums, rounded once
 
 
-VARIANTS = [{"T4_STAGES": s, "T4_XPRE": 0} for s in (1, 2, 3, 6, 8)] + [{"T4_STAGES": s, "T4_XPRE": 1} for s in (2, 4, 8)]
+VARIANTS = [{"T4_STAGES": s, "T4_XPRE": 0} for s in (1, 2, 3, 4, 8)] + [{"T4_STAGES": s, "T4_XPRE": 1} for s in (2, 3, 6)]
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
@@ -143,7 +143,9 @@ def test_model_on_the_tiled_route() -> None:
     runners = {r: CudaModelRunner(artifact, num_pages=16, page_size=64, device="cuda",
                                   profile=DeviceProfile(gemv={"int4_sym": r, "int4_asym": r}))
                for r in ("mma", "tiled")}
-    assert runners["tiled"].ops.gemv_route(TensorFormat("int4", 32, False), 576, 960) == "tiled"
+    ops, asym = runners["tiled"].ops, TensorFormat("int4", 32, False)
+    assert ops.gemv_route(asym, 576, 960) == "tiled"
+    assert ops.gemv_route(asym, 608, 960) == "mma" and ops.gemv_route(asym, 576, 40) == "mma"  # K, N do not fit
     prompt = torch.randint(0, 49152, (120,), generator=torch.Generator().manual_seed(2)).tolist()
     first = {r: run.forward_logits(prompt) for r, run in runners.items()}
     assert torch.equal(first["mma"], first["tiled"])

@@ -173,11 +173,15 @@ class CudaOps:
     def gemv_route(self, fmt: TensorFormat, k: int, n: int | None = None) -> str:
         """The decode route for weights of `fmt`, input width k and n outputs (one route per weight,
         never per batch: rows must not depend on their batch): the profile's route for the format where
-        it takes them (cublas: unquantized weights in the activation dtype), else warp."""
+        it takes them (cublas: unquantized weights in the activation dtype), else the mma route where a
+        tiled route does not take them (N not in 16s, K not in 64s), else warp."""
         route = self.profile.gemv_route(fmt)
         if route == CUBLAS:
             return route if fmt == DTYPES[self.dtype] else "warp"
-        return route if L.gemv_route_ok(route, fmt, k, self.dtype, n) else "warp"
+        for r in (route, "mma") if route == "tiled" else (route,):
+            if L.gemv_route_ok(r, fmt, k, self.dtype, n):
+                return r
+        return "warp"
 
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
