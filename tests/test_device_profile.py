@@ -97,10 +97,10 @@ def test_choose_offers_cublas_to_bf16_only() -> None:
 
 def test_defaults_are_the_former_constants() -> None:
     p = DeviceProfile()
-    assert p.gemv == {"bf16": "mma", "int8": "warp", "int4_sym": "mma", "int4_asym": "mma", "f32": "warp"}
+    assert p.gemv == {"bf16": "mma", "int8": "warp", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
     assert set(p.gemv) == set(GEMV_FORMATS)
     assert (p.attention_partition, p.prompt_rows, p.graph_rows) == (512, 128, tuple(range(1, 9)))
-    assert p.gemv_route(TensorFormat("int4", 32, symmetric=False)) == "mma"
+    assert p.gemv_route(TensorFormat("int4", 32, symmetric=False)) == "tiled"
     assert [p.graph_size(n) for n in range(1, 9)] == list(range(1, 9))
     assert p.gemv_route(TensorFormat("f16")) == "warp"  # a format no gemv kernel names
     assert [DeviceProfile(graph_rows=(2, 8)).graph_size(n) for n in (1, 2, 3, 8)] == [2, 2, 8, 8]
@@ -304,7 +304,9 @@ def test_calibrator_loops_on_cpu_with_the_kernels_stubbed(monkeypatch: pytest.Mo
     assert set(gemv) == {"bf16", "int8", "int4_sym", "int4_asym"}
     assert all(set(t) == {1, 8} and all(v > 0 for v in t.values()) for r in gemv.values() for t in r.values())
     assert {k: set(r) for k, r in gemv.items()} == {"bf16": {"warp", "mma"}, "int8": {"warp", "mma"},
-                                                    "int4_sym": {"warp", "mma"}, "int4_asym": {"warp", "mma"}}
+                                                    "int4_sym": {"warp", "mma", "tiled"},
+                                                    "int4_asym": {"warp", "mma", "tiled"}}
+    assert ("int4", False, "tiled") in gemv_calls
     assert ("int8", True, "mma") in gemv_calls
     assert set(cublas) == {1, 8} and all(v > 0 for v in cublas.values())
     attention = c.attention()

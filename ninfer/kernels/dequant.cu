@@ -5,6 +5,7 @@
 //   DQ_FMT 1 int8: w [N, K] int8; 2 int4 sym: w [N, K/2] uint8, (q - 8) * s; 3 int4 asym: q * s + m
 //   DQ_WIDE 1: rows interleaved as the mma gemv reads them (launchers.gemv_pack: in each 64-byte
 //   block, word t of chunk i sits at 16 t + 4 i; chunks of 32 int4 or 16 int8)
+//   DQ_WIDE 2: int4 tiles and reordered scales / mins as the tiled gemv reads them (gemv_tiled.cu)
 #include "common.cuh"
 
 #ifndef DQ_FMT
@@ -22,7 +23,14 @@ dequantize_rows(const u8* __restrict__ w, const u16* __restrict__ scales, const 
   if (chunk >= (i64)N * per_row) return;
   const i64 n = chunk / per_row;
   const int c = (int)(chunk % per_row), k0 = c * 32;
+#if DQ_WIDE == 2
+  // tile T = n / 16, row 8 h + r of it; slab j = c / 2, chunk c % 2 of it (gemv_tiled.cu's layout)
+  const i64 T = n >> 4;
+  const int h = (int)(n >> 3) & 1, r = (int)n & 7, E = group_size == 32 ? 2 : 1, grp = k0 / group_size;
+  const i64 g = ((T * (K / group_size / E) + grp / E) * 8 + r) * 2 * E + 2 * (grp % E) + h;
+#else
   const i64 g = n * (K / group_size) + k0 / group_size;
+#endif
   const float s = f16_to_f32(scales[g]);
   float v[32];
 #if DQ_FMT == 1
@@ -46,7 +54,11 @@ dequantize_rows(const u8* __restrict__ w, const u16* __restrict__ scales, const 
 #else
   const u8* row = w + n * (K / 2);
   u32 words[4];
-#if DQ_WIDE
+#if DQ_WIDE == 2
+  const u8* blk = w + (T * (K / 64) + c / 2) * 512 + 64 * r + 4 * (2 * (c % 2) + h);  // word t at + 16 t
+#pragma unroll
+  for (int t = 0; t < 4; ++t) words[t] = *(const u32*)(blk + 16 * t);
+#elif DQ_WIDE
   const u8* blk = row + (c / 4) * 64 + 4 * (c % 4);
 #pragma unroll
   for (int t = 0; t < 4; ++t) words[t] = *(const u32*)(blk + 16 * t);
@@ -57,7 +69,12 @@ dequantize_rows(const u8* __restrict__ w, const u16* __restrict__ scales, const 
   const float m = DQ_FMT == 3 ? f16_to_f32(mins[g]) : 0.0f;
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
-    float q = (float)((words[j >> 3] >> ((j & 7) * 4)) & 0xfu);
+#if DQ_WIDE == 2
+    const int nib = ((j & 7) >> 1) + 4 * (j & 1);  // element e of a word sits in nibble e / 2 + 4 (e % 2)
+#else
+    const int nib = j & 7;
+#endif
+    float q = (float)((words[j >> 3] >> (nib * 4)) & 0xfu);
     if (DQ_FMT == 2) q -= 8.0f;
     v[j] = __fmul_rn(q, s);
     if (DQ_FMT == 3) v[j] = __fadd_rn(v[j], m);

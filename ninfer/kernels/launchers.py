@@ -27,11 +27,14 @@ ATTN_THREADS = 128  # attention.cu: NWARPS * 32
 SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
 GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
-# gemv routes: "warp" (gemv.cu: a warp per output, CUDA cores, every format and activation dtype) and
+# gemv routes: "warp" (gemv.cu: a warp per output, CUDA cores, every format and activation dtype),
 # "mma" (gemv_mma.cu: tensor cores, bf16 activations, bf16 / int4 weights with K in 32s, int8 with K
-# in 64s; group sizes powers of two from 32 / 16)
-GEMV_ROUTES = ("warp", "mma")
+# in 64s; group sizes powers of two from 32 / 16) and "tiled" (gemv_tiled.cu: tensor cores, int4 only,
+# weights re-laid in 16-row x 64-k tiles streamed several slabs deep; N in 16s, K in 64s, group sizes
+# powers of two from 32)
+GEMV_ROUTES = ("warp", "mma", "tiled")
 MMA_WARPS = 8  # gemv_mma.cu
+TILED_WARPS = 8  # gemv_tiled.cu
 ACT_DTYPES = (BF16, F32_DT)  # activations: bf16, or fp32 (modules compiled with ACT_F32=1)
 
 
@@ -396,8 +399,11 @@ def paged_attention_prefill(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.
              ptr(cu_seqlens), ptr(start_pos), ptr(out), I64(out.stride(0)), I32(Hkv), I32(page_size), F32(scale)])
 
 
-def gemv_route_ok(route: str, fmt: TensorFormat, K: int, act_dtype: torch.dtype) -> bool:
-    """Whether `route` takes weights of `fmt` at input width K with activations of `act_dtype`."""
+def gemv_route_ok(route: str, fmt: TensorFormat, K: int, act_dtype: torch.dtype, N: int | None = None) -> bool:
+    """Whether `route` takes weights of `fmt` at input width K with activations of `act_dtype` (and N
+    outputs, where given: the tiled route takes N in 16s)."""
+    if route == "tiled":
+        return act_dtype == BF16 and _tiled(fmt, 16 if N is None else N, K)
     if fmt.format in ("bf16", "f32"):
         code, g = GEMV_FORMATS[fmt.format], 0
     elif fmt.format == "int8":
@@ -428,16 +434,86 @@ def _interleave(q: torch.Tensor) -> torch.Tensor:
     return q.view(N, B // 64, 4, 4, 4).transpose(2, 3).contiguous().view(N, B)
 
 
+def _tiled(fmt: TensorFormat, N: int, K: int) -> bool:
+    """Whether the tiled route lays out (and takes) int4 weights [N, K]: N in 16s, K in 64s, group sizes
+    powers of two from 32 that divide K."""
+    g = fmt.group_size
+    return (fmt.format == "int4" and N % 16 == 0 and K % 64 == 0 and g >= 32 and g & (g - 1) == 0
+            and K % g == 0)
+
+
+# Element e (0..7) of a word of gemv_tiled.cu's layout sits in nibble TILE_NIBBLE[e]; TILE_ORDER is
+# the inverse (the element in nibble p), so nibbles p and p + 4 hold elements 2p and 2p + 1.
+TILE_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+TILE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int4 bytes [..., B] -> values [..., B, 2]: the low nibble first (quant.py's order)."""
+    return torch.stack((q & 0x0F, q >> 4), dim=-1)
+
+
+def _tile_int4(q: torch.Tensor) -> torch.Tensor:
+    """quant.py's int4 rows [N, K/2] -> gemv_tiled.cu's tiles (the same shape; see the kernel's header):
+    byte ((T S + j) 512 + 16 (4 g + t) + 4 (2 c + h) + b) holds elements 2b, 2b + 1 of TILE_ORDER of
+    row 16 T + 8 h + g, k = 64 j + 32 c + 8 t + e."""
+    N, B = q.shape
+    v = _nibbles(q).view(N // 16, 2, 8, B // 32, 2, 4, 8)  # T, h, g, j, c, t, e
+    v = v[..., list(TILE_ORDER)].permute(0, 3, 2, 5, 4, 1, 6)  # T, j, g, t, c, h, nibble
+    return (v[..., 0::2] | (v[..., 1::2] << 4)).contiguous().view(N, B)
+
+
+def _untile_int4(p: torch.Tensor) -> torch.Tensor:
+    N, B = p.shape
+    v = _nibbles(p).view(N // 16, B // 32, 8, 4, 2, 2, 8)  # T, j, g, t, c, h, nibble
+    v = v.permute(0, 5, 2, 1, 4, 3, 6)[..., list(TILE_NIBBLE)].reshape(N, 2 * B)  # T, h, g, j, c, t, e
+    return v[:, 0::2] | (v[:, 1::2] << 4)
+
+
+def _tile_groups(g: int) -> int:
+    """Scale entries of one row per scale block of the tiled layout: 2 for groups of 32 (a 64-k slab
+    holds two groups), else 1 (a group spans slabs)."""
+    return 2 if g == 32 else 1
+
+
+def _tile_scales(s: torch.Tensor, g: int) -> torch.Tensor:
+    """Scales or mins [N, K/g] -> the tiled order (same shape): (row 16 T + 8 h + r, group b E + e) at
+    ((T (K / (g E)) + b) 8 + r) 2 E + 2 e + h, E = _tile_groups(g)."""
+    N, G = s.shape
+    E = _tile_groups(g)
+    return s.view(N // 16, 2, 8, G // E, E).permute(0, 3, 2, 4, 1).contiguous().view(N, G)
+
+
+def _untile_scales(s: torch.Tensor, g: int) -> torch.Tensor:
+    N, G = s.shape
+    E = _tile_groups(g)
+    return s.view(N // 16, G // E, 8, E, 2).permute(0, 4, 2, 1, 3).contiguous().view(N, G)
+
+
+def _tile_parts(fmt: TensorFormat, parts: dict[str, torch.Tensor], tile: bool) -> dict[str, torch.Tensor]:
+    fq, fs = (_tile_int4, _tile_scales) if tile else (_untile_int4, _untile_scales)
+    out = {**parts, "": fq(parts[""]), ".scales": fs(parts[".scales"], fmt.group_size)}
+    if ".mins" in parts:
+        out[".mins"] = fs(parts[".mins"], fmt.group_size)
+    return out
+
+
 def gemv_pack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weight parts as `route` reads them, from quant.py's layout: the mma route interleaves int8
-    rows and int4 rows whose width is a multiple of 128 (see gemv_mma.cu); everything else is kept."""
+    rows and int4 rows whose width is a multiple of 128 (see gemv_mma.cu); the tiled route tiles int4
+    weights and reorders their scales and mins where it takes them (see gemv_tiled.cu); everything else
+    is kept."""
     if route == "mma" and fmt.quantized and _mma_wide(fmt, parts[""].shape[1] * (2 if fmt.format == "int4" else 1)):
         return {**parts, "": _interleave(parts[""])}
+    if route == "tiled" and fmt.format == "int4" and _tiled(fmt, parts[""].shape[0], 2 * parts[""].shape[1]):
+        return _tile_parts(fmt, parts, True)
     return dict(parts)
 
 
 def gemv_unpack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """gemv_pack's inverse: quant.py's layout (what dequantize and the embedding kernels read)."""
+    if route == "tiled" and fmt.format == "int4" and _tiled(fmt, parts[""].shape[0], 2 * parts[""].shape[1]):
+        return _tile_parts(fmt, parts, False)
     return gemv_pack(route, fmt, parts)  # the interleave is its own inverse
 
 
@@ -461,19 +537,32 @@ def dequantize_weight(kc: KernelCompiler, fmt: TensorFormat, parts: dict[str, to
         raise KernelError(f"K={K} must be a multiple of the group size {fmt.group_size}")
     chunks = N * K // 32
     if chunks:
-        defines = {"DQ_FMT": code, "DQ_WIDE": int(route == "mma" and _mma_wide(fmt, K)), **_act(out.dtype, "out")}
+        layout = 2 if route == "tiled" and _tiled(fmt, N, K) else int(route == "mma" and _mma_wide(fmt, K))
+        defines = {"DQ_FMT": code, "DQ_WIDE": layout, **_act(out.dtype, "out")}
         kc.kernel("dequant.cu", "dequantize_rows", defines).launch(
             (math.ceil(chunks / 256), 1, 1), (256, 1, 1),
             [ptr(w), ptr(parts[".scales"]), ptr(parts.get(".mins") if code == 3 else None), ptr(out), I32(N), I32(K),
              I32(fmt.group_size)])
 
 
+def tiled_variant(N: int, K: int) -> dict[str, int]:
+    """The tiled kernel's slabs in flight per warp and activation prefetch for a weight [N, K], from the
+    H200 sweep of scripts/gpu_int4_ab.py (docs/PERF.md): long rows (down_proj) 3 stages with the
+    activations loaded beside the weights, many rows (gate_up, lm_head) 2 stages without, the rest 2
+    with. Variants change speed only: every one gives the same bits (tests/gpu/test_gemv_tiled.py)."""
+    if K >= 8192:
+        return {"T4_STAGES": 3, "T4_XPRE": 1}
+    return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1}
+
+
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
-         out: torch.Tensor, route: str = "warp") -> None:
+         out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None) -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
-    (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it."""
+    (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
+    variant: the tiled kernel's compile defines (T4_STAGES, T4_XPRE) instead of tiled_variant(N, K)'s
+    (tuning scripts; they change speed, never results)."""
     if route not in GEMV_ROUTES:
         raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
     act_defines = _act(x.dtype, "x")
@@ -491,9 +580,9 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         _check(w, "weight", torch.uint8, [N, K // 2], kc.device, align16=True)
     else:
         raise KernelError(f"gemv has no kernel for {fmt.format} weights")
-    if not gemv_route_ok(route, fmt, K, x.dtype):
-        raise KernelError(f"the {route} gemv does not take {fmt.format} weights with K={K}, group size {g} and "
-                          f"{x.dtype} activations")
+    if not gemv_route_ok(route, fmt, K, x.dtype, N):
+        raise KernelError(f"the {route} gemv does not take {fmt.format} weights with K={K}, N={N}, group size {g} "
+                          f"and {x.dtype} activations")
     if fmt.quantized:
         _check(parts[".scales"], "scales", F16, [N, K // g], kc.device)
     mins = parts.get(".mins") if code == 3 else None
@@ -510,7 +599,13 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)]
-    if route == "mma":
+    if route == "tiled":
+        align = 8 if g == 32 else 4  # a lane reads its scales of a slab in one load
+        if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
+            raise KernelError(f"scales and mins must start on a {align}-byte boundary")
+        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32), **(variant or tiled_variant(N, K))}).launch(
+            (N // 16, 1, 1), (TILED_WARPS * 32, 1, 1), args)
+    elif route == "mma":
         kc.kernel("gemv_mma.cu", "gemv_mma", {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K))}).launch(
             (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
     else:

@@ -130,7 +130,7 @@ def random_parts(fmt: TensorFormat, n: int, k: int, device: torch.device) -> dic
 
 def gemv_routes(fmt: TensorFormat, shapes: list[LinearShape]) -> tuple[str, ...]:
     """The gemv routes that take every matrix of the model in `fmt` with bf16 activations."""
-    return tuple(r for r in L.GEMV_ROUTES if all(L.gemv_route_ok(r, fmt, s.k, torch.bfloat16) for s in shapes))
+    return tuple(r for r in L.GEMV_ROUTES if all(L.gemv_route_ok(r, fmt, s.k, torch.bfloat16, s.n) for s in shapes))
 
 
 def _copies(nbytes: int) -> int:

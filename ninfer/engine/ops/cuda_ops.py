@@ -160,7 +160,7 @@ class CudaOps:
             return Weight(DTYPES[self.dtype], {}, b, segments=[self.linear_weight(run) for run in runs])
         if all(f == first_fmt for f in fmts) and gemv_ok(first_fmt, k) and (
                 first_fmt.quantized or first_fmt.format == "bf16"):  # bf16 is exact in either dtype
-            route = self.gemv_route(first_fmt, k)
+            route = self.gemv_route(first_fmt, k, sum(parts[""].shape[0] for _, parts in items))
             parts = {sfx: torch.cat([parts[sfx] for _, parts in items]).contiguous() for sfx in first}
             return Weight(first_fmt, L.gemv_pack(route, first_fmt, parts), b, route)
         # f32/f16, mixed formats or shapes the gemv kernel does not take: the activation dtype
@@ -174,14 +174,18 @@ class CudaOps:
             return "blocks_tile"
         return "blocks_mma" if self.dtype == torch.bfloat16 else "blocks"
 
-    def gemv_route(self, fmt: TensorFormat, k: int) -> str:
-        """The decode route for weights of `fmt` and input width k (one route per weight, never per
-        batch: rows must not depend on their batch): the profile's route for the format where it
-        takes them (cublas: unquantized weights in the activation dtype), else warp."""
+    def gemv_route(self, fmt: TensorFormat, k: int, n: int | None = None) -> str:
+        """The decode route for weights of `fmt`, input width k and n outputs (one route per weight,
+        never per batch: rows must not depend on their batch): the profile's route for the format where
+        it takes them (cublas: unquantized weights in the activation dtype), else the mma route where a
+        tiled route does not take them (N not in 16s, K not in 64s), else warp."""
         route = self.profile.gemv_route(fmt)
         if route == CUBLAS:
             return route if fmt == DTYPES[self.dtype] else "warp"
-        return route if L.gemv_route_ok(route, fmt, k, self.dtype) else "warp"
+        for r in (route, "mma") if route == "tiled" else (route,):
+            if L.gemv_route_ok(r, fmt, k, self.dtype, n):
+                return r
+        return "warp"
 
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
@@ -191,7 +195,7 @@ class CudaOps:
             return Weight(fmt, dict(parts))  # the embedding kernel reads quant.py's layout: the warp route
         # the embedding kernel copies rows of the activation dtype
         w = dequantize(fmt, parts, self.dtype).contiguous()
-        return Weight(DTYPES[self.dtype], {"": w}, route=self.gemv_route(DTYPES[self.dtype], H))
+        return Weight(DTYPES[self.dtype], {"": w}, route=self.gemv_route(DTYPES[self.dtype], H, w.shape[0]))
 
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype).contiguous()

@@ -1,0 +1,252 @@
+// int4 GEMV / skinny GEMM for decode on tensor cores, weights in tiles: y[M, N] = x[M, K] @ W^T,
+// M = 1..8 bf16 activation rows, W [N, K] groupwise int4 laid out by launchers.gemv_pack("tiled"):
+//   T4_FMT 2 sym:  w = (q - 8) * s;   T4_FMT 3 asym: w = q * s + m   (s, m f16, one per row and group)
+// Why another kernel beside gemv_mma.cu: that one keeps ~1 KB of weights in flight per warp and spends
+// ~340 instructions per KB on int4 (a third of them address arithmetic), so it streams ~1.6 TB/s where
+// bf16 reaches ~3.9. Here every load is a whole 512-byte slab a warp reads contiguously, T4_STAGES
+// slabs are in flight per warp, and the inner loop is dequant + mma + scale only.
+//
+// Layout (N % 16 == 0, K % 64 == 0; S = K / 64 slabs per row tile). Tile T holds rows 16 T .. 16 T + 15;
+// slab j of it, k = 64 j .. 64 j + 63, is 512 contiguous bytes at (T S + j) * 512: lane l = 4 g + t
+// owns bytes 16 l .. 16 l + 15, the four words (chunk c, half h) at 4 (2 c + h): row 16 T + 8 h + g,
+// k = 64 j + 32 c + 8 t + e, e = 0..7, with element e in nibble (e >> 1) + 4 (e & 1) (k0 k2 k4 k6 k1 k3
+// k5 k7 from the low nibble up), so the nibbles at bits 4 i and 16 + 4 i are the pair (k 2i, k 2i + 1)
+// and the activations' bf16 pairs feed the mma as stored.
+// Scales (and mins, the same way) keep their [N, K/g] shape, reordered: with E = 2 when g == 32 (two
+// groups per slab) and 1 otherwise (a group spans g / 64 slabs), scale (row 16 T + 8 h + g', group b E + e)
+// sits at ((T (K / (g E)) + b) * 8 + g') * 2 E + 2 e + h, so a lane reads its rows' scales for a slab
+// in one 8-byte (g == 32) or 4-byte load.
+//
+// mma.m16n8k16: A = 16 weight rows x 16 k (lane g, t: rows g and g + 8), B = 16 k x 8 activation rows
+// (lane g: row g, zero beyond M). Per 32-k chunk two mmas; the group scale applies to the chunk's (g == 32)
+// or the slab's (g >= 64) result in fp32; asym adds m * sum(x), sum(x) by an mma with A = ones.
+// The T4_WARPS warps of a block split the tile's slabs (warp w: w, w + T4_WARPS, ...) and add their
+// partial sums in warp order: a column's result depends only on its own activation row (batch
+// invariant), and not on T4_STAGES.
+#include "common.cuh"
+
+#ifndef T4_FMT
+#error "compile with -DT4_FMT=2|3"
+#endif
+#ifndef T4_G32
+#define T4_G32 1  // group size 32 (else a power of two >= 64)
+#endif
+#ifndef T4_STAGES
+#define T4_STAGES 4  // slabs in flight per warp
+#endif
+#ifndef T4_XPRE
+#define T4_XPRE 0  // 1: load a slab's activations with its weights (8 more registers a stage), 0: when
+#endif             // it is computed (they are L1 hits after the first block on an SM, at one row)
+#define T4_WARPS 8
+#if ACT_F32
+#error "gemv_tiled takes bf16 activations only"
+#endif
+
+#define T4_ASYM (T4_FMT == 3)
+#define T4_NEG (T4_ASYM ? 0xC300C300u : 0xC308C308u)  // (-128, -128) asym, (-136, -136) sym
+
+#if T4_G32
+typedef uint2 scale_t;  // (row g, row g + 8) of chunk 0, then of chunk 1
+#else
+typedef u32 scale_t;  // (row g, row g + 8) of the slab's group
+#endif
+
+struct Stage {
+  uint4 w;
+  scale_t s;
+#if T4_ASYM
+  scale_t m;
+#endif
+#if T4_XPRE
+  uint4 x0, x1;
+#endif
+};
+
+// Streaming loads: weights and scales are read once, so they do not displace the activations in L1.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_stream2(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ u32 ld_stream1(const void* p) {
+  u32 v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Nibbles at bits 4 i and 16 + 4 i of w as two bf16, minus the format's offset (exact). `mask` is
+// 0x000F000F held in a register: as a literal, ptxas rematerializes it before most lop3s (one extra
+// instruction per pair), so the kernel derives it from an argument ptxas cannot fold.
+__device__ __forceinline__ u32 pair(u32 w, int i, u32 mask) {
+  const u32 v = ((w >> (4 * i)) & mask) | 0x43004300u;  // 128 + q, one lop3
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(T4_NEG));
+  return r;
+}
+
+__device__ __forceinline__ void f16x2_to_f32(u32 w, float& lo, float& hi) {
+  asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+      : "=f"(lo), "=f"(hi) : "r"(w));
+}
+
+// c += the chunk (words wa: row g, wb: row g + 8) times its activations xv; cx += sum(x) (asym).
+__device__ __forceinline__ void chunk(float* c, float* cx, u32 wa, u32 wb, uint4 xv, u32 mask) {
+  mma16816(c, pair(wa, 0, mask), pair(wb, 0, mask), pair(wa, 1, mask), pair(wb, 1, mask), xv.x, xv.y);
+  mma16816(c, pair(wa, 2, mask), pair(wb, 2, mask), pair(wa, 3, mask), pair(wb, 3, mask), xv.z, xv.w);
+#if T4_ASYM
+  constexpr u32 ONES = 0x3F803F80u;
+  mma16816(cx, ONES, ONES, ONES, ONES, xv.x, xv.y);
+  mma16816(cx, ONES, ONES, ONES, ONES, xv.z, xv.w);
+#endif
+}
+
+// acc += c * s (+ cx * m): c rows g (c0, c1) and g + 8 (c2, c3); cx the same for both rows.
+__device__ __forceinline__ void scale_into(float* acc, const float* c, const float* cx, u32 s, u32 m) {
+  float s0, s1;
+  f16x2_to_f32(s, s0, s1);
+  acc[0] = fmaf(c[0], s0, acc[0]);
+  acc[1] = fmaf(c[1], s0, acc[1]);
+  acc[2] = fmaf(c[2], s1, acc[2]);
+  acc[3] = fmaf(c[3], s1, acc[3]);
+#if T4_ASYM
+  float m0, m1;
+  f16x2_to_f32(m, m0, m1);
+  acc[0] = fmaf(cx[0], m0, acc[0]);
+  acc[1] = fmaf(cx[1], m0, acc[1]);
+  acc[2] = fmaf(cx[0], m1, acc[2]);
+  acc[3] = fmaf(cx[1], m1, acc[3]);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(T4_WARPS * 32)
+gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
+           const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
+           int y_f32) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x, S = K >> 6;
+  // this lane's bytes of the warp's first slab (j = warp), its scales, its activations (row g, k 8 t of
+  // chunk 0); each advances by STEP slabs. Lanes past the M rows read row M - 1: their mma columns are
+  // never stored, and columns do not mix, so they need no zeros.
+  constexpr int STEP = T4_WARPS;
+  const u8* wp = w + ((i64)tile * S + warp) * 512 + lane * 16;
+#if T4_G32
+  const u16* sp = scales + ((i64)tile * S * 8 + g) * 4 + warp * 32;
+#else
+  // a group spans 1 << gshift slabs: slab j reads group j >> gshift, at + (j >> gshift) * 16
+  const int gshift = 31 - __clz(group_size >> 6);
+  const u16* sp = scales + ((i64)tile * (K / group_size) * 8 + g) * 2;
+#endif
+#if T4_ASYM
+  const u16* mp = mins + (sp - scales);
+#endif
+  const act* xp = x + min(g, M - 1) * x_stride + 8 * t + warp * 64;
+  const int n = S > warp ? (S - warp + STEP - 1) / STEP : 0;  // this warp's slabs
+
+  int base = 0;  // slabs of this warp done (the pointers have advanced by base STEP slabs)
+  // slab base + i of this warp (j = warp + (base + i) STEP), relative to the pointers
+  auto load = [&](Stage& st, int i) {
+    st.w = ld_stream(wp + (i64)i * STEP * 512);
+#if T4_G32
+    st.s = ld_stream2(sp + i * STEP * 32);
+#if T4_ASYM
+    st.m = ld_stream2(mp + i * STEP * 32);
+#endif
+#else
+    const int grp = (warp + (base + i) * STEP) >> gshift;
+    st.s = ld_stream1(sp + grp * 16);
+#if T4_ASYM
+    st.m = ld_stream1(mp + grp * 16);
+#endif
+#endif
+#if T4_XPRE
+    st.x0 = __ldg((const uint4*)(xp + i * STEP * 64));
+    st.x1 = __ldg((const uint4*)(xp + i * STEP * 64 + 32));
+#endif
+  };
+
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const u32 mask = 0x000F000Fu | (((u32)group_size >> 31) << 4);  // group_size > 0: the literal
+  auto compute = [&](const Stage& st, int i) {
+#if T4_XPRE
+    const uint4 x0 = st.x0, x1 = st.x1;
+    (void)i;
+#else
+    const uint4 x0 = __ldg((const uint4*)(xp + i * STEP * 64));
+    const uint4 x1 = __ldg((const uint4*)(xp + i * STEP * 64 + 32));
+#endif
+#if T4_ASYM && T4_G32
+    const u32 m0 = st.m.x, m1 = st.m.y;
+#elif T4_ASYM
+    const u32 m0 = st.m;
+#else
+    const u32 m0 = 0u, m1 = 0u;
+#endif
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    chunk(c, cx, st.w.x, st.w.y, x0, mask);
+#if T4_G32
+    scale_into(acc, c, cx, st.s.x, m0);
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f}, dx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    chunk(d, dx, st.w.z, st.w.w, x1, mask);
+    scale_into(acc, d, dx, st.s.y, m1);
+#else
+    chunk(c, cx, st.w.z, st.w.w, x1, mask);
+    scale_into(acc, c, cx, st.s, m0);
+#endif
+  };
+
+  // T4_STAGES slabs in flight: slab i + T4_STAGES is loaded into the stage slab i leaves. The steady
+  // loop runs whole rounds with every load in range (no guards); the tail finishes the < 2 rounds left.
+  Stage st[T4_STAGES];
+#pragma unroll
+  for (int p = 0; p < T4_STAGES; ++p)
+    if (p < n) load(st[p], p);
+  for (; base + 2 * T4_STAGES <= n; base += T4_STAGES) {
+#pragma unroll
+    for (int p = 0; p < T4_STAGES; ++p) {
+      compute(st[p], p);
+      load(st[p], p + T4_STAGES);
+    }
+    wp += T4_STAGES * STEP * 512;
+    xp += T4_STAGES * STEP * 64;
+#if T4_G32
+    sp += T4_STAGES * STEP * 32;
+#if T4_ASYM
+    mp += T4_STAGES * STEP * 32;
+#endif
+#endif
+  }
+#pragma unroll
+  for (int p = 0; p < T4_STAGES; ++p) {
+    if (base + p < n) {
+      compute(st[p], p);
+      if (base + p + T4_STAGES < n) load(st[p], p + T4_STAGES);
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < T4_STAGES; ++p)
+    if (base + T4_STAGES + p < n) compute(st[p], p + T4_STAGES);
+
+  // the warps' partial sums, added in warp order
+  __shared__ float part[T4_WARPS][32][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
+  __syncthreads();
+  if (warp) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float r = part[0][lane][j];
+#pragma unroll
+    for (int v = 1; v < T4_WARPS; ++v) r += part[v][lane][j];
+    const int row = tile * 16 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (m < M) {
+      if (y_f32) ((float*)y)[m * y_stride + row] = r;
+      else ((act*)y)[m * y_stride + row] = to_act(r);
+    }
+  }
+}

@@ -1,0 +1,98 @@
+"""A/B of the int4 decode gemv routes on a GPU at llama-8b shapes: the mma route (gemv_mma.cu) against
+the tiled route (gemv_tiled.cu) and the tiled kernel's tuning variants (slabs in flight per warp,
+activations loaded with the weights or when computed; variants change speed, never results).
+
+Each timing reads enough copies of the weight to exceed the L2 cache (as a decode step reads its
+weights), the calls captured in a CUDA graph, best of a few samples; GB/s counts the weight, scale
+and min bytes once. Checks each output against fp64 first. One line per case, then the summary a
+decode step would see (the shapes weighted as llama-8b runs them per token).
+
+Usage: PYTHONPATH=. python scripts/gpu_int4_ab.py [--quick]   (--quick: asym only, M = 1 and 8)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ninfer.engine.quant import TensorFormat, dequantize, quantize
+from ninfer.kernels import launchers as L
+from ninfer.kernels.compiler import KernelCompiler
+from ninfer.kernels.timing import sample_seconds
+
+DEV = torch.device("cuda")
+ROTATE = 512 << 20  # bytes a sample reads at least (the H200's L2 is 60 MiB)
+# llama-8b decode matmuls per token: (N, K, count) with q|k|v and gate|up fused, lm_head at vocab 128256
+SHAPES = [(6144, 4096, 32), (4096, 4096, 32), (28672, 4096, 32), (4096, 14336, 32), (128256, 4096, 1)]
+VARIANTS = [{"T4_STAGES": s, "T4_XPRE": p} for s in (2, 3, 4, 6, 8) for p in (0, 1)]
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def time_route(kc, fmt, copies, x, out, route, variant=None) -> float:
+    def run() -> None:
+        for parts in copies:
+            L.gemv(kc, x, fmt, parts, out, route, variant)
+    return min(sample_seconds(run, DEV, reps=7, graph=True)) / len(copies)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="asym only, rows 1 and 8")
+    args = ap.parse_args()
+    kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
+    fmts = {"asym": TensorFormat("int4", 32, False)}
+    if not args.quick:
+        fmts["sym"] = TensorFormat("int4", 32, True)
+    rows = (1, 8) if args.quick else (1, 2, 4, 8)
+    print(f"{torch.cuda.get_device_name()}  (GB/s: weight + scale bytes / time; samples read >= {ROTATE >> 20} MiB)")
+    step: dict[tuple[str, str, int], float] = {}  # (format, candidate, rows) -> seconds per token
+    for name, fmt in fmts.items():
+        for N, K, count in SHAPES:
+            g = torch.Generator(device=DEV).manual_seed(N + K)
+            parts = quantize(torch.randn(N, K, generator=g, device=DEV) * 0.02, fmt)
+            nbytes = sum(p.numel() * p.element_size() for p in parts.values())
+            ncopies = max(1, math.ceil(ROTATE / nbytes))
+            ref_w = dequantize(fmt, parts, torch.float64)
+            packed = {r: L.gemv_pack(r, fmt, parts) for r in ("mma", "tiled")}
+            copies = {r: [p] + [{k: v.clone() for k, v in p.items()} for _ in range(ncopies - 1)]
+                      for r, p in packed.items()}
+            for M in rows:
+                x = torch.randn(M, K, generator=g, device=DEV).to(torch.bfloat16)
+                out = torch.empty(M, N, device=DEV, dtype=torch.float32)
+                ref = x.double() @ ref_w.T
+                cands = [("mma", "mma", None), ("tiled", "tiled", None)]
+                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}", "tiled", v) for v in VARIANTS]
+                line = []
+                for label, route, variant in cands:
+                    out.fill_(float("nan"))
+                    L.gemv(kc, x, fmt, packed[route], out, route, variant)
+                    err = rel(out, ref)
+                    if not err < 1e-5:
+                        print(f"  !! {label} {name} {N}x{K} M={M}: rel error {err:.1e}")
+                        continue
+                    s = time_route(kc, fmt, copies[route], x, out, route, variant)
+                    step[(name, label, M)] = step.get((name, label, M), 0.0) + count * s
+                    line.append(f"{label} {s * 1e6:7.1f} us {nbytes / s / 1e9:5.0f} GB/s")
+                print(f"int4 {name} N={N:6d} K={K:5d} M={M}: " + " | ".join(line[:2]))
+                best = min(line[2:], key=lambda t: float(t.split(" us")[0].split()[-1]), default="")
+                print(f"    variants: {' | '.join(line[2:])}\n    best variant: {best}")
+            del copies, packed, ref_w
+            torch.cuda.empty_cache()
+    print("\nper token (llama-8b shapes x their count per token), ms; default tiled vs mma:")
+    for name in fmts:
+        for M in rows:
+            mma, tiled = step.get((name, "mma", M), math.nan), step.get((name, "tiled", M), math.nan)
+            variants = {k[1]: v for k, v in step.items() if k[0] == name and k[2] == M and k[1].startswith("tiled s")}
+            best = min(variants, key=variants.get) if variants else "-"
+            print(f"  {name} M={M}: mma {mma * 1e3:.3f}  tiled {tiled * 1e3:.3f}  ({mma / tiled:.2f}x)  "
+                  f"best variant {best} {variants.get(best, float('nan')) * 1e3:.3f}")
+
+
+if __name__ == "__main__":
+    main()

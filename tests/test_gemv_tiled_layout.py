@@ -1,0 +1,114 @@
+"""The tiled gemv route's int4 layout (launchers.gemv_pack("tiled")): pure torch, no GPU.
+
+`kernel_reads` replays what gemv_tiled.cu computes, with the kernel's own address formulas (not the
+packer's permutes): each lane's words and scales per slab, its nibble pairs as mma A fragments and
+the activations it pairs them with as B fragments, the scale per chunk or slab, the ones-mma for
+sum(x). The result must equal x @ dequantize(W)^T, so a packer or addressing slip fails here
+before it reaches a GPU."""
+import pytest
+import torch
+
+from ninfer.engine.quant import TensorFormat, dequantize, quantize
+from ninfer.kernels import launchers as L
+
+
+def kernel_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], x: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """y [M, N] as gemv_tiled.cu computes it (in float64), from the packed parts."""
+    words = packed[""].contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
+    mn = packed[".mins"].contiguous().view(-1).to(torch.float64) if ".mins" in packed else None
+    gs, S, M = fmt.group_size, K // 64, x.shape[0]
+    xd = x.to(torch.float64)
+    y = torch.zeros(M, N, dtype=torch.float64)
+    for tile in range(N // 16):
+        for j in range(S):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for c in range(2):
+                    k0 = 64 * j + 32 * c + 8 * t  # the lane's activations: xv = x[:, k0 .. k0 + 7]
+                    for h in range(2):  # word wa (h = 0: row g) and wb (h = 1: row g + 8)
+                        row = 16 * tile + 8 * h + g
+                        w = int(words[((tile * S + j) * 512 + 16 * lane + 4 * (2 * c + h)) // 4])
+                        if gs == 32:  # scale word (row g, row g + 8) of chunk c
+                            si = ((tile * S + j) * 8 + g) * 4 + 2 * c + h
+                        else:
+                            si = ((tile * (K // gs) + (64 * j) // gs) * 8 + g) * 2 + h
+                        for i in range(4):  # pair(w, i) meets xv pair i: (x[k0 + 2i], x[k0 + 2i + 1])
+                            for half in range(2):
+                                q = (w >> (4 * i + 16 * half)) & 0xF
+                                k = k0 + 2 * i + half
+                                wv = (q - 8) * sc[si] if fmt.symmetric else q * sc[si] + mn[si]
+                                y[:, row] += wv * xd[:, k]
+    return y
+
+
+def dequant_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], N: int, K: int) -> torch.Tensor:
+    """W [N, K] as dequant.cu (DQ_WIDE 2) expands it, with its address formulas: one 32-k chunk c of a
+    row n per thread."""
+    words = packed[""].contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
+    mn = packed[".mins"].contiguous().view(-1).to(torch.float64) if ".mins" in packed else None
+    gs = fmt.group_size
+    out = torch.empty(N, K, dtype=torch.float64)
+    for n in range(N):
+        T, h, r = n >> 4, (n >> 3) & 1, n & 7
+        for c in range(K // 32):
+            E, grp = (2 if gs == 32 else 1), 32 * c // gs
+            si = ((T * (K // gs // E) + grp // E) * 8 + r) * 2 * E + 2 * (grp % E) + h
+            blk = (T * (K // 64) + c // 2) * 512 + 64 * r + 4 * (2 * (c % 2) + h)
+            for j in range(32):
+                nib = ((j & 7) >> 1) + 4 * (j & 1)
+                q = (int(words[(blk + 16 * (j >> 3)) // 4]) >> (4 * nib)) & 0xF
+                out[n, 32 * c + j] = (q - 8) * sc[si] if fmt.symmetric else q * sc[si] + mn[si]
+    return out
+
+
+CASES = [(TensorFormat("int4", 32, True), 32, 128), (TensorFormat("int4", 32, False), 16, 192),
+         (TensorFormat("int4", 64, False), 32, 128), (TensorFormat("int4", 128, True), 16, 256)]
+
+
+@pytest.mark.parametrize("fmt,N,K", CASES, ids=["sym-g32", "asym-g32", "asym-g64", "sym-g128"])
+def test_kernel_addressing_reads_the_packed_weight(fmt: TensorFormat, N: int, K: int) -> None:
+    g = torch.Generator().manual_seed(3)
+    parts = quantize(torch.randn(N, K, generator=g), fmt)
+    x = torch.randn(3, K, generator=g)
+    ref = x.double() @ dequantize(fmt, parts, torch.float64).T
+    got = kernel_reads(fmt, L.gemv_pack("tiled", fmt, parts), x, N, K)
+    assert torch.allclose(got, ref, rtol=1e-12, atol=1e-9)
+
+
+@pytest.mark.parametrize("fmt,N,K", CASES, ids=["sym-g32", "asym-g32", "asym-g64", "sym-g128"])
+def test_dequant_addressing_reads_the_packed_weight(fmt: TensorFormat, N: int, K: int) -> None:
+    parts = quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(5)), fmt)
+    got = dequant_reads(fmt, L.gemv_pack("tiled", fmt, parts), N, K)
+    assert torch.equal(got, dequantize(fmt, parts, torch.float64))
+
+
+def test_pack_roundtrip_and_what_is_kept() -> None:
+    g = torch.Generator().manual_seed(4)
+    for fmt, N, K in [*CASES, (TensorFormat("int4", 32, False), 48, 576)]:
+        parts = quantize(torch.randn(N, K, generator=g), fmt)
+        packed = L.gemv_pack("tiled", fmt, parts)
+        assert set(packed) == set(parts) and all(packed[k].shape == parts[k].shape for k in parts)
+        assert not torch.equal(packed[""], parts[""])
+        back = L.gemv_unpack("tiled", fmt, packed)
+        assert all(torch.equal(back[k], parts[k]) for k in parts)
+    # what the route does not take keeps quant.py's layout: N not in 16s, K not in 64s, other formats
+    for fmt, N, K in ((TensorFormat("int4", 32, True), 100, 128), (TensorFormat("int4", 32, True), 16, 96),
+                      (TensorFormat("int8", 32), 16, 128)):
+        parts = quantize(torch.randn(N, K, generator=g), fmt)
+        assert L.gemv_pack("tiled", fmt, parts)[""] is parts[""]
+        assert L.gemv_unpack("tiled", fmt, parts)[""] is parts[""]
+
+
+def test_route_takes() -> None:
+    bf16, f32 = torch.bfloat16, torch.float32
+    asym = TensorFormat("int4", 32, False)
+    assert L.gemv_route_ok("tiled", asym, 576, bf16) and L.gemv_route_ok("tiled", asym, 4096, bf16, N=14336)
+    assert not L.gemv_route_ok("tiled", asym, 576, f32)  # fp32 activations
+    assert not L.gemv_route_ok("tiled", asym, 576 + 32, bf16)  # K in 64s
+    assert not L.gemv_route_ok("tiled", asym, 4096, bf16, N=50257)  # N in 16s
+    assert not L.gemv_route_ok("tiled", TensorFormat("int4", 16, True), 4096, bf16)  # groups from 32
+    assert not L.gemv_route_ok("tiled", TensorFormat("int4", 96, True), 4032, bf16)  # powers of two
+    assert not L.gemv_route_ok("tiled", TensorFormat("int8", 32), 4096, bf16)
+    assert not L.gemv_route_ok("tiled", TensorFormat("bf16"), 4096, bf16)
