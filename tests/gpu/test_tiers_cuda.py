@@ -97,6 +97,11 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
         _generate(loaded.engine, "a", a, 4)
         on_device, final = _generate(loaded.engine, "c", turn, 16)
         assert final.reuse_tier == "device" and final.usage.cached_tokens == len(a) + 3 and on_device == resumed
+        # the next turn of that conversation: it extends c's frontier (a hybrid resumes only at a
+        # recurrent-state checkpoint, and c's is its frontier, past `turn`)
+        follow = turn + resumed + [44, 45]
+        follow_device, final = _generate(loaded.engine, "g", follow, 8)
+        assert final.reuse_tier == "device" and final.usage.cached_tokens == len(turn) + len(resumed) - 1
     finally:
         loaded.engine.shutdown()
     # a restart: the prefix-cache file fills the host tier; the slot file restores too
@@ -104,8 +109,9 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
     engine = loaded.engine
     try:
         assert engine.snapshot().tiers.entries["host"] >= 1
-        again, final = _generate(engine, "e", turn, 16)
-        assert final.reuse_tier == "host" and final.usage.cached_tokens > len(a) and again == resumed
+        again, final = _generate(engine, "e", follow, 8)
+        assert final.reuse_tier == "host" and final.usage.cached_tokens == len(turn) + len(resumed) - 1
+        assert again == follow_device
         from ninfer.engine.session_files import read_session_file
         _, (img,), _ = read_session_file(tmp_path / "s", engine.tiers.compat)
         engine.call_on_worker(lambda: engine.tiers.restore_slot(0, img, "s")).result(60)
