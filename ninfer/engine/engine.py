@@ -375,7 +375,7 @@ class Engine:
                 self.cancel(req.request_id)
 
     def snapshot(self) -> EngineSnapshot:
-        """The counters as of the last step boundary."""
+        """The counters as of the last step boundary, or the last request finished since."""
         return self._snapshot
 
     # ---- the worker -----------------------------------------------------------------------
@@ -697,6 +697,7 @@ class Engine:
         if live.splitter is not None and reason in ("cancelled", "error"):  # release what the split held
             held_reasoning, held_text = live.splitter.feed("", final=True)
             reasoning, text = reasoning + held_reasoning, text + held_text
+        self._publish()  # a client that has its final event finds the request counted (/metrics, /stats)
         self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, reasoning=reasoning,
                                      logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason, usage=usage,
                                      timings=self._timings(live), error=error, slot_id=seq.slot,
