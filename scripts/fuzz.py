@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import sys
 import time
 from collections import Counter
@@ -77,6 +78,13 @@ def mutate(body: Any, rng: random.Random, depth: int = 0) -> Any:
     return rng.choice(EXTREMES)
 
 
+def route_key(path: str) -> str:
+    """The route a request path names, for the per-route histogram ({id} for any model name)."""
+    path = path.split("?")[0]
+    m = re.match(r"^/v1/models/[^/]+(/(suspend|resume|residency))?$", path)
+    return "/v1/models/{id}" + (m.group(1) or "") if m else path[:80]
+
+
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
 
 
@@ -90,17 +98,21 @@ def cases(n: int, model: str, seed: int, cap_output: int | None = None) -> list[
     out: list[tuple[str, str, bytes | None, dict[str, str]]] = []
     for raw in HOSTILE:
         for path in routes:
-            out.append(("POST", path, raw, {}))
+            out.append(("POST", path.replace("{model}", model), raw, {}))
+    names = [model, model, model, "nope", "%00", "a" * 300]
     while len(out) < n:
         roll = rng.random()
         if roll < 0.08:
-            path = rng.choice(GET_ROUTES).replace("{model}", rng.choice([model, "nope", "%00", "a" * 300]))
+            path = rng.choice(GET_ROUTES).replace("{model}", rng.choice(names))
             query = rng.choice(["", "?limit=0", "?limit=-1", "?limit=x", "?order=sideways", "?after=" + "z" * 500,
-                                "?model=" + model, "?autoload=2"])
+                                "?model=" + model, "?model=nope", "?autoload=2", "?autoload=0"])
             out.append((rng.choice(["GET", "GET", "HEAD", "DELETE", "PUT"]), path + query, None, {}))
             continue
-        path = rng.choice(routes)
-        body = seeds[path]
+        template = rng.choice(routes)
+        path = template.replace("{model}", rng.choice(names))
+        if rng.random() < 0.03:
+            path += rng.choice(["?autoload=2", "?autoload=0", "?model=nope", "?" + "q" * 3000])
+        body = seeds[template]
         for _ in range(rng.randint(1, 3)):
             body = mutate(body, rng)
         if isinstance(body, dict) and rng.random() < 0.3:
@@ -129,6 +141,7 @@ async def run(url: str, api_key: str | None, n: int, seed: int, out_dir: Path | 
         model = served_model(sync)
     todo = cases(n, model, seed, cap_output)
     statuses: Counter[int] = Counter()
+    by_route: dict[str, Counter[int]] = {}
     server_errors: list[dict[str, Any]] = []
     malformed: list[dict[str, Any]] = []
     unanswered: list[dict[str, Any]] = []
@@ -140,19 +153,28 @@ async def run(url: str, api_key: str | None, n: int, seed: int, out_dir: Path | 
         async def one(method: str, path: str, body: bytes | None, extra: dict[str, str]) -> None:
             async with sem:
                 try:
-                    r = await client.request(method, path, content=body,
-                                             headers={"content-type": "application/json", **extra})
+                    request = client.build_request(method, path, content=body,
+                                                   headers={"content-type": "application/json", **extra})
+                    r = await client.send(request, stream=True)
+                    try:  # an event stream that stays open (/models/sse) is judged by its head
+                        if not (r.status_code == 200 and r.headers.get("content-type", "").startswith(
+                                "text/event-stream") and path.split("?")[0] == "/models/sse"):
+                            await r.aread()
+                    finally:
+                        await r.aclose()
                 except httpx.HTTPError as e:
                     unanswered.append({"method": method, "path": path, "error": f"{type(e).__name__}: {e}",
                                        "body": (body or b"")[:2000].decode("utf-8", "replace")})
                     return
                 statuses[r.status_code] += 1
+                by_route.setdefault(f"{method} {route_key(path)}", Counter())[r.status_code] += 1
+                content = r.content if r.is_stream_consumed else b""
                 record = {"method": method, "path": path, "status": r.status_code,
                           "request": (body or b"")[:4000].decode("utf-8", "replace"),
-                          "response": r.content[:4000].decode("utf-8", "replace")}
+                          "response": content[:4000].decode("utf-8", "replace")}
                 if r.status_code >= 500:
                     server_errors.append(record)
-                problem = envelope_problem(path.split("?")[0], r.status_code, r.content,
+                problem = envelope_problem(path.split("?")[0], r.status_code, content,
                                            r.headers.get("content-type", ""))
                 if problem and method != "HEAD":
                     malformed.append({**record, "problem": problem})
@@ -164,7 +186,8 @@ async def run(url: str, api_key: str | None, n: int, seed: int, out_dir: Path | 
                 health_failures += 1
     report = {"cases": len(todo), "seed": seed, "statuses": dict(sorted(statuses.items())),
               "server_errors": len(server_errors), "malformed_envelopes": len(malformed),
-              "unanswered": len(unanswered), "health_failures": health_failures}
+              "unanswered": len(unanswered), "health_failures": health_failures,
+              "by_route": {k: dict(sorted(v.items())) for k, v in sorted(by_route.items())}}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         for name, items in (("server_errors", server_errors), ("malformed", malformed), ("unanswered", unanswered)):

@@ -10,31 +10,50 @@ from typing import Any
 import httpx
 
 def seed_bodies(model: str) -> dict[str, dict[str, Any]]:
-    """route -> a valid body (small outputs: the harness measures the server, not the model)."""
+    """route -> a valid body (small outputs: the harness measures the server, not the model). Every
+    POST route the server answers, aliases included; "{model}" in a path is the served model."""
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    chat_body = {"model": model, "messages": chat, "max_tokens": 4, "temperature": 0}
+    responses_body = {"model": model, "input": "Name a colour.", "max_output_tokens": 4, "store": False}
+    embeddings_body = {"model": model, "input": ["Hello world", "The sky is blue"]}
+    rerank_body = {"model": model, "query": "What colour is the sky?", "top_n": 1,
+                   "documents": ["The sky is blue.", {"text": "Paris is in France."}]}
     return {
-        "/v1/chat/completions": {"model": model, "messages": chat, "max_tokens": 4, "temperature": 0},
+        "/v1/chat/completions": chat_body,
+        "/chat/completions": chat_body,
         "/v1/completions": {"model": model, "prompt": "The sky is", "max_tokens": 4},
         "/completion": {"prompt": "The sky is", "n_predict": 4, "temperature": 0},
         "/completions": {"prompt": [1, 2, 3], "n_predict": 3},
+        "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4},
         "/tokenize": {"content": "Hello world", "with_pieces": True},
         "/detokenize": {"tokens": [1, 2, 3]},
-        "/apply-template": {"messages": chat},
+        "/apply-template": {"messages": chat, "add_generation_prompt": True},
         "/v1/messages": {"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
         "/v1/messages/count_tokens": {"model": "claude-x", "messages": [{"role": "user", "content": "Hi"}]},
-        "/v1/responses": {"model": model, "input": "Name a colour.", "max_output_tokens": 4, "store": False},
+        "/v1/responses": responses_body,
+        "/responses": responses_body,
         "/v1/responses/input_tokens": {"model": model, "input": "Count this."},
         "/v1/responses/compact": {"model": model, "input": "x"},
-        "/v1/embeddings": {"model": model, "input": ["Hello world", "The sky is blue"]},
-        "/v1/rerank": {"model": model, "query": "What colour is the sky?", "top_n": 1,
-                       "documents": ["The sky is blue.", {"text": "Paris is in France."}]},
-        "/infill": {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4},
+        "/v1/responses/resp_missing/cancel": {},
+        "/v1/embeddings": embeddings_body,
+        "/embeddings": embeddings_body,
+        "/v1/rerank": rerank_body,
+        "/rerank": rerank_body,
+        "/v1/reranking": rerank_body,
+        "/reranking": rerank_body,
+        "/models/load": {"model": model},
+        "/models/unload": {"model": model},
+        "/models/sleep": {"model": model},
+        "/v1/models/{model}/suspend": {"auto_resume": True},
+        "/v1/models/{model}/resume": {},
+        "/v1/messages/batches": {"requests": []},
     }
 
 
+# GET routes; /models/sse is a stream that never ends by itself (the fuzzer reads its head and closes)
 GET_ROUTES = ("/health", "/v1", "/v1/models", "/props", "/v1/load", "/stats", "/metrics", "/slots",
-              "/openapi.json", "/v1/models/{model}", "/v1/responses/resp_missing",
-              "/v1/responses/resp_missing/input_items")
+              "/openapi.json", "/v1/models/{model}", "/v1/models/{model}/residency", "/models", "/models/sse",
+              "/v1/responses/resp_missing", "/v1/responses/resp_missing/input_items", "/v1/v1/models")
 
 
 def served_model(client: httpx.Client) -> str:
