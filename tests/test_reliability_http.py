@@ -241,6 +241,52 @@ def test_content_lengths_the_parser_accepts_are_answered_in_the_envelope(server:
     assert status == 200 and doc["object"] == "chat.completion"
 
 
+def _read_response(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(head, body) of one response with a Content-Length, read off a raw socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection without a response: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                  if line.startswith(b"content-length:"))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-body"
+        rest += chunk
+    return head, rest
+
+
+@pytest.mark.parametrize("path,headers", [("/v1/messages/batches", AUTH), ("/no/such/route", AUTH),
+                                          ("/v1/chat/completions", {})],
+                         ids=["not-supported", "no-route", "no-key"])
+def test_an_answer_before_the_body_is_read_says_the_connection_closes(server: Server, path: str,
+                                                                      headers: dict) -> None:
+    """Found by the 5,000-case fuzz (one request never answered): an error answered before the body
+    was read (no route, 401, a protocol not served) left the rest of a large body unread, so the
+    HTTP layer closed the connection after the response -- without saying so. A client that reused
+    the connection (httpx's pool did) got a dropped request. Such an answer now carries
+    `connection: close`; otherwise the connection must still serve the next request."""
+    body = b"x" * 1_000_000
+    auth = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    request = (f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            try:
+                s.sendall(request)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server may stop reading once it has answered; the answer is still there
+            head, _ = _read_response(s)
+            assert head.split(b" ")[1] in (b"400", b"401", b"404"), head
+            if b"connection: close" in head.lower().split(b"\r\n"):
+                continue
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            next_head, _ = _read_response(s)
+            assert next_head.startswith(b"HTTP/1.1 200"), next_head
+
+
 # ---- validation that agrees across protocols ----------------------------------------------------
 
 def test_negative_top_k_is_refused_where_the_spec_says_non_negative(server: Server) -> None:

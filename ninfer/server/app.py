@@ -142,6 +142,18 @@ def _autoload(call: Call) -> bool | None:
     return value in ("1", "true")
 
 
+def _close_if_body_unread(call: Call) -> Headers:
+    """`connection: close` on an answer sent before the request's body was read (no route, no key,
+    413, still loading): the HTTP layer then closes the connection rather than skip unread bytes,
+    and a client must hear it, or the next request it sends on that connection is lost."""
+    if call.extra.get("body_read"):
+        return []
+    length = call.headers.get("content-length", "").strip()
+    if "transfer-encoding" in call.headers or (length and length != "0"):
+        return [(b"connection", b"close")]
+    return []
+
+
 class ClientGone(Exception):
     """The client disconnected before the request was read."""
 
@@ -200,7 +212,8 @@ class App:
         except CLIENT_ERRORS as e:
             if not call.started:
                 err = http_error(e)
-                await call.respond_error(err, [(b"retry-after", b"2")] if err.code == "model_loading" else [])
+                retry = [(b"retry-after", b"2")] if err.code == "model_loading" else []
+                await call.respond_error(err, retry + _close_if_body_unread(call))
             else:
                 await call.end()
         except ClientGone:
@@ -209,7 +222,8 @@ class App:
             log.exception("unhandled error on %s %s", method, path)
             if not call.started:
                 await call.respond_error(RequestError("internal server error", status=500,
-                                                      code="internal_error", type="server_error"))
+                                                      code="internal_error", type="server_error"),
+                                         _close_if_body_unread(call))
             else:
                 await call.end()
 
@@ -336,6 +350,7 @@ class App:
                 raise too_large
             chunks.append(chunk)
             if not message.get("more_body", False):
+                call.extra["body_read"] = True
                 return b"".join(chunks)
 
     async def _run(self, call: Call, handler: Handler, receive: Callable) -> None:
