@@ -5,8 +5,10 @@
 Each case mutates a valid seed body of one route (fields dropped, retyped, pushed to extreme
 numbers, huge or control-character strings, deep nesting, unknown fields), or sends a hostile body
 as it is (invalid JSON, wrong top-level types, NaN, 1e999, lone surrogates, 100k-deep arrays), or
-a GET with a random query. Reports a status histogram, every 5xx (request and body saved under
---out), error responses outside the protocol's envelope, requests never answered, and /health after
+a GET with a random query. Reports a status histogram (all and per route), every 5xx the spec
+does not prescribe (request and body saved under --out; the prescribed ones, such as 503
+model_not_loaded after a fuzzed unload, are counted by code), error responses outside the
+protocol's envelope, requests never answered, and /health after
 each batch. Exit status 1 when any of those is non-zero. On a CPU, serve with a small context and
 default output limit (--max-context 128 --default-max-tokens 8) and pass --cap-output 8, so that
 mutated generations stay short.
@@ -43,6 +45,12 @@ HOSTILE: list[bytes] = [
     b'{"tokens": [99999999999]}', b'{"tokens": [-5]}', b'{"content": 5}',
     b'{"model":"x","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"file:///etc/passwd"}}]}]}',
     b'{"model":"x","max_tokens":4,"messages":[{"role":"user","content":[{"type":"image","source":{}}]}]}',
+    # objects and arrays where a name is looked up (an unhashable key)
+    b'{"model":"x","input":[{"type":{},"role":"user","content":""}]}', b'{"input":[{"type":[]}]}',
+    b'{"model":"x","max_tokens":4,"messages":[{"role":{},"content":"x"}]}',
+    b'{"model":"x","max_tokens":4,"messages":[{"role":"user","content":[{"type":{},"text":"x"}]}]}',
+    b'{"messages":[{"role":"user","content":"x"}],"tool_choice":{"type":{}},"reasoning_effort":{}}',
+    b'{"input":"x","pooling":{},"encoding_format":[]}',
 ]
 
 
@@ -83,6 +91,23 @@ def route_key(path: str) -> str:
     path = path.split("?")[0]
     m = re.match(r"^/v1/models/[^/]+(/(suspend|resume|residency))?$", path)
     return "/v1/models/{id}" + (m.group(1) or "") if m else path[:80]
+
+
+# The 5xx answers the spec gives to a request that is itself fine, keyed by status and error code:
+# a model not loaded (a fuzzed /models/unload before a sleep, suspend or resume of it), the queue
+# timeout (504 on Messages) and Messages' overload. Every other 5xx is a server error.
+SPEC_5XX = {(503, "model_not_loaded"), (503, "request_queue_timeout"), (504, "timeout_error"),
+            (529, "overloaded_error")}
+
+
+def spec_5xx_code(path: str, status: int, body: bytes) -> str | None:
+    """The error code of a 5xx the spec prescribes (None: a server error)."""
+    try:
+        err = json.loads(body)["error"]
+        code = err.get("type") if path.split("?")[0].startswith("/v1/messages") else err.get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return code if (status, code) in SPEC_5XX else None
 
 
 OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
@@ -143,6 +168,7 @@ async def run(url: str, api_key: str | None, n: int, seed: int, out_dir: Path | 
     statuses: Counter[int] = Counter()
     by_route: dict[str, Counter[int]] = {}
     server_errors: list[dict[str, Any]] = []
+    spec_5xx: Counter[str] = Counter()
     malformed: list[dict[str, Any]] = []
     unanswered: list[dict[str, Any]] = []
     health_failures = 0
@@ -173,7 +199,11 @@ async def run(url: str, api_key: str | None, n: int, seed: int, out_dir: Path | 
                           "request": (body or b"")[:4000].decode("utf-8", "replace"),
                           "response": content[:4000].decode("utf-8", "replace")}
                 if r.status_code >= 500:
-                    server_errors.append(record)
+                    code = spec_5xx_code(path, r.status_code, content)
+                    if code is None:
+                        server_errors.append(record)
+                    else:
+                        spec_5xx[f"{r.status_code} {code}"] += 1
                 problem = envelope_problem(path.split("?")[0], r.status_code, content,
                                            r.headers.get("content-type", ""))
                 if problem and method != "HEAD":
@@ -185,7 +215,8 @@ async def run(url: str, api_key: str | None, n: int, seed: int, out_dir: Path | 
             if h.status_code != 200:
                 health_failures += 1
     report = {"cases": len(todo), "seed": seed, "statuses": dict(sorted(statuses.items())),
-              "server_errors": len(server_errors), "malformed_envelopes": len(malformed),
+              "server_errors": len(server_errors), "spec_5xx": dict(spec_5xx),
+              "malformed_envelopes": len(malformed),
               "unanswered": len(unanswered), "health_failures": health_failures,
               "by_route": {k: dict(sorted(v.items())) for k, v in sorted(by_route.items())}}
     if out_dir is not None:

@@ -13,8 +13,14 @@ def seed_bodies(model: str) -> dict[str, dict[str, Any]]:
     """route -> a valid body (small outputs: the harness measures the server, not the model). Every
     POST route the server answers, aliases included; "{model}" in a path is the served model."""
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
-    chat_body = {"model": model, "messages": chat, "max_tokens": 4, "temperature": 0}
-    responses_body = {"model": model, "input": "Name a colour.", "max_output_tokens": 4, "store": False}
+    tool = {"type": "function", "function": {"name": "colour", "description": "Pick a colour.",
+                                             "parameters": {"type": "object", "properties": {"name": {"type": "string"}},
+                                                            "required": ["name"]}}}
+    chat_body = {"model": model, "max_tokens": 4, "temperature": 0, "tools": [tool], "tool_choice": "auto",
+                 "messages": [chat[0], {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]}
+    responses_body = {"model": model, "max_output_tokens": 4, "store": False, "instructions": "Be brief.",
+                      "input": [{"type": "message", "role": "user",
+                                 "content": [{"type": "input_text", "text": "Name a colour."}]}]}
     embeddings_body = {"model": model, "input": ["Hello world", "The sky is blue"]}
     rerank_body = {"model": model, "query": "What colour is the sky?", "top_n": 1,
                    "documents": ["The sky is blue.", {"text": "Paris is in France."}]}
@@ -28,7 +34,8 @@ def seed_bodies(model: str) -> dict[str, dict[str, Any]]:
         "/tokenize": {"content": "Hello world", "with_pieces": True},
         "/detokenize": {"tokens": [1, 2, 3]},
         "/apply-template": {"messages": chat, "add_generation_prompt": True},
-        "/v1/messages": {"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+        "/v1/messages": {"model": "claude-x", "max_tokens": 4, "system": "Be brief.",
+                         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]},
         "/v1/messages/count_tokens": {"model": "claude-x", "messages": [{"role": "user", "content": "Hi"}]},
         "/v1/responses": responses_body,
         "/responses": responses_body,

@@ -284,6 +284,17 @@ def test_responses_input_items_and_turns() -> None:
         normalize_input([{"role": "user", "content": "a", "id": "m"}, {"role": "user", "content": "b", "id": "m"}])
 
 
+@pytest.mark.parametrize("kind", [{}, [], 5, None])
+def test_responses_item_type_that_is_not_a_string_is_a_field_error(kind: object) -> None:
+    """Found by schemathesis: an Item whose type was an object raised TypeError (unhashable) in the
+    decoder lookup, answered 500 on /v1/responses and /v1/responses/input_tokens."""
+    from ninfer.server.responses import normalize_input
+
+    with pytest.raises(RequestError) as e:
+        normalize_input([{"type": kind, "role": "user", "content": ""}])
+    assert e.value.status == 400 and e.value.param == "input[0].type"
+
+
 def test_response_store_evicts_least_recently_used() -> None:
     from ninfer.server.response_store import ResponseStore
 

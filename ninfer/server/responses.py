@@ -96,7 +96,7 @@ def normalize_input(value: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise bad(where, f"{where} must be an Item object")
         kind = item.get("type", "message")
-        decode = _ITEM_DECODERS.get(kind)
+        decode = _ITEM_DECODERS.get(kind) if isinstance(kind, str) else None
         if decode is None:
             raise bad(f"{where}.type", f"{where}.type {kind!r} is not a supported Item type")
         canonical = decode(item, where)
