@@ -199,6 +199,9 @@ async def run(url: str, api_key: str | None, n: int, seed: int, out_dir: Path | 
                           "request": (body or b"")[:4000].decode("utf-8", "replace"),
                           "response": content[:4000].decode("utf-8", "replace")}
                 if r.status_code >= 500:
+                    if method == "HEAD":  # no body to read the code from: the same GET tells it
+                        again = await client.get(path)
+                        content = again.content if again.status_code == r.status_code else b""
                     code = spec_5xx_code(path, r.status_code, content)
                     if code is None:
                         server_errors.append(record)
