@@ -89,6 +89,8 @@ def mutate(body: Any, rng: random.Random, depth: int = 0) -> Any:
 def route_key(path: str) -> str:
     """The route a request path names, for the per-route histogram ({id} for any model name)."""
     path = path.split("?")[0]
+    if path.startswith("/slots/"):
+        return "/slots/{id}"
     m = re.match(r"^/v1/models/[^/]+(/(suspend|resume|residency))?$", path)
     return "/v1/models/{id}" + (m.group(1) or "") if m else path[:80]
 
@@ -97,7 +99,7 @@ def route_key(path: str) -> str:
 # a model not loaded (a fuzzed /models/unload before a sleep, suspend or resume of it), the queue
 # timeout (504 on Messages) and Messages' overload. Every other 5xx is a server error.
 SPEC_5XX = {(503, "model_not_loaded"), (503, "request_queue_timeout"), (504, "timeout_error"),
-            (529, "overloaded_error")}
+            (529, "overloaded_error"), (501, "slot_persistence_disabled")}
 
 
 def spec_5xx_code(path: str, status: int, body: bytes) -> str | None:
@@ -136,7 +138,8 @@ def cases(n: int, model: str, seed: int, cap_output: int | None = None) -> list[
         template = rng.choice(routes)
         path = template.replace("{model}", rng.choice(names))
         if rng.random() < 0.03:
-            path += rng.choice(["?autoload=2", "?autoload=0", "?model=nope", "?" + "q" * 3000])
+            path += ("&" if "?" in path else "?") + rng.choice(["autoload=2", "autoload=0", "model=nope", "q" * 3000,
+                                                               "action=nope"])
         body = seeds[template]
         for _ in range(rng.randint(1, 3)):
             body = mutate(body, rng)

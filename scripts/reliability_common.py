@@ -54,6 +54,9 @@ def seed_bodies(model: str) -> dict[str, dict[str, Any]]:
         "/v1/models/{model}/suspend": {"auto_resume": True},
         "/v1/models/{model}/resume": {},
         "/v1/messages/batches": {"requests": []},
+        "/slots/0?action=save": {"filename": "fuzz-slot.bin"},
+        "/slots/0?action=restore": {"filename": "fuzz-slot.bin"},
+        "/slots/0?action=erase": {},
     }
 
 
