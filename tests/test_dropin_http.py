@@ -320,7 +320,9 @@ def test_embeddings_openai_shape_pooling_and_normalize(server: Server) -> None:
     last = _post(server, "/embeddings", {"input": texts[0], "pooling": "last"}).json()["data"][0]["embedding"]
     assert max(abs(a - b) for a, b in zip(last, one)) > 1e-3
     for body, param in [({"input": "x", "dimensions": 8}, "dimensions"), ({"input": ""}, "input"),
-                        ({"input": "x", "pooling": "rank"}, "pooling"), ({"input": ["a", 3]}, "input[1]")]:
+                        ({"input": "x", "pooling": "rank"}, "pooling"), ({"input": ["a", 3]}, "input[1]"),
+                        ({"input": "x", "pooling": {}}, "pooling"), ({"input": "x", "encoding_format": ""},
+                                                                     "encoding_format")]:
         r = _post(server, "/v1/embeddings", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     r = _post(server, "/v1/embeddings", {"input": "word " * 1100})

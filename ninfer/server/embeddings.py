@@ -100,7 +100,7 @@ async def handle_embeddings(call: Call) -> None:
     try:
         check_model(body, state)
         inputs = embedding_inputs(body.get("input"), state)
-        encoding = body.get("encoding_format") or "float"
+        encoding = "float" if body.get("encoding_format") is None else body["encoding_format"]
         if encoding not in ("float", "base64"):
             raise bad("encoding_format", "encoding_format must be float or base64")
         hidden = state.loaded.facts.hidden_size
@@ -108,7 +108,7 @@ async def handle_embeddings(call: Call) -> None:
         if dimensions is not None and dimensions != hidden:
             raise RequestError(f"dimensions: this model's embeddings have {hidden} dimensions and cannot be "
                                "shortened", param="dimensions", code="dimensions_not_supported")
-        pooling = body.get("pooling") or "mean"
+        pooling = "mean" if body.get("pooling") is None else body["pooling"]
         if pooling not in POOLINGS:
             raise bad("pooling", f"pooling must be one of {', '.join(POOLINGS)}", code="pooling_not_supported")
         norm = normalization(body)
