@@ -25,3 +25,22 @@ def generate(engine, rid: str, prompt: list[int], n: int, cache_prompt: bool = T
         ids += ev.token_ids
         final = ev
     return ids, final
+
+
+def two_turns(engine, prompt: list[int], n: int):
+    """A conversation's first turn, then the next turn on its output -> (first, second, final event)."""
+    first, _ = generate(engine, "a", prompt, n)
+    second, final = generate(engine, "b", prompt + first, n)
+    return first, second, final
+
+
+def assert_as_never_suspended(load, prompt: list[int], n: int, first: list[int], second: list[int], final) -> None:
+    """The same two turns on an engine from `load()` that never slept sample the same tokens and
+    reuse as much of the prompt."""
+    ref = load()
+    try:
+        ref_first, ref_second, ref_final = two_turns(ref.engine, prompt, n)
+    finally:
+        ref.engine.shutdown()
+    assert (first, second) == (ref_first, ref_second)
+    assert final.usage.cached_tokens == ref_final.usage.cached_tokens

@@ -8,28 +8,16 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-
+from engine_helpers import assert_as_never_suspended, generate
 from test_server_http import free_port
 from test_speculative import q35_mtp  # noqa: F401 - the tiny Qwen3.5 with an MTP head (a fixture)
 
 openai = pytest.importorskip("openai")
-
-
-def _run(engine, prompt: list[int], rid: str) -> tuple[list[int], object]:
-    from ninfer.engine.request import PreparedRequest, SamplingParams
-
-    out, final = [], None
-    for event in engine.submit(PreparedRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=12)):
-        out += event.token_ids
-        if event.finish_reason is not None:
-            final = event
-    return out, final
 
 
 def test_suspend_keeps_retained_prefixes_exactly(smollm2_artifact: Path) -> None:
@@ -45,7 +33,7 @@ def test_suspend_keeps_retained_prefixes_exactly(smollm2_artifact: Path) -> None
     m = load()
     engine = m.engine
     prompt = m.tokenizer.encode("The lighthouse keeper climbed the stairs and looked out at the sea. " * 6)
-    first, _ = _run(engine, prompt, "a")
+    first, _ = generate(engine, "a", prompt, 12)
     try:
         r = engine.suspend().result(60)
         assert r.state == "suspended" and r.host_snapshot_bytes > 0 and r.last_suspend.weight_bytes > 0
@@ -54,19 +42,12 @@ def test_suspend_keeps_retained_prefixes_exactly(smollm2_artifact: Path) -> None
         r = engine.resume().result(120)
         assert r.state == "resident" and (r.suspends, r.resumes) == (1, 1)
         assert r.last_resume.state_bytes == r.last_suspend.state_bytes and r.last_resume.artifact_read_bytes > 0
-        second, final = _run(engine, prompt + first, "b")
+        second, final = generate(engine, "b", prompt + first, 12)
         assert final.usage.cached_tokens >= len(prompt)  # the retained conversation's prefix is reused
     finally:
         engine.shutdown()
     # the same two turns on an Engine that was never suspended
-    ref = load()
-    try:
-        ref_first, _ = _run(ref.engine, prompt, "a")
-        ref_second, ref_final = _run(ref.engine, prompt + ref_first, "b")
-    finally:
-        ref.engine.shutdown()
-    assert (first, second) == (ref_first, ref_second)
-    assert final.usage.cached_tokens == ref_final.usage.cached_tokens
+    assert_as_never_suspended(load, prompt, 12, first, second, final)
 
 
 def test_pinned_snapshot_and_host_weights_keep_prefixes_exactly(smollm2_artifact: Path) -> None:
@@ -90,7 +71,7 @@ def test_pinned_snapshot_and_host_weights_keep_prefixes_exactly(smollm2_artifact
         pool = engine.runner.kv.k[0]
         assert reserved == sum(t.numel() * t.element_size() for ts in engine.runner.suspend_caches().values()
                                for t in ts) and reserved >= pool.numel() * pool.element_size()
-        first, _ = _run(engine, prompt, "a")
+        first, _ = generate(engine, "a", prompt, 12)
         for cycle in range(2):
             r = engine.suspend().result(60)
             assert r.state == "suspended" and r.host_reserved_bytes == reserved
@@ -101,18 +82,11 @@ def test_pinned_snapshot_and_host_weights_keep_prefixes_exactly(smollm2_artifact
             r = engine.resume().result(120)
             assert r.state == "resident" and r.host_snapshot_bytes == 0 and r.host_reserved_bytes == reserved
             assert r.last_resume.state_bytes == state and r.last_resume.artifact_read_bytes == 0  # no file read
-        second, final = _run(engine, prompt + first, "b")
+        second, final = generate(engine, "b", prompt + first, 12)
         assert final.usage.cached_tokens >= len(prompt)
     finally:
         engine.shutdown()
-    ref = load()
-    try:
-        ref_first, _ = _run(ref.engine, prompt, "a")
-        ref_second, ref_final = _run(ref.engine, prompt + ref_first, "b")
-    finally:
-        ref.engine.shutdown()
-    assert (first, second) == (ref_first, ref_second)
-    assert final.usage.cached_tokens == ref_final.usage.cached_tokens
+    assert_as_never_suspended(load, prompt, 12, first, second, final)
 
 
 def test_suspend_under_spec_mtp_keeps_the_heads_cache(q35_mtp) -> None:

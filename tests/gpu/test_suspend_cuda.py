@@ -8,19 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import assert_as_never_suspended, generate
 
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.loader import load_engine
-from ninfer.engine.request import PreparedRequest, SamplingParams
-
-
-def _run(engine, prompt: list[int], rid: str) -> tuple[list[int], object]:
-    out, final = [], None
-    for event in engine.submit(PreparedRequest(rid, prompt, SamplingParams(temperature=0.0), max_tokens=16)):
-        out += event.token_ids
-        if event.finish_reason is not None:
-            final = event
-    return out, final
 
 
 def _used() -> int:
@@ -36,7 +27,7 @@ def test_cuda_suspend_gives_device_memory_back_and_keeps_prefixes(smollm2_artifa
     m = load()
     engine = m.engine
     prompt = m.tokenizer.encode("The lighthouse keeper climbed the stairs and looked out at the sea. " * 12)
-    first, _ = _run(engine, prompt, "a")
+    first, _ = generate(engine, "a", prompt, 16)
     try:
         before = _used()
         r = engine.suspend().result(120)
@@ -46,20 +37,13 @@ def test_cuda_suspend_gives_device_memory_back_and_keeps_prefixes(smollm2_artifa
         assert before - during >= 0.8 * r.last_suspend.weight_bytes, (before, during, r.to_dict())
         r = engine.resume().result(300)
         assert r.state == "resident" and _used() >= during
-        second, final = _run(engine, prompt + first, "b")
+        second, final = generate(engine, "b", prompt + first, 16)
         assert final.usage.cached_tokens >= len(prompt)
         print(f"suspend {r.last_suspend.seconds * 1e3:.0f} ms, resume {r.last_resume.seconds * 1e3:.0f} ms, "
               f"device used {before / 2**20:.0f} -> {during / 2**20:.0f} MiB")
     finally:
         engine.shutdown()
-    ref = load()
-    try:
-        ref_first, _ = _run(ref.engine, prompt, "a")
-        ref_second, ref_final = _run(ref.engine, prompt + ref_first, "b")
-    finally:
-        ref.engine.shutdown()
-    assert (first, second) == (ref_first, ref_second)
-    assert final.usage.cached_tokens == ref_final.usage.cached_tokens
+    assert_as_never_suspended(load, prompt, 16, first, second, final)
 
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8", "fp8"])
@@ -81,7 +65,7 @@ def test_cuda_pinned_snapshot_and_host_weights(smollm2_artifact: Path, kv_dtype:
         r = engine.configure_suspend(SuspendOptions("pinned", "host")).result(120)
         reserved = r.host_reserved_bytes
         assert reserved > 0 and all(t.is_pinned() for ts in r.reserved.values() for t in ts)
-        first, _ = _run(engine, prompt, "a")
+        first, _ = generate(engine, "a", prompt, 16)
         for _ in range(2):
             before = _used()
             r = engine.suspend().result(120)
@@ -92,16 +76,9 @@ def test_cuda_pinned_snapshot_and_host_weights(smollm2_artifact: Path, kv_dtype:
             r = engine.resume().result(300)
             assert r.state == "resident" and r.last_resume.artifact_read_bytes == 0
             assert r.last_resume.state_bytes == r.last_suspend.state_bytes
-        second, final = _run(engine, prompt + first, "b")
+        second, final = generate(engine, "b", prompt + first, 16)
         assert final.usage.cached_tokens >= len(prompt)
         print(f"pinned+host: suspend {r.last_suspend.seconds * 1e3:.0f} ms, resume {r.last_resume.seconds * 1e3:.0f} ms")
     finally:
         engine.shutdown()
-    ref = load()
-    try:
-        ref_first, _ = _run(ref.engine, prompt, "a")
-        ref_second, ref_final = _run(ref.engine, prompt + ref_first, "b")
-    finally:
-        ref.engine.shutdown()
-    assert (first, second) == (ref_first, ref_second)
-    assert final.usage.cached_tokens == ref_final.usage.cached_tokens
+    assert_as_never_suspended(load, prompt, 16, first, second, final)
