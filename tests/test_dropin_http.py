@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_http import _serve_cmd, free_port
+from test_server_http import _serve_cmd, free_port, wait_for_health
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -40,18 +40,8 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
     try:
-        with httpx.Client(timeout=5) as client:
-            while True:
-                assert proc.poll() is None, f"serve exited early:\n{log.read_text()}"
-                assert time.monotonic() < deadline, f"serve never became ready:\n{log.read_text()}"
-                try:
-                    if client.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)
+        wait_for_health(proc, url, log, 240)
     except BaseException:
         proc.kill()
         raise

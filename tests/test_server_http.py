@@ -30,6 +30,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_health(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 240) -> None:
+    """Until `url`/health answers 200; fails with the server's log if it exits or never gets there."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5) as client:
+        while True:
+            assert proc.poll() is None, f"serve exited early:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve never became ready:\n{log.read_text()}"
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+
+
 @dataclass
 class Server:
     url: str

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.test_cli import ninfer
-from tests.test_server_http import free_port
+from tests.test_server_http import free_port, wait_for_health
 
 PROMPT = ("Persistent sessions let a long agent conversation survive evictions and restarts: the "
           "retained KV pages of its prefix are written to a file and read back later, so the next "
@@ -39,16 +39,8 @@ def start(artifact: Path, folder: Path, *extra: str) -> Serve:
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600  # a loaded shared machine can take minutes to import and load
-    while True:
-        assert proc.poll() is None, f"serve exited early:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"serve never became ready:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return Serve(url, proc, log, request_log)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.05)
+    wait_for_health(proc, url, log, 600)  # a loaded shared machine can take minutes to import and load
+    return Serve(url, proc, log, request_log)
 
 
 def stop(s: Serve) -> str:
