@@ -101,8 +101,8 @@ def normalize_messages(value: Any) -> list[Message]:
     return out
 
 
-def legacy_call(fn: Any, where: str) -> list[ToolCall]:
-    """An assistant turn's legacy function_call {name, arguments} as its one tool call."""
+def function_call(fn: Any, where: str) -> ToolCall:
+    """A {name, arguments} function call (arguments a JSON string, or an object) as a ToolCall."""
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
         raise bad(f"{where}.name", f"{where}.name must be a non-empty string")
     args = fn.get("arguments", "{}")
@@ -110,7 +110,12 @@ def legacy_call(fn: Any, where: str) -> list[ToolCall]:
         args = json.dumps(args, ensure_ascii=False)
     if not isinstance(args, str):
         raise bad(f"{where}.arguments", f"{where}.arguments must be a JSON string")
-    return [ToolCall(id="", name=fn["name"], arguments=args)]
+    return ToolCall(id="", name=fn["name"], arguments=args)
+
+
+def legacy_call(fn: Any, where: str) -> list[ToolCall]:
+    """An assistant turn's legacy function_call {name, arguments} as its one tool call."""
+    return [function_call(fn, where)]
 
 
 def history_calls(calls: Any, where: str) -> list[ToolCall]:
@@ -129,18 +134,12 @@ def history_calls(calls: Any, where: str) -> list[ToolCall]:
             out.append(ToolCall(id=c.get("id") or "", name=spec["name"],
                                 arguments=json.dumps({"input": spec["input"]}, ensure_ascii=False)))
             continue
-        fn = c.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad(f"{where}[{j}].function.name", f"{where}[{j}].function.name must be a non-empty string")
-        args = fn.get("arguments", "{}")
-        if isinstance(args, dict):
-            args = json.dumps(args, ensure_ascii=False)
-        if not isinstance(args, str):
-            raise bad(f"{where}[{j}].function.arguments", f"{where}[{j}].function.arguments must be a JSON string")
+        tc = function_call(c.get("function"), f"{where}[{j}].function")
         call_id = c.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise bad(f"{where}[{j}].id", f"{where}[{j}].id must be a string")
-        out.append(ToolCall(id=call_id or "", name=fn["name"], arguments=args))
+        tc.id = call_id or ""
+        out.append(tc)
     return out
 
 
