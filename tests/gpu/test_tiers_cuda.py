@@ -80,7 +80,10 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
         resumed, final = _generate(engine, "c", turn, 16)
         assert final.usage.cached_tokens == len(a) + 3 and final.reuse_tier == "host"
         fresh, final = _generate(engine, "d", turn, 16, cache_prompt=False)
-        if model == "smollm2":  # a real model's margins: decode-written K/V sample as a fresh prefill does
+        # a real model's margins: decode-written K/V sample as a fresh prefill does (not through fp8
+        # codes: their 3-bit mantissa turns the prefill's and the decode's bf16 rounding of the same
+        # K/V into different codes, and the default model is sensitive to them, see docs/PERF.md)
+        if model == "smollm2" and kv_dtype != "fp8":
             assert fresh == resumed
         snap = engine.snapshot()
         slot = next(c.slot for c in snap.continuations)
