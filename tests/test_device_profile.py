@@ -99,7 +99,7 @@ def test_defaults_are_the_former_constants() -> None:
     p = DeviceProfile()
     assert p.gemv == {"bf16": "mma", "int8": "warp", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
     assert set(p.gemv) == set(GEMV_FORMATS)
-    assert (p.attention_partition, p.prompt_rows, p.graph_rows) == (512, 128, tuple(range(1, 9)))
+    assert (p.attention_partition, p.prompt_rows, p.graph_rows) == (64, 128, tuple(range(1, 9)))
     assert p.gemv_route(TensorFormat("int4", 32, symmetric=False)) == "tiled"
     assert [p.graph_size(n) for n in range(1, 9)] == list(range(1, 9))
     assert p.gemv_route(TensorFormat("f16")) == "warp"  # a format no gemv kernel names

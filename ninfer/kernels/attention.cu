@@ -11,11 +11,13 @@
 //            lens[b] + (t - cu_seqlens[b]) (lens = start_pos) and sees keys 0..that position.
 // window > 0 (sliding-window layers): a token sees only its last `window` keys (its own
 // included), keys n_keys - window .. n_keys - 1. softcap > 0: each score s -> softcap * tanh(s / softcap).
-// Split-K: a token's keys (from its window's first) are cut into partitions of `partition` keys (grid z). With one
-// partition the block writes `out` itself; otherwise it writes its normalized partial output and
-// (max, sum) and paged_attention_combine merges them in partition order. The cut depends only on
-// the token's own n_keys, and every reduction has a fixed order, so a token's result does not
-// depend on the other tokens in the batch.
+// Split-K: a token's n keys (from its window's first) are cut into min(MAX_SPLIT, ceil(n / partition))
+// equal partitions (grid z; `partition` is the least a partition holds), so a short context still
+// spreads over several blocks and a long one over at most MAX_SPLIT. With one partition the block
+// writes `out` itself; otherwise it writes its normalized partial output and (max, sum) and
+// paged_attention_combine merges them in partition order. The cut depends only on the token's own
+// n_keys, and every reduction has a fixed order, so a token's result does not depend on the other
+// tokens in the batch.
 #include "common.cuh"
 #ifndef KV_QUANT
 #define KV_QUANT 0
@@ -33,23 +35,45 @@ typedef act kv_t;
 #ifndef GQA
 #error "compile with -DGQA=<query heads per kv head>"
 #endif
-#define EPL (HEAD_DIM / 32)  // elements per lane
+#ifndef MAX_SPLIT
+#error "compile with -DMAX_SPLIT=<most partitions of one token's keys>"
+#endif
 #define NWARPS 4
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert(GQA * HEAD_DIM <= 2048, "GQA * HEAD_DIM too large for registers and shared memory");
+// KL lanes share one key row (KPW keys per warp at a time): as few as the registers allow (a lane
+// holds 2 * GQA query and accumulator slices and two keys' K and V slices, (2 GQA + 4) * D / KL
+// floats), so a warp has several rows in flight and a score takes log2(KL) shuffles, not 5.
+#define KV_FLOATS ((2 * GQA + 4) * HEAD_DIM)
+#define KL (KV_FLOATS <= 200 * 8 ? 8 : KV_FLOATS <= 200 * 16 ? 16 : 32)
+#define KPW (32 / KL)
+#define EPK (HEAD_DIM / KL)      // elements of a row per lane
+#define CE (EPK < 8 ? EPK : 8)   // per load: chunk c of lane sl is elements (c * KL + sl) * CE ..
+#define NCH (EPK / CE)
+#define NSLOT (NWARPS * KPW)     // keys in flight per block and step
 
-// A lane's EPL contiguous activations -> floats, coalesced across the warp.
-__device__ __forceinline__ void load_lane(const act* p, float* f) { load_act<EPL>(p, f); }
+// A lane's chunks of a row of activations (q) -> floats.
+__device__ __forceinline__ void load_slice(const act* row, int sl, float* f) {
+#pragma unroll
+  for (int c = 0; c < NCH; ++c) load_act<CE>(row + (c * KL + sl) * CE, f + c * CE);
+}
 
-// A lane's EPL elements of cache row `row` (page * page_size + slot, times Hkv, plus the kv head).
-__device__ __forceinline__ void load_kv(const kv_t* cache, const u16* scales, i64 row, int lane, float* f) {
+// A lane's chunks of cache row `row` (page * page_size + slot, times Hkv, plus the kv head).
+__device__ __forceinline__ void load_kv(const kv_t* cache, const u16* scales, i64 row, int sl, float* f) {
 #if KV_QUANT
   const float sc = f16_to_f32(scales[row]);
-  const u8* p = cache + row * HEAD_DIM + lane * EPL;
+  const u8* p = cache + row * HEAD_DIM;
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) f[e] = kv_decode(p[e]) * sc;
+  for (int c = 0; c < NCH; ++c) {
+    u8 b[CE];
+    if constexpr (CE == 8) *(uint2*)b = *(const uint2*)(p + (c * KL + sl) * CE);
+    else if constexpr (CE == 4) *(u32*)b = *(const u32*)(p + (c * KL + sl) * CE);
+    else *(u16*)b = *(const u16*)(p + (c * KL + sl) * CE);
+#pragma unroll
+    for (int e = 0; e < CE; ++e) f[c * CE + e] = kv_decode(b[e]) * sc;
+  }
 #else
-  load_lane(cache + row * HEAD_DIM + lane * EPL, f);
+  load_slice(cache + row * HEAD_DIM, sl, f);
 #endif
 }
 
@@ -68,24 +92,31 @@ __device__ __forceinline__ int token_keys(int t, const i32* cu_seqlens, const i3
 // The first key a token sees: 0, or the first of its window.
 __device__ __forceinline__ int first_key(int n_keys, int window) { return window > 0 ? max(0, n_keys - window) : 0; }
 
+// Keys per partition of a token's n keys (the last partition may hold fewer): n <= 0 gives 1.
+__device__ __forceinline__ int split_size(int n, int partition) {
+  const int parts = min(MAX_SPLIT, max(1, (n + partition - 1) / partition));
+  return max(1, (n + parts - 1) / parts);
+}
+
 // Score soft-capping (Gemma 2 style); softcap <= 0: none.
 __device__ __forceinline__ float cap_score(float s, float softcap) {
   return softcap > 0.0f ? softcap * tanhf(s / softcap) : s;
 }
 
-// Online-softmax update of one head's state with one key's score and value row.
-__device__ __forceinline__ void softmax_update(float s, const float* v, float& m, float& l, float* acc) {
-  const float m_new = fmaxf(m, s);
-  const float corr = expf(m - m_new);  // m == -inf on the first key: corr = 0, acc is 0 anyway
-  const float p = expf(s - m_new);
-  l = l * corr + p;
+// Sum over the KL lanes of a key group (a fixed butterfly: every lane of the group gets the same value).
+__device__ __forceinline__ float group_sum(float v) {
 #pragma unroll
-  for (int e = 0; e < EPL; ++e) acc[e] = acc[e] * corr + p * v[e];
-  m = m_new;
+  for (int o = KL / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
-// Grid: (Hkv, T, max_parts); block: NWARPS warps. A block serves all GQA query heads of one
-// kv head, so each K/V row is read once for the group. Warp w takes keys k0+w, k0+w+NWARPS, ...
+// exp(m - M) for an online-softmax state's max m under a new max M; 0 for a state without keys.
+__device__ __forceinline__ float rescale(float m, float M) { return m == NEG_INF ? 0.0f : expf(m - M); }
+
+// Grid: (Hkv, T, max_parts); block: NWARPS warps. A block serves all GQA query heads of one kv
+// head, so each K/V row is read once for the group. Key slot j = warp * KPW + (lane / KL) takes
+// keys k0 + j, k0 + j + NSLOT, ... two per step, with its own online-softmax state; at the end the
+// slots of a warp merge by shuffles and the warps in shared memory, in a fixed order.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
 paged_attention(const act* __restrict__ q, i64 q_stride, const kv_t* __restrict__ k_cache,
                 const kv_t* __restrict__ v_cache, const u16* __restrict__ k_scale, const u16* __restrict__ v_scale,
@@ -99,11 +130,13 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const kv_t* __restrict_
   __shared__ float sm_l[NWARPS][GQA];
   const int kvh = blockIdx.x, t = blockIdx.y, part = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int sub = lane / KL, sl = lane % KL;
   const int Hq = Hkv * GQA;
   int b;
   const int n_keys = token_keys(t, cu_seqlens, lens, num_seqs, &b);
   const int first = first_key(n_keys, window);
-  const int nparts = (n_keys - first + partition - 1) / partition;
+  const int size = split_size(n_keys - first, partition);
+  const int nparts = (n_keys - first + size - 1) / size;
   if (n_keys <= 0) {  // an empty context (padding lane): write zeros, not garbage
     if (part == 0)
       for (int i = threadIdx.x; i < GQA * HEAD_DIM; i += blockDim.x)
@@ -111,58 +144,82 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const kv_t* __restrict_
     return;
   }
   if (part >= nparts) return;
-  const int k0 = first + part * partition;
-  const int k1 = min(n_keys, k0 + partition);
+  const int k0 = first + part * size;
+  const int k1 = min(n_keys, k0 + size);
 
-  float qf[GQA][EPL], acc[GQA][EPL], m[GQA], l[GQA];
+  float qf[GQA][EPK], acc[GQA][EPK], m[GQA], l[GQA];
 #pragma unroll
   for (int g = 0; g < GQA; ++g) {
-    load_lane(q + t * q_stride + (i64)(kvh * GQA + g) * HEAD_DIM + lane * EPL, qf[g]);
+    load_slice(q + t * q_stride + (i64)(kvh * GQA + g) * HEAD_DIM, sl, qf[g]);
     m[g] = NEG_INF;
     l[g] = 0.0f;
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[g][e] = 0.0f;
+    for (int e = 0; e < EPK; ++e) acc[g][e] = 0.0f;
   }
   const i32* table = block_tables + (i64)b * max_pages;
-  // Two keys per iteration so two K/V row loads are in flight; updates stay in key order.
-  for (int s = k0 + warp; s < k1; s += 2 * NWARPS) {
-    const int s2 = s + NWARPS;
-    const bool two = s2 < k1;
-    float ka[EPL], va[EPL], kb[EPL], vb[EPL];
-    {
-      const i64 row = ((i64)table[s / page_size] * page_size + s % page_size) * Hkv + kvh;
-      load_kv(k_cache, k_scale, row, lane, ka);
-      load_kv(v_cache, v_scale, row, lane, va);
+  // Two keys per slot and step (2 * NSLOT rows of the block in flight); the loop bound is the
+  // warp's, so every lane takes part in the group shuffles, and a slot past k1 loads nothing.
+  for (int base = k0 + warp * KPW; base < k1; base += 2 * NSLOT) {
+    const int sa = base + sub, sb = sa + NSLOT;
+    const bool va_ok = sa < k1, vb_ok = sb < k1;
+    float ka[EPK], va[EPK], kb[EPK], vb[EPK];
+#pragma unroll
+    for (int e = 0; e < EPK; ++e) ka[e] = va[e] = kb[e] = vb[e] = 0.0f;
+    if (va_ok) {
+      const i64 row = ((i64)table[sa / page_size] * page_size + sa % page_size) * Hkv + kvh;
+      load_kv(k_cache, k_scale, row, sl, ka);
+      load_kv(v_cache, v_scale, row, sl, va);
     }
-    if (two) {
-      const i64 row = ((i64)table[s2 / page_size] * page_size + s2 % page_size) * Hkv + kvh;
-      load_kv(k_cache, k_scale, row, lane, kb);
-      load_kv(v_cache, v_scale, row, lane, vb);
+    if (vb_ok) {
+      const i64 row = ((i64)table[sb / page_size] * page_size + sb % page_size) * Hkv + kvh;
+      load_kv(k_cache, k_scale, row, sl, kb);
+      load_kv(v_cache, v_scale, row, sl, vb);
     }
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {
-      float d = 0.0f;
+      float da = 0.0f, db = 0.0f;
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) d += qf[g][e] * ka[e];
-      softmax_update(cap_score(warp_sum(d) * scale, softcap), va, m[g], l[g], acc[g]);
-    }
-    if (two) {
-#pragma unroll
-      for (int g = 0; g < GQA; ++g) {
-        float d = 0.0f;
-#pragma unroll
-        for (int e = 0; e < EPL; ++e) d += qf[g][e] * kb[e];
-        softmax_update(cap_score(warp_sum(d) * scale, softcap), vb, m[g], l[g], acc[g]);
+      for (int e = 0; e < EPK; ++e) {
+        da += qf[g][e] * ka[e];
+        db += qf[g][e] * kb[e];
       }
+      da = group_sum(da);
+      db = group_sum(db);
+      const float s1 = va_ok ? cap_score(da * scale, softcap) : NEG_INF;
+      const float s2 = vb_ok ? cap_score(db * scale, softcap) : NEG_INF;
+      const float m_new = fmaxf(m[g], fmaxf(s1, s2));
+      if (m_new == NEG_INF) continue;  // this slot has seen no key yet
+      const float corr = rescale(m[g], m_new), p1 = expf(s1 - m_new), p2 = expf(s2 - m_new);
+      l[g] = l[g] * corr + p1 + p2;
+#pragma unroll
+      for (int e = 0; e < EPK; ++e) acc[g][e] = acc[g][e] * corr + p1 * va[e] + p2 * vb[e];
+      m[g] = m_new;
     }
   }
+  // Merge the warp's KPW slots (butterfly: both partners compute the same sums).
 #pragma unroll
-  for (int g = 0; g < GQA; ++g) {
+  for (int o = KL; o < 32; o <<= 1) {
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) sm_acc[warp][g][lane * EPL + e] = acc[g][e];
-    if (lane == 0) {
-      sm_m[warp][g] = m[g];
-      sm_l[warp][g] = l[g];
+    for (int g = 0; g < GQA; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], o), lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+      const float M = fmaxf(m[g], mo), c = rescale(m[g], M), co = rescale(mo, M);
+      l[g] = l[g] * c + lo * co;
+#pragma unroll
+      for (int e = 0; e < EPK; ++e) acc[g][e] = acc[g][e] * c + __shfl_xor_sync(0xffffffffu, acc[g][e], o) * co;
+      m[g] = M;
+    }
+  }
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+#pragma unroll
+      for (int c = 0; c < NCH; ++c)
+#pragma unroll
+        for (int e = 0; e < CE; ++e) sm_acc[warp][g][(c * KL + sl) * CE + e] = acc[g][c * CE + e];
+      if (lane == 0) {
+        sm_m[warp][g] = m[g];
+        sm_l[warp][g] = l[g];
+      }
     }
   }
   __syncthreads();
@@ -175,7 +232,7 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const kv_t* __restrict_
     float L = 0.0f, A = 0.0f;
 #pragma unroll
     for (int w = 0; w < NWARPS; ++w) {
-      const float c = expf(sm_m[w][g] - M);
+      const float c = rescale(sm_m[w][g], M);
       L += sm_l[w][g] * c;
       A += sm_acc[w][g][d] * c;
     }
@@ -203,7 +260,8 @@ extern "C" __global__ void paged_attention_combine(const float* __restrict__ par
   const int head = blockIdx.x, t = blockIdx.y, Hq = gridDim.x;
   int b;
   const int n_keys = token_keys(t, cu_seqlens, lens, num_seqs, &b);
-  const int nparts = (n_keys - first_key(n_keys, window) + partition - 1) / partition;
+  const int n = n_keys - first_key(n_keys, window), size = split_size(n, partition);
+  const int nparts = (n + size - 1) / size;
   if (nparts <= 1) return;  // written by paged_attention directly
   const i64 base = ((i64)t * Hq + head) * max_parts;
   float M = NEG_INF;

@@ -24,6 +24,7 @@ MAX_GEMV_ROWS = 8
 TOPK_MAX = 20
 GEMV_WARPS = 8  # gemv.cu
 ATTN_THREADS = 128  # attention.cu: NWARPS * 32
+ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
 GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
@@ -273,7 +274,7 @@ def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
     act = q.dtype
-    defines = {"HEAD_DIM": D, "GQA": Hq // Hkv, **_act(act, "q")}
+    defines = {"HEAD_DIM": D, "GQA": Hq // Hkv, "MAX_SPLIT": ATTN_MAX_SPLIT, **_act(act, "q")}
     for name, t in (("q", q), ("out", out)):
         _check(t, name, act, [T, Hq, D], kc.device, contiguous=False, align16=True)
         if t.stride(1) != D or (t.stride(0) * t.element_size()) % 16:
@@ -296,6 +297,12 @@ def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor
     return defines
 
 
+def attention_parts(max_context_len: int, partition: int) -> int:
+    """The split-K grid (and workspace) depth that covers every context up to max_context_len keys:
+    a context of n keys is cut into min(ATTN_MAX_SPLIT, ceil(n / partition)) partitions."""
+    return max(1, min(ATTN_MAX_SPLIT, math.ceil(max_context_len / partition)))
+
+
 def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
                max_context_len: int, out: torch.Tensor, scale: float, partition: int,
@@ -311,7 +318,7 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         raise KernelError(f"window ({window}) and softcap ({softcap}) must be >= 0 (0: none)")
     if T == 0:
         return
-    max_parts = max(1, math.ceil(max_context_len / partition))
+    max_parts = attention_parts(max_context_len, partition)
     if workspace is None and max_parts > 1:
         workspace = (torch.empty((T, Hq, max_parts, D), dtype=F32_DT, device=q.device),
                      torch.empty((T, Hq, max_parts, 2), dtype=F32_DT, device=q.device))
@@ -345,9 +352,10 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
 
     q, out [B, Hq, D] and caches [pages, page_size, Hkv, D]: all bf16 or all fp32; block_tables [B, max_pages] int32;
     context_lens [B] int32; max_context_len: a host bound on context_lens, sizing the split-K grid.
-    Contexts longer than `partition` keys are split and merged in a fixed order; the split depends
-    only on each sequence's own length, so results are batch-invariant. `workspace` (optional,
-    reusable, e.g. under CUDA graphs): fp32 [>= B, Hq, ceil(max_context_len/partition), D] and [.., 2].
+    Contexts longer than `partition` keys are split into min(ATTN_MAX_SPLIT, ceil(n / partition))
+    equal partitions and merged in a fixed order; the split depends only on each sequence's own
+    length, so results are batch-invariant. `workspace` (optional, reusable, e.g. under CUDA
+    graphs): fp32 [>= B, Hq, attention_parts(max_context_len, partition), D] and [.., 2].
     window > 0: each sequence sees only its last `window` keys; softcap > 0: scores soft-capped.
     A compressed cache (int8 or float8_e4m3fn codes) comes with k_scale/v_scale f16 [pages, page_size, Hkv].
     """

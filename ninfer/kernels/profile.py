@@ -9,14 +9,15 @@ What a profile chooses, and why each choice keeps results batch-invariant:
   dtype) runs the warp kernel (an int4 weight the tiled route does not take: the mma route where
   it takes it). One route per weight, never per row count: routes differ in
   summation order, so a row's bits would otherwise depend on how many rows share its step.
-- attention_partition: the split-K partition of decode attention (keys). A sequence's split
-  depends only on its own length and this constant, fixed for the whole run.
+- attention_partition: the least keys a split-K partition of decode attention holds (a context of
+  n keys is cut into min(32, ceil(n / partition)) partitions). A sequence's split depends only on
+  its own length and this constant, fixed for the whole run.
 - prompt_rows: the row block of every prompt matmul (cuBLAS sees only [prompt_rows, K] blocks),
   fixed for the whole run.
 - graph_rows: the decode row counts that get their own CUDA graph; a step of n rows runs the graph
   of the smallest listed count >= n, padded rows computing nothing any real row reads.
-The defaults are the backend's routes before profiles existed (DEFAULT_GEMV_ROUTES, 512, 128,
-1..8). A profile is passed explicitly (CudaOps, the cuda runner); nothing reads it from a module
+The defaults: DEFAULT_GEMV_ROUTES, DEFAULT_PARTITION (64), DEFAULT_PROMPT_ROWS (128), graph rows
+1..8. A profile is passed explicitly (CudaOps, the cuda runner); nothing reads it from a module
 global.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ DENSE_FORMATS = ("bf16", "f32")
 # at every row count (int4 on tiles: llama-8b tg128 195.5 -> 305.8 tok/s over the mma route); for
 # int8 they win rows 4..8 but lose a third at one row, which decides
 DEFAULT_GEMV_ROUTES = {"bf16": "mma", "int8": "warp", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
-DEFAULT_PARTITION = 512
+DEFAULT_PARTITION = 64
 DEFAULT_PROMPT_ROWS = 128
 ALL_ROWS = tuple(range(1, MAX_GEMV_ROWS + 1))
 

@@ -49,7 +49,7 @@ class CalibrationPlan:
     """What to measure. `quick` keeps a few points of each (tests, a short budget)."""
 
     rows: tuple[int, ...] = ALL_ROWS
-    partitions: tuple[int, ...] = (256, 512, 1024, 2048)
+    partitions: tuple[int, ...] = (32, 64, 128, 256, 512)
     contexts: tuple[int, ...] = (512, 2048, 8192, 32768)
     attention_rows: tuple[int, ...] = (1, 8)
     prompt_rows: tuple[int, ...] = (64, 128, 256)
@@ -59,7 +59,7 @@ class CalibrationPlan:
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
-        return cls(rows=(1, 2, 8), partitions=(256, 512, 1024), contexts=(512, 4096), attention_rows=(1, 8),
+        return cls(rows=(1, 2, 8), partitions=(64, 256, 512), contexts=(512, 4096), attention_rows=(1, 8),
                    prompt_rows=(64, 128), prompt_tokens=(128, 512), reps=3)
 
     def for_model(self, max_context: int) -> CalibrationPlan:
@@ -219,7 +219,7 @@ class Calibrator:
                 lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
                 for part in plan.partitions:
                     self.progress(f"attention x{rows} ctx {ctx} partition {part}")
-                    parts = -(-ctx // part)
+                    parts = L.attention_parts(ctx, part)
                     ws = (torch.empty(rows, hq, parts, d, device=dev), torch.empty(rows, hq, parts, 2, device=dev))
 
                     def run(part=part, ws=ws) -> None:

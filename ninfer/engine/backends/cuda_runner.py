@@ -110,7 +110,7 @@ class CudaModelRunner:
             rows = MAX_DECODE_ROWS * (max_draft_tokens + 1)
             self.state = DecodeState(vocab=c.vocab_size, heads=c.num_attention_heads, head_dim=c.head_dim,
                                      max_pages=-(-self.max_context // page_size),
-                                     max_parts=-(-self.max_context // self.partition), device=self.device, rows=rows)
+                                     max_parts=L.attention_parts(self.max_context, self.partition), device=self.device, rows=rows)
             # a hybrid model's recurrent state after each verify row (restores a rejected tail)
             self.verify_conv, self.verify_ssm = self._states(rows if max_draft_tokens else 0)
         self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
