@@ -38,14 +38,18 @@ typedef act kv_t;
 #ifndef MAX_SPLIT
 #error "compile with -DMAX_SPLIT=<most partitions of one token's keys>"
 #endif
+#ifndef NWARPS
 #define NWARPS 4
+#endif
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "HEAD_DIM must be 64, 128 or 256");
 static_assert(GQA * HEAD_DIM <= 2048, "GQA * HEAD_DIM too large for registers and shared memory");
 // KL lanes share one key row (KPW keys per warp at a time): as few as the registers allow (a lane
 // holds 2 * GQA query and accumulator slices and two keys' K and V slices, (2 GQA + 4) * D / KL
 // floats), so a warp has several rows in flight and a score takes log2(KL) shuffles, not 5.
 #define KV_FLOATS ((2 * GQA + 4) * HEAD_DIM)
+#ifndef KL
 #define KL (KV_FLOATS <= 200 * 8 ? 8 : KV_FLOATS <= 200 * 16 ? 16 : 32)
+#endif
 #define KPW (32 / KL)
 #define EPK (HEAD_DIM / KL)      // elements of a row per lane
 #define CE (EPK < 8 ? EPK : 8)   // per load: chunk c of lane sl is elements (c * KL + sl) * CE ..
