@@ -32,7 +32,7 @@ from ninfer.server.params import (bad, join_text_parts, message_role, opt_bool, 
                                   unsupported)
 from ninfer.server.sse import KEEPALIVE
 from ninfer.server.structured import anthropic_format
-from ninfer.server.tools import anthropic_tool_choice, anthropic_tools
+from ninfer.server.tools import anthropic_tool_choice, anthropic_tools, order_tool_results
 
 ROLES = ("user", "assistant", "system")
 MAX_STOP_SEQUENCES = 16
@@ -175,34 +175,14 @@ def conversation(body: dict[str, Any]) -> tuple[list[Message], str | None]:
         prefill = turns.pop().content
         if not any(t.role == "user" for t in turns):
             raise bad("messages", "an assistant prefill needs a user turn before it")
-    return _order_results(turns), prefill
+    return order_tool_results(turns, _check_results), prefill
 
 
-def _order_results(turns: list[Message]) -> list[Message]:
-    """A visible tool_use turn's results: one per declared id, matched by id, in call order."""
-    out: list[Message] = []
-    i = 0
-    while i < len(turns):
-        turn = turns[i]
-        out.append(turn)
-        i += 1
-        if turn.role != "assistant" or not turn.tool_calls:
-            continue
-        j = i
-        while j < len(turns) and turns[j].role == "tool":
-            j += 1
-        order = [c.id for c in turn.tool_calls]
-        ids = [r.tool_call_id for r in turns[i:j]]
-        if j < len(turns) or i < len(turns):  # a later turn exists: it must answer every call
-            if sorted(ids) != sorted(order):
-                raise RequestError("the user turn after a tool_use turn must lead with exactly one tool_result "
-                                   f"for each tool_use id ({', '.join(order)})", param="messages",
-                                   code="invalid_tool_history")
-        for r in turns[i:j]:
-            r.name = turn.tool_calls[order.index(r.tool_call_id)].name if r.tool_call_id in order else None
-        out += sorted(turns[i:j], key=lambda r: order.index(r.tool_call_id) if r.tool_call_id in order else 0)
-        i = j
-    return out
+def _check_results(order: list[str], ids: list[str | None], later: bool) -> None:
+    """A tool_use turn that a later turn follows: its next user turn answers every call, once."""
+    if later and sorted(ids) != sorted(order):
+        raise RequestError("the user turn after a tool_use turn must lead with exactly one tool_result "
+                           f"for each tool_use id ({', '.join(order)})", param="messages", code="invalid_tool_history")
 
 
 def check_capabilities(body: dict[str, Any]) -> None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from ninfer.errors import RequestError
+
+if TYPE_CHECKING:
+    from ninfer.server.http import Call
 
 STORE_BYTES = 64 << 20  # the budget, counted as the serialized size of what an entry keeps
 

@@ -32,7 +32,7 @@ from ninfer.server.params import (bad, check_model, join_text_parts, opt_bool, o
                                   sampling_from, unsupported)
 from ninfer.server.sse import KEEPALIVE
 from ninfer.server.structured import responses_format
-from ninfer.server.tools import responses_tool_choice, responses_tools
+from ninfer.server.tools import order_tool_results, responses_tool_choice, responses_tools
 
 ROLES = ("user", "assistant", "system", "developer")
 INCLUDE = ("reasoning.encrypted_content", "message.output_text.logprobs")
@@ -209,33 +209,14 @@ def turns_of(items: list[dict[str, Any]], instructions: str | None) -> list[Mess
             turn.content += "".join(part["text"] for part in item["content"])
         else:
             turn.tool_calls.append(ToolCall(item["call_id"], item["name"], item["arguments"], item.get("namespace")))
-    return _order_results(turns)
+    return order_tool_results(turns, _check_results)
 
 
-def _order_results(turns: list[Message]) -> list[Message]:
-    """Tool results after an assistant turn with calls: matched by call id and put in call order."""
-    out: list[Message] = []
-    i = 0
-    while i < len(turns):
-        turn = turns[i]
-        out.append(turn)
-        i += 1
-        if turn.role != "assistant" or not turn.tool_calls:
-            continue
-        j = i
-        while j < len(turns) and turns[j].role == "tool":
-            j += 1
-        results = turns[i:j]
-        order = [c.id for c in turn.tool_calls]
-        ids = [r.tool_call_id for r in results]
-        if len(set(ids)) != len(ids) or any(x not in order for x in ids):
-            raise RequestError("function_call_output Items must answer the preceding calls, each once, by call_id",
-                               param="input", code="invalid_tool_history")
-        for r in results:
-            r.name = turn.tool_calls[order.index(r.tool_call_id)].name
-        out += sorted(results, key=lambda r: order.index(r.tool_call_id))
-        i = j
-    return out
+def _check_results(order: list[str], ids: list[str | None], later: bool) -> None:
+    """function_call_output Items answer the calls before them, each at most once."""
+    if len(set(ids)) != len(ids) or any(x not in order for x in ids):
+        raise RequestError("function_call_output Items must answer the preceding calls, each once, by call_id",
+                           param="input", code="invalid_tool_history")
 
 
 def _not_found(response_id: str, param: str | None = None) -> RequestError:

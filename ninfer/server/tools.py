@@ -5,9 +5,10 @@ value of the tool's parameters schema.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from ninfer.engine.chat import Tool
+from ninfer.engine.chat import Message, Tool
 from ninfer.errors import RequestError
 from ninfer.server.chat_request import ToolChoice
 from ninfer.server.params import bad, unsupported
@@ -271,3 +272,29 @@ def forced_grammar(state: Any, tools: list[Tool], choice: ToolChoice) -> Any:
     except ImportError:
         raise RequestError("tool_choice: forcing a call needs xgrammar, which is not installed", param="tool_choice",
                            code="tool_choice_not_supported") from None
+
+
+def order_tool_results(turns: list[Message],
+                       check: Callable[[list[str], list[str | None], bool], None]) -> list[Message]:
+    """The tool results after each assistant turn with calls, matched to the calls by id (their
+    names filled in) and put in call order. check(call ids, result ids, a later turn follows) raises
+    the protocol's error for results that do not answer the calls."""
+    out: list[Message] = []
+    i = 0
+    while i < len(turns):
+        turn = turns[i]
+        out.append(turn)
+        i += 1
+        if turn.role != "assistant" or not turn.tool_calls:
+            continue
+        j = i
+        while j < len(turns) and turns[j].role == "tool":
+            j += 1
+        results = turns[i:j]
+        order = [c.id for c in turn.tool_calls]
+        check(order, [r.tool_call_id for r in results], i < len(turns))
+        for r in results:
+            r.name = turn.tool_calls[order.index(r.tool_call_id)].name if r.tool_call_id in order else None
+        out += sorted(results, key=lambda r: order.index(r.tool_call_id) if r.tool_call_id in order else 0)
+        i = j
+    return out
