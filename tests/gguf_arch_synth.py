@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from gguf_synth import _quantized, llama_permute
+from gguf_synth import add_byte_level_vocab, add_model_keys, llama_permute, write_tensors
 
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
 
@@ -43,15 +43,7 @@ def write_arch_gguf(path: Path, arch: str, state: dict[str, np.ndarray], cfg: di
     -> GGUF name -> (Hugging Face name, the values the file holds)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch}")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    add_model_keys(w, cfg)
     for k, v in (keys or {}).items():
         if isinstance(v, str):
             w.add_string(f"{arch}.{k}", v)
@@ -59,33 +51,5 @@ def write_arch_gguf(path: Path, arch: str, state: dict[str, np.ndarray], cfg: di
             w.add_uint32(f"{arch}.{k}", v)
         else:
             w.add_float32(f"{arch}.{k}", float(v))
-
-    vocab = dict(tokenizer_json["model"]["vocab"])
-    for added in tokenizer_json.get("added_tokens", []):
-        vocab[added["content"]] = added["id"]
-    tokens: list[str | None] = [None] * cfg["vocab_size"]
-    for t, i in vocab.items():
-        if i < len(tokens):
-            tokens[i] = t
-    special = {a["id"] for a in tokenizer_json.get("added_tokens", []) if a.get("special")}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list([t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)])
-    w.add_token_merges(merges)
-    w.add_token_types([3 if i in special else 1 if t is not None else 5 for i, t in enumerate(tokens)])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-
-    held = arch_tensors(arch, state, cfg)
-    written: dict[str, tuple[str, np.ndarray]] = {}
-    for gname, (hf_name, value) in held.items():
-        qtype = Q.F32 if value.ndim == 1 else linear_type
-        data, values = _quantized(value, qtype)
-        written[gname] = (hf_name, values)
-        w.add_tensor(gname, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return written
+    add_byte_level_vocab(w, tokenizer_json, cfg["vocab_size"], "smollm", 1, 2)
+    return write_tensors(w, arch_tensors(arch, state, cfg), lambda _, v: Q.F32 if v.ndim == 1 else linear_type)

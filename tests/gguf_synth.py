@@ -4,6 +4,7 @@ Face Qwen3.5 model with convert_hf_to_gguf.py's tensor changes and keys)."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,53 +243,47 @@ def qwen35_gguf_tensors(state: dict[str, np.ndarray], cfg: dict) -> dict[str, tu
     return out
 
 
-def write_qwen35_gguf(path: Path, state: dict[str, np.ndarray], cfg: dict, tokenizer_json: dict,
-                      linear_type: Q = Q.F32, embed_type: Q = Q.F32) -> dict[str, np.ndarray]:
-    """A qwen35 GGUF of a Hugging Face Qwen3.5 text config `cfg` and its tensors `state`, with the keys
-    Qwen3NextModel.set_gguf_parameters writes and the byte-level vocabulary of `tokenizer_json` (a
-    tokenizer.json dict). -> GGUF name -> (Hugging Face name, the values the file holds, dequantized)."""
-    w = gguf.GGUFWriter(str(path), "qwen35")
-    w.add_name("tiny qwen3.5")
+def add_model_keys(w: gguf.GGUFWriter, cfg: dict) -> None:
+    """The shape keys every decoder GGUF carries, from a Hugging Face config dict."""
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
-    w.add_ssm_state_size(cfg["linear_key_head_dim"])
-    w.add_ssm_group_count(cfg["linear_num_key_heads"])
-    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
-    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
-    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
-    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
 
-    vocab = {t: i for t, i in tokenizer_json["model"]["vocab"].items()}
+
+def add_byte_level_vocab(w: gguf.GGUFWriter, tokenizer_json: dict, vocab_size: int, pre: str, bos: int,
+                         eos: int) -> None:
+    """A gpt2-style (byte-level BPE) vocabulary from a tokenizer.json dict, padded to vocab_size."""
+    vocab = dict(tokenizer_json["model"]["vocab"])
     for added in tokenizer_json.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
-    tokens = [None] * cfg["vocab_size"]
+    tokens: list[str | None] = [None] * vocab_size
     for t, i in vocab.items():
-        tokens[i] = t
+        if i < len(tokens):
+            tokens[i] = t
     special = {a["id"] for a in tokenizer_json.get("added_tokens", []) if a.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer_json["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
+    w.add_tokenizer_pre(pre)
     w.add_token_list([t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)])
     w.add_token_merges(merges)
     w.add_token_types([3 if i in special else 1 if t is not None else 5 for i, t in enumerate(tokens)])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
 
+
+def write_tensors(w: gguf.GGUFWriter, tensors: dict[str, tuple[str, np.ndarray]],
+                  qtype_of: Callable[[str, np.ndarray], Q]) -> dict[str, tuple[str, np.ndarray]]:
+    """Writes each GGUF name -> (Hugging Face name, values) in the type qtype_of(name, values) gives,
+    then the whole file, and closes it. -> GGUF name -> (Hugging Face name, the values the file holds)."""
     held: dict[str, tuple[str, np.ndarray]] = {}
-    for gname, (hf_name, value) in qwen35_gguf_tensors(state, cfg).items():
-        if value.ndim == 1 or ".ssm_conv1d." in gname:
-            qtype = Q.F32  # llama.cpp keeps 1-D tensors and the conv taps in F32
-        else:
-            qtype = embed_type if gname in ("token_embd.weight", "output.weight") else linear_type
+    for gname, (hf_name, value) in tensors.items():
+        qtype = qtype_of(gname, value)
         data, values = _quantized(value, qtype)
         held[gname] = (hf_name, values)
         w.add_tensor(gname, data, raw_dtype=None if qtype in (Q.F32, Q.F16) else qtype)
@@ -297,3 +292,29 @@ def write_qwen35_gguf(path: Path, state: dict[str, np.ndarray], cfg: dict, token
     w.write_tensors_to_file()
     w.close()
     return held
+
+
+def write_qwen35_gguf(path: Path, state: dict[str, np.ndarray], cfg: dict, tokenizer_json: dict,
+                      linear_type: Q = Q.F32, embed_type: Q = Q.F32) -> dict[str, np.ndarray]:
+    """A qwen35 GGUF of a Hugging Face Qwen3.5 text config `cfg` and its tensors `state`, with the keys
+    Qwen3NextModel.set_gguf_parameters writes and the byte-level vocabulary of `tokenizer_json` (a
+    tokenizer.json dict). -> GGUF name -> (Hugging Face name, the values the file holds, dequantized)."""
+    w = gguf.GGUFWriter(str(path), "qwen35")
+    w.add_name("tiny qwen3.5")
+    add_model_keys(w, cfg)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"].get("partial_rotary_factor", 0.25)))
+    add_byte_level_vocab(w, tokenizer_json, cfg["vocab_size"], "qwen35", cfg["bos_token_id"], cfg["eos_token_id"])
+
+    def qtype_of(gname: str, value: np.ndarray) -> Q:
+        if value.ndim == 1 or ".ssm_conv1d." in gname:
+            return Q.F32  # llama.cpp keeps 1-D tensors and the conv taps in F32
+        return embed_type if gname in ("token_embd.weight", "output.weight") else linear_type
+
+    return write_tensors(w, qwen35_gguf_tensors(state, cfg), qtype_of)
