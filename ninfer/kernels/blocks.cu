@@ -399,7 +399,6 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
                 i64 y_stride, int M, int N, int K, int y_f32) {
   __shared__ u16 kv16[16];
-  __shared__ float part[MMA_WARPS][32][4];
   if (IQ4 && threadIdx.x < 16) kv16[threadIdx.x] = f32_to_bf16(KVALUES[threadIdx.x]);
   if (IQ4) __syncthreads();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -439,22 +438,7 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
       }
     }
   }
-  // the warps' partial sums, added in warp order
-#pragma unroll
-  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
-  __syncthreads();
-  if (warp) return;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float r = part[0][lane][j];
-#pragma unroll
-    for (int v = 1; v < MMA_WARPS; ++v) r += part[v][lane][j];
-    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
-    if (n < N && m < M) {
-      if (y_f32) ((float*)y)[m * y_stride + n] = r;
-      else ((act*)y)[m * y_stride + n] = to_act(r);
-    }
-  }
+  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride, y_f32);  // common.cuh
 }
 #endif
 
@@ -672,7 +656,6 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
 extern "C" __global__ void __launch_bounds__(TILE_MAX_WARPS * 32)
 gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
                  i64 y_stride, int M, int N, int K, int y_f32) {
-  __shared__ float part[TILE_MAX_WARPS][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int nw = blockDim.x >> 5;
   const int n0 = blockIdx.x * 16;
@@ -707,22 +690,7 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
     tile_block(acc, d, xl + (i64)b * QK, mask, magic, ones);
   }
 #endif
-// the warps' partial sums, added in warp order
-#pragma unroll
-  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
-  __syncthreads();
-  if (warp) return;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float r = part[0][lane][j];
-#pragma unroll
-    for (int v = 1; v < nw; ++v) r += part[v][lane][j];
-    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
-    if (n < N && m < M) {
-      if (y_f32) ((float*)y)[m * y_stride + n] = r;
-      else ((act*)y)[m * y_stride + n] = to_act(r);
-    }
-  }
+  tile_epilogue<TILE_MAX_WARPS>(acc, nw, n0, N, M, y, y_stride, y_f32);  // common.cuh
 }
 #endif
 #endif

@@ -157,3 +157,63 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// The gated activations of an MLP, in fp32: silu(g) * u and gelu_tanh(g) * u (torch's
+// gelu(approximate="tanh")). One definition for elementwise.cu and the fused gemv epilogue below, so
+// both round the same way.
+__device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+__device__ __forceinline__ float gelu_mul_f(float g, float u) {
+  return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+}
+
+// The epilogue of the tensor-core gemvs (gemv_mma.cu, gemv_tiled.cu, blocks.cu's mma and tile kernels).
+// Each of the block's nw (<= MAXW) warps holds partial sums of one 16-row tile n0 .. n0 + 15 in the
+// mma16816 accumulator layout: lane (g, t) has acc[0], acc[1] for row g, columns (activation rows)
+// 2 t, 2 t + 1, and acc[2], acc[3] for row g + 8. Warp 0 adds them in warp order (a column's result
+// depends on its own activation row only: batch invariant) and stores y[m, n] for n < N, m < M, fp32
+// when y_f32, else rounded to act.
+// Compiled with -DGEMV_GLU=1 (silu) or 2 (gelu_tanh), the weight is a gated MLP's gate and up
+// projections with rows interleaved in eights (tile rows 0..7: gate rows n0/2 .. n0/2 + 7, rows 8..15:
+// the same up rows; launchers.glu_rows) and y [M, N/2] receives act(act(gate) x act(up)) at n0/2 + g:
+// the bits a gemv into act followed by swiglu / geglu would give. y_f32 is ignored (always act).
+#ifndef GEMV_GLU
+#define GEMV_GLU 0
+#endif
+template <int MAXW>
+__device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, int N, int M, void* y, i64 y_stride,
+                                              int y_f32) {
+  __shared__ float part[MAXW][32][4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
+  __syncthreads();
+  if (warp) return;
+  float r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    r[j] = part[0][lane][j];
+#pragma unroll
+    for (int v = 1; v < MAXW; ++v)
+      if (v < nw) r[j] += part[v][lane][j];
+  }
+#if GEMV_GLU
+  (void)y_f32;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int m = 2 * t + j;
+    if (n0 + g + 8 < N && m < M) {
+      const float gate = act_round(r[j]), up = act_round(r[j + 2]);
+      ((act*)y)[m * y_stride + n0 / 2 + g] = to_act(GEMV_GLU == 1 ? silu_mul_f(gate, up) : gelu_mul_f(gate, up));
+    }
+  }
+#else
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (n < N && m < M) {
+      if (y_f32) ((float*)y)[m * y_stride + n] = r[j];
+      else ((act*)y)[m * y_stride + n] = to_act(r[j]);
+    }
+  }
+#endif
+}

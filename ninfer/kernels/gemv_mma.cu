@@ -184,21 +184,5 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #endif
 #endif
 
-  // the warps' partial sums, added in warp order
-  __shared__ float part[MMA_WARPS][32][4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
-  __syncthreads();
-  if (warp) return;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float r = part[0][lane][j];
-#pragma unroll
-    for (int v = 1; v < MMA_WARPS; ++v) r += part[v][lane][j];
-    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
-    if (n < N && m < M) {
-      if (y_f32) ((float*)y)[m * y_stride + n] = r;
-      else ((act*)y)[m * y_stride + n] = to_act(r);
-    }
-  }
+  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride, y_f32);  // common.cuh
 }

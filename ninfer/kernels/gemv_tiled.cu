@@ -232,21 +232,5 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   for (int p = 0; p < T4_STAGES; ++p)
     if (base + T4_STAGES + p < n) compute(st[p], p + T4_STAGES);
 
-  // the warps' partial sums, added in warp order
-  __shared__ float part[T4_WARPS][32][4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
-  __syncthreads();
-  if (warp) return;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float r = part[0][lane][j];
-#pragma unroll
-    for (int v = 1; v < T4_WARPS; ++v) r += part[v][lane][j];
-    const int row = tile * 16 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
-    if (m < M) {
-      if (y_f32) ((float*)y)[m * y_stride + row] = r;
-      else ((act*)y)[m * y_stride + row] = to_act(r);
-    }
-  }
+  tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride, y_f32);  // common.cuh
 }
