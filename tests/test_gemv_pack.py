@@ -1,8 +1,10 @@
 """The mma gemv route's int4 weight layout (launchers.gemv_pack): pure torch, no GPU."""
+import pytest
 import torch
 
 from ninfer.engine.quant import TensorFormat, dequantize, quantize
 from ninfer.kernels import launchers as L
+from ninfer.kernels.compiler import KernelError
 
 
 def test_interleave_puts_word_t_of_each_chunk_in_lane_t_bytes() -> None:
@@ -46,3 +48,19 @@ def test_route_takes() -> None:
     assert not L.gemv_route_ok("mma", TensorFormat("int4", 96, True), 4032, bf16)  # powers of two
     assert L.gemv_route_ok("warp", TensorFormat("int8", 32), 4096, f32)
     assert not L.gemv_route_ok("fast", TensorFormat("bf16"), 4096, bf16)
+
+
+def test_glu_rows_interleave_gate_and_up_in_eights() -> None:
+    """Tile T of the fused gate_up gemv: rows 16 T .. 16 T + 7 are gate rows 8 T .., the next 8 the
+    same up rows (common.cuh tile_epilogue finds a gate row and its up row in one lane)."""
+    gate = torch.arange(24 * 3).view(24, 3)
+    up = -gate
+    rows = L.glu_rows(gate, up)
+    assert rows.shape == (48, 3)
+    for t in range(3):
+        for r in range(8):
+            assert torch.equal(rows[16 * t + r], gate[8 * t + r])
+            assert torch.equal(rows[16 * t + 8 + r], up[8 * t + r])
+    assert torch.equal(L.glu_rows(gate[:, 0], up[:, 0]), rows[:, 0])  # 1-D parts too
+    with pytest.raises(KernelError):
+        L.glu_rows(gate[:20], up[:20])

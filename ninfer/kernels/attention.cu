@@ -18,6 +18,13 @@
 // paged_attention_combine merges them in partition order. The cut depends only on the token's own
 // n_keys, and every reduction has a fixed order, so a token's result does not depend on the other
 // tokens in the batch.
+// -DROPE_KV=1 (decode only, bf16/fp32 caches, rotary_dim == head_dim, no q/k norms): the kernel also
+// does rope_kv.cu's work for its token, one launch instead of two: every block rotates its query
+// heads as it loads them (q itself is left as it was), and the block of the token's last partition
+// (the one that reads the newest key) rotates the new k of its kv head and stores it and v at
+// slots[t] before it reads the cache. The values are rope_kv_write's (common.cuh rope_lo / rope_hi,
+// rounded to act), so the output is bit-equal to rope_kv_write + paged_attention. Only where a
+// token's keys are all in the cache before the step or its own (not speculative verification).
 #include "common.cuh"
 #ifndef KV_QUANT
 #define KV_QUANT 0
@@ -34,6 +41,17 @@ typedef act kv_t;
 #endif
 #ifndef GQA
 #error "compile with -DGQA=<query heads per kv head>"
+#endif
+#ifndef ROPE_KV
+#define ROPE_KV 0
+#endif
+#if ROPE_KV && KV_QUANT
+#error "ROPE_KV writes act caches: a compressed cache takes rope_kv_write + kv_quantize_write"
+#endif
+#if ROPE_KV
+typedef kv_t* kv_ptr;  // written, then read, by the same kernel: not through the read-only path
+#else
+typedef const kv_t* __restrict__ kv_ptr;
 #endif
 #ifndef MAX_SPLIT
 #error "compile with -DMAX_SPLIT=<most partitions of one token's keys>"
@@ -55,6 +73,7 @@ static_assert(GQA * HEAD_DIM <= 2048, "GQA * HEAD_DIM too large for registers an
 #define CE (EPK < 8 ? EPK : 8)   // per load: chunk c of lane sl is elements (c * KL + sl) * CE ..
 #define NCH (EPK / CE)
 #define NSLOT (NWARPS * KPW)     // keys in flight per block and step
+static_assert(NCH == 1 || NCH % 2 == 0, "a lane's chunks pair up for RoPE (ROPE_KV)");
 
 // A lane's chunks of a row of activations (q) -> floats.
 __device__ __forceinline__ void load_slice(const act* row, int sl, float* f) {
@@ -122,13 +141,18 @@ __device__ __forceinline__ float rescale(float m, float M) { return m == NEG_INF
 // keys k0 + j, k0 + j + NSLOT, ... two per step, with its own online-softmax state; at the end the
 // slots of a warp merge by shuffles and the warps in shared memory, in a fixed order.
 extern "C" __global__ void __launch_bounds__(NWARPS * 32)
-paged_attention(const act* __restrict__ q, i64 q_stride, const kv_t* __restrict__ k_cache,
-                const kv_t* __restrict__ v_cache, const u16* __restrict__ k_scale, const u16* __restrict__ v_scale,
+paged_attention(const act* __restrict__ q, i64 q_stride, kv_ptr k_cache, kv_ptr v_cache, const u16* __restrict__ k_scale, const u16* __restrict__ v_scale,
                 const i32* __restrict__ block_tables, int max_pages,
                 const i32* __restrict__ cu_seqlens, const i32* __restrict__ lens, int num_seqs,
                 act* __restrict__ out, i64 out_stride, float* __restrict__ part_out,
                 float* __restrict__ part_ml, int max_parts, int Hkv, int page_size, int partition,
-                float scale, int window, float softcap) {
+                float scale, int window, float softcap
+#if ROPE_KV
+                , const act* __restrict__ k_new, i64 k_stride, const act* __restrict__ v_new, i64 v_stride,
+                const float* __restrict__ cos_t, const float* __restrict__ sin_t, const i32* __restrict__ positions,
+                const i32* __restrict__ slots
+#endif
+) {
   __shared__ float sm_acc[NWARPS][GQA][HEAD_DIM];
   __shared__ float sm_m[NWARPS][GQA];
   __shared__ float sm_l[NWARPS][GQA];
@@ -160,6 +184,55 @@ paged_attention(const act* __restrict__ q, i64 q_stride, const kv_t* __restrict_
 #pragma unroll
     for (int e = 0; e < EPK; ++e) acc[g][e] = 0.0f;
   }
+#if ROPE_KV
+  {
+    // slot (c, j) of a lane's slice is element i = (c KL + sl) CE + j; its RoPE partner i +- D/2 is
+    // chunk c +- NCH/2 of the same lane (NCH >= 2), or the same chunk of lane sl ^ KL/2 (NCH == 1)
+    constexpr int HALF = HEAD_DIM / 2;
+    const int pos = positions[t];
+    const float* cr = cos_t + (i64)pos * HALF;
+    const float* sr = sin_t + (i64)pos * HALF;
+    auto rotate = [&](float* f) {  // every lane of the warp calls it (shuffles)
+      if constexpr (NCH >= 2) {
+#pragma unroll
+        for (int c = 0; c < NCH / 2; ++c)
+#pragma unroll
+          for (int j = 0; j < CE; ++j) {
+            const int i = (c * KL + sl) * CE + j;
+            const float x = f[c * CE + j], y = f[(c + NCH / 2) * CE + j];
+            f[c * CE + j] = act_round(rope_lo(x, y, cr[i], sr[i]));
+            f[(c + NCH / 2) * CE + j] = act_round(rope_hi(x, y, cr[i], sr[i]));
+          }
+      } else {
+        const bool low = sl < KL / 2;
+#pragma unroll
+        for (int j = 0; j < CE; ++j) {
+          const int i = (sl % (KL / 2)) * CE + j;
+          const float other = __shfl_xor_sync(0xffffffffu, f[j], KL / 2);
+          f[j] = act_round(low ? rope_lo(f[j], other, cr[i], sr[i]) : rope_hi(other, f[j], cr[i], sr[i]));
+        }
+      }
+    };
+#pragma unroll
+    for (int g = 0; g < GQA; ++g) rotate(qf[g]);
+    const i32 slot = slots[t];
+    if (part == nparts - 1 && slot >= 0 && warp == 0) {  // the newest key and value into the cache
+      float kf[EPK], vf[EPK];
+      load_slice(k_new + t * k_stride + (i64)kvh * HEAD_DIM, sl, kf);
+      rotate(kf);
+      if (sub == 0) {
+        load_slice(v_new + t * v_stride + (i64)kvh * HEAD_DIM, sl, vf);
+        const i64 row = ((i64)slot * Hkv + kvh) * HEAD_DIM;
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) {
+          store_act<CE>(k_cache + row + (c * KL + sl) * CE, kf + c * CE);
+          store_act<CE>(v_cache + row + (c * KL + sl) * CE, vf + c * CE);
+        }
+      }
+    }
+    __syncthreads();  // the block's own stores are visible to its warps after the barrier
+  }
+#endif
   const i32* table = block_tables + (i64)b * max_pages;
   // Two keys per slot and step (2 * NSLOT rows of the block in flight); the loop bound is the
   // warp's, so every lane takes part in the group shuffles, and a slot past k1 loads nothing.

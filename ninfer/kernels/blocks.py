@@ -13,7 +13,7 @@ import torch
 
 from ninfer.formats import BLOCK_FORMATS, TensorFormat
 from ninfer.kernels.compiler import I32, I64, KernelError, ptr
-from ninfer.kernels.launchers import F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _rows
+from ninfer.kernels.launchers import F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _glu_out, _out_stride, _rows
 
 if TYPE_CHECKING:
     from ninfer.kernels.compiler import KernelCompiler
@@ -42,6 +42,7 @@ def _weight(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, K: int) -> t
 # (bf16, tensor cores, whole blocks per lane: the formats in TILE_FORMATS)
 ROUTES = ("warp", "mma", "tile")
 TILE_FORMATS = ("q4_k", "q6_k")  # blocks.cu's TILE_FMT
+GLU_ROUTES = ("mma", "tile")  # routes whose epilogue fuses a gated activation (common.cuh tile_epilogue)
 MMA_WARPS = 8  # blocks.cu
 TILE_PREFETCH = False  # blocks.cu's TILE_PREFETCH: each warp loads its next block while computing one
 TILE_SMALL_N_BLOCKS = 256  # below this many 16-row blocks the tile route splits K over 16 warps, not 8
@@ -62,10 +63,11 @@ def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype) -> bool:
 
 
 def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
-                route: str = "warp") -> None:
+                route: str = "warp", glu: str = "") -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8, W in block format `fmt` (its stored uint8 part).
     x bf16 or fp32 (the activation dtype; routes "mma" and "tile": bf16 only); out in x's dtype or fp32. Row
-    strides of x and out may exceed their widths (x's: a 16-byte multiple)."""
+    strides of x and out may exceed their widths (x's: a 16-byte multiple).
+    glu ("silu" / "gelu_tanh", routes mma and tile): as launchers.gemv's (W in glu_rows' order, out [M, N/2])."""
     M, K = x.shape
     N, code = _weight(kc, fmt, w, K)
     if route not in ROUTES:
@@ -78,12 +80,12 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use dequant_blocks + matmul for more")
     defines = {"BLK_FMT": code, **_act(x.dtype, "x")}
     _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
-    if out.dtype not in (x.dtype, F32_DT):
-        raise KernelError(f"out must be {x.dtype} or {F32_DT}, got {out.dtype}")
-    _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
-    out_stride = out.stride(0) if M > 1 else N
-    if M > 1 and out_stride < N:
-        raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
+    defines.update(_glu_out(out, x.dtype, M, N, glu, route, route in GLU_ROUTES, kc.device))
+    if not glu:
+        if out.dtype not in (x.dtype, F32_DT):
+            raise KernelError(f"out must be {x.dtype} or {F32_DT}, got {out.dtype}")
+        _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
+    out_stride = _out_stride(out, M)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
             I32(1 if out.dtype == F32_DT else 0)]
     if route == "mma":

@@ -158,6 +158,12 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// RoPE (rotate_half) on one pair (x = element i, y = element i + half of a head): lo = x cos - y sin,
+// hi = y cos + x sin, each one product and one fma in this order, so that rope_kv.cu and the fused
+// decode attention (attention.cu ROPE_KV) round the same way.
+__device__ __forceinline__ float rope_lo(float x, float y, float c, float s) { return fmaf(x, c, -(y * s)); }
+__device__ __forceinline__ float rope_hi(float x, float y, float c, float s) { return fmaf(y, c, x * s); }
+
 // The gated activations of an MLP, in fp32: silu(g) * u and gelu_tanh(g) * u (torch's
 // gelu(approximate="tanh")). One definition for elementwise.cu and the fused gemv epilogue below, so
 // both round the same way.

@@ -102,42 +102,35 @@ extern "C" __global__ void rmsnorm_residual(const act* __restrict__ x, act* resi
   }
 }
 
-// gate_up [T, 2I] (gate = [:, :I], up = [:, I:]) -> out [T, I] = silu(gate) * up.
+// gate_up [T, 2I] -> out [T, I] = act(g) * up, act silu (swiglu) or gelu_tanh (geglu, Gemma's MLP).
+// gate = [:, :I], up = [:, I:]; interleaved != 0: the gate and up rows of the projection were
+// interleaved in eights (launchers.glu_rows): gate 8v .. 8v + 7 at 16v, the matching up at 16v + 8.
 // Grid-stride over T * I/8 vectors.
-extern "C" __global__ void swiglu(const act* __restrict__ gate_up, act* __restrict__ out, int T, int I,
-                                  i64 in_stride, i64 out_stride) {
+template <bool GELU>
+__device__ __forceinline__ void gated(const act* __restrict__ gate_up, act* __restrict__ out, int T, int I,
+                                      i64 in_stride, i64 out_stride, int interleaved) {
   const int nvec = I / 8;
   const i64 total = (i64)T * nvec;
   for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
     const int t = (int)(idx / nvec);
     const int v = (int)(idx % nvec);
     const act* row = gate_up + t * in_stride;
+    const act* gp = row + (interleaved ? 16 * v : 8 * v);
     float g[8], u[8];
-    load_act<8>(row + v * 8, g);
-    load_act<8>(row + I + v * 8, u);
+    load_act<8>(gp, g);
+    load_act<8>(interleaved ? gp + 8 : row + I + v * 8, u);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    for (int j = 0; j < 8; ++j) g[j] = GELU ? gelu_mul_f(g[j], u[j]) : silu_mul_f(g[j], u[j]);
     store_act<8>(out + t * out_stride + v * 8, g);
   }
 }
 
-// out [T, I] = gelu_tanh(gate_up[:, :I]) * gate_up[:, I:] (Gemma's MLP; torch's gelu(approximate="tanh")).
+extern "C" __global__ void swiglu(const act* __restrict__ gate_up, act* __restrict__ out, int T, int I,
+                                  i64 in_stride, i64 out_stride, int interleaved) {
+  gated<false>(gate_up, out, T, I, in_stride, out_stride, interleaved);
+}
+
 extern "C" __global__ void geglu(const act* __restrict__ gate_up, act* __restrict__ out, int T, int I,
-                                 i64 in_stride, i64 out_stride) {
-  const int nvec = I / 8;
-  const i64 total = (i64)T * nvec;
-  for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
-    const int t = (int)(idx / nvec);
-    const int v = (int)(idx % nvec);
-    const act* row = gate_up + t * in_stride;
-    float g[8], u[8];
-    load_act<8>(row + v * 8, g);
-    load_act<8>(row + I + v * 8, u);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float x = g[j];
-      g[j] = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))) * u[j];
-    }
-    store_act<8>(out + t * out_stride + v * 8, g);
-  }
+                                 i64 in_stride, i64 out_stride, int interleaved) {
+  gated<true>(gate_up, out, T, I, in_stride, out_stride, interleaved);
 }

@@ -145,17 +145,32 @@ def rmsnorm_residual(kc: KernelCompiler, x: torch.Tensor, weight: torch.Tensor, 
              I64(_rows(out, "out", H)), F32(eps)])
 
 
-def swiglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; bf16 or fp32 (both the same), I % 8 == 0."""
-    _gated(kc, "swiglu", gate_up, out)
+def swiglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor, interleaved: bool = False) -> None:
+    """out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]; bf16 or fp32 (both the same), I % 8 == 0.
+    interleaved: gate_up's columns are in glu_rows' order (gate and up in alternating eights)."""
+    _gated(kc, "swiglu", gate_up, out, interleaved)
 
 
-def geglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+def geglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor, interleaved: bool = False) -> None:
     """out [T, I] = gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]; bf16 or fp32 (both the same), I % 8 == 0."""
-    _gated(kc, "geglu", gate_up, out)
+    _gated(kc, "geglu", gate_up, out, interleaved)
 
 
-def _gated(kc: KernelCompiler, kernel: str, gate_up: torch.Tensor, out: torch.Tensor) -> None:
+GLU_ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}  # a gated MLP's activation -> common.cuh's GEMV_GLU
+
+
+def glu_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The rows of a gated MLP's gate [I, ...] and up [I, ...] projections (any stored part: codes,
+    scales, mins, block bytes) interleaved in eights, gate 8j .. 8j + 7 then up 8j .. 8j + 7: the order
+    in which the fused gemv epilogue (common.cuh tile_epilogue, GEMV_GLU) finds a gate row and its up
+    row in one lane. I % 8 == 0."""
+    I = gate.shape[0]
+    if up.shape != gate.shape or I % 8:
+        raise KernelError(f"gate {list(gate.shape)} and up {list(up.shape)} must match, with rows in 8s")
+    return torch.stack((gate.reshape(I // 8, 8, -1), up.reshape(I // 8, 8, -1)), 1).reshape(2 * I, *gate.shape[1:])
+
+
+def _gated(kc: KernelCompiler, kernel: str, gate_up: torch.Tensor, out: torch.Tensor, interleaved: bool) -> None:
     T, I2 = gate_up.shape
     inter = I2 // 2
     defines = _act(gate_up.dtype, "gate_up")
@@ -169,7 +184,7 @@ def _gated(kc: KernelCompiler, kernel: str, gate_up: torch.Tensor, out: torch.Te
         kc.kernel("elementwise.cu", kernel, defines).launch(
             (blocks, 1, 1), (256, 1, 1),
             [ptr(gate_up), ptr(out), I32(T), I32(inter), I64(_rows(gate_up, "gate_up", I2)),
-             I64(_rows(out, "out", inter))])
+             I64(_rows(out, "out", inter)), I32(int(interleaved))])
 
 
 def rope_cos_sin(head_dim: int, max_positions: int, theta: float, device: torch.device | str,
@@ -307,8 +322,11 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
                block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
                max_context_len: int, out: torch.Tensor, scale: float, partition: int,
                workspace: tuple[torch.Tensor, torch.Tensor] | None, window: int = 0, softcap: float = 0.0,
-               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               rope: list | None = None) -> None:
     defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, lens, out, k_scale, v_scale)
+    if rope is not None:  # rope_attention_decode's arguments, checked there
+        defines["ROPE_KV"] = 1
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
@@ -334,7 +352,7 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale), ptr(block_tables),
          I32(block_tables.shape[1]),
          *seq_args, ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv),
-         I32(page_size), I32(partition), F32(scale), I32(window), F32(softcap)])
+         I32(page_size), I32(partition), F32(scale), I32(window), F32(softcap), *(rope or [])])
     if max_parts > 1:
         kc.kernel("attention.cu", "paged_attention_combine", defines).launch(
             (Hq, T, 1), (D, 1, 1),
@@ -361,6 +379,40 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
     """
     _attention(kc, q, k_cache, v_cache, block_tables, None, context_lens, max_context_len, out, scale,
                partition, workspace, window, softcap, k_scale, v_scale)
+
+
+def rope_attention_decode_ok(q: torch.Tensor, k_cache: torch.Tensor, rotary_dim: int, norms: bool) -> bool:
+    """Whether rope_attention_decode takes this layer: act caches (not compressed), the whole head
+    rotated, no per-head q/k norms."""
+    return k_cache.dtype == q.dtype and rotary_dim == q.shape[2] and not norms
+
+
+def rope_attention_decode(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, max_context_len: int, out: torch.Tensor, scale: float,
+                          partition: int = 512, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          window: int = 0, softcap: float = 0.0) -> None:
+    """rope_kv_write (no q/k norms, rotary_dim = head_dim) then paged_attention_decode in one kernel
+    launch, with the same bits (attention.cu ROPE_KV): q [B, Hq, D] is read and rotated, not written;
+    the rotated k and v [B, Hkv, D] of each token are stored at slot_mapping[b] (negative: not stored)
+    before its attention reads the cache. Every token's other keys must already be in the cache (one
+    new token per sequence: not speculative verification, whose rows see each other's keys)."""
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    for name, t, heads in (("q", q, Hq), ("k", k, Hkv), ("v", v, Hkv)):
+        _check(t, name, q.dtype, [T, heads, D], kc.device, contiguous=False)
+        if t.stride(1) != D or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            raise KernelError(f"{name} must have packed heads and 16-byte aligned rows, got strides {t.stride()}")
+    if k_cache.dtype != q.dtype:
+        raise KernelError(f"rope_attention_decode writes {q.dtype} caches, got {k_cache.dtype}")
+    _check(cos, "cos", F32_DT, [None, D // 2], kc.device)
+    _check(sin, "sin", F32_DT, list(cos.shape), kc.device)
+    _check(positions, "positions", I32_DT, [T], kc.device)
+    _check(slot_mapping, "slot_mapping", I32_DT, [T], kc.device)
+    rope = [ptr(k), I64(k.stride(0)), ptr(v), I64(v.stride(0)), ptr(cos), ptr(sin), ptr(positions), ptr(slot_mapping)]
+    _attention(kc, q, k_cache, v_cache, block_tables, None, context_lens, max_context_len, out, scale, partition,
+               workspace, window, softcap, rope=rope)
 
 
 ATTN_PREFILL_ROUTES = ("warp", "mma")  # attention.cu (CUDA cores, any dtype) or attention_mma.cu (tensor cores)
@@ -564,13 +616,16 @@ def tiled_variant(N: int, K: int) -> dict[str, int]:
 
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
-         out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None) -> None:
+         out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None, glu: str = "") -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
     variant: the tiled kernel's compile defines (T4_STAGES, T4_XPRE) instead of tiled_variant(N, K)'s
-    (tuning scripts; they change speed, never results)."""
+    (tuning scripts; they change speed, never results).
+    glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
+    order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
+    dtype followed by swiglu / geglu."""
     if route not in GEMV_ROUTES:
         raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
     act_defines = _act(x.dtype, "x")
@@ -599,26 +654,55 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use torch.matmul for more")
     _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
-    if out.dtype not in (x.dtype, F32_DT):
-        raise KernelError(f"out must be {' or '.join(sorted({str(x.dtype), str(F32_DT)}))}, got {out.dtype}")
-    _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
-    out_stride = out.stride(0) if M > 1 else N
-    if M > 1 and out_stride < N:
-        raise KernelError(f"out rows overlap: stride {out_stride} < {N}")
+    glu_defines = _glu_out(out, x.dtype, M, N, glu, route, route in GLU_ROUTES, kc.device)
+    if not glu:
+        if out.dtype not in (x.dtype, F32_DT):
+            raise KernelError(f"out must be {' or '.join(sorted({str(x.dtype), str(F32_DT)}))}, got {out.dtype}")
+        _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
+    out_stride = _out_stride(out, M)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)]
     if route == "tiled":
         align = 8 if g == 32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
-        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32), **(variant or tiled_variant(N, K))}).launch(
+        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32),
+                                                  **(variant or tiled_variant(N, K)), **glu_defines}).launch(
             (N // 16, 1, 1), (TILED_WARPS * 32, 1, 1), args)
     elif route == "mma":
-        kc.kernel("gemv_mma.cu", "gemv_mma", {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K))}).launch(
+        kc.kernel("gemv_mma.cu", "gemv_mma", {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **glu_defines}).launch(
             (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
     else:
         kc.kernel("gemv.cu", "gemv", {"GEMV_FMT": code, **act_defines}).launch(
             (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1), args)
+
+
+GLU_ROUTES = ("mma", "tiled")  # gemv routes whose epilogue fuses a gated activation (common.cuh)
+
+
+def _glu_out(out: torch.Tensor, act: torch.dtype, M: int, N: int, glu: str, route: str, takes: bool,
+             device: int) -> dict[str, int]:
+    """Checks the output of a gemv with a fused gated activation (none: {}) on a route that `takes`
+    it (its epilogue is common.cuh's tile_epilogue) -> its compile defines."""
+    if not glu:
+        return {}
+    if glu not in GLU_ACTIVATIONS:
+        raise KernelError(f"glu must be one of {', '.join(GLU_ACTIVATIONS)}, got {glu!r}")
+    if not takes:
+        raise KernelError(f"the {route} gemv has no fused gated activation")
+    if N % 16:
+        raise KernelError(f"a fused gated activation takes gate and up rows in 8s (N = {N})")
+    _check(out, "out", act, [M, N // 2], device, contiguous=False)
+    return {"GEMV_GLU": GLU_ACTIVATIONS[glu]}
+
+
+def _out_stride(out: torch.Tensor, M: int) -> int:
+    """The row stride of a gemv output [M, width] (rows must not overlap)."""
+    width = out.shape[1]
+    stride = out.stride(0) if M > 1 else width
+    if M > 1 and stride < width:
+        raise KernelError(f"out rows overlap: stride {stride} < {width}")
+    return stride
 
 
 def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor, temperature: torch.Tensor,

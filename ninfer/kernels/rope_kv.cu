@@ -70,8 +70,8 @@ extern "C" __global__ void rope_kv_write(act* q, const act* __restrict__ k, cons
         y[0] *= wh[0]; y[1] *= wh[1];
       }
       const float c0 = cr[j], c1 = cr[j + 1], s0 = sr[j], s1 = sr[j + 1];
-      const float lo[2] = {x[0] * c0 - y[0] * s0, x[1] * c1 - y[1] * s1};
-      const float hi[2] = {y[0] * c0 + x[0] * s0, y[1] * c1 + x[1] * s1};
+      const float lo[2] = {rope_lo(x[0], y[0], c0, s0), rope_lo(x[1], y[1], c1, s1)};
+      const float hi[2] = {rope_hi(x[0], y[0], c0, s0), rope_hi(x[1], y[1], c1, s1)};
       store_act<2>(dst + j, lo);
       store_act<2>(dst + j + half, hi);
     }

@@ -70,10 +70,11 @@ class GeluMLP:
 
     @classmethod
     def load(cls, w: WeightReader, p: str) -> GeluMLP:
-        return cls(w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), w.linear([p + "mlp.down_proj.weight"]))
+        return cls(w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], glu=True),
+                   w.linear([p + "mlp.down_proj.weight"]))
 
     def __call__(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.gelu_mul(ops.linear(x, self.gate_up)), self.down)
+        return ops.linear(ops.gated_linear(x, self.gate_up, "gelu_tanh"), self.down)
 
 
 @dataclass(slots=True)

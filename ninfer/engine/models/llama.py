@@ -87,10 +87,11 @@ class MLP:
 
     @classmethod
     def load(cls, w: WeightReader, p: str) -> MLP:
-        return cls(w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), w.linear([p + "mlp.down_proj.weight"]))
+        return cls(w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], glu=True),
+                   w.linear([p + "mlp.down_proj.weight"]))
 
     def __call__(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up)), self.down)
+        return ops.linear(ops.gated_linear(x, self.gate_up, "silu"), self.down)
 
 
 @dataclass(slots=True)

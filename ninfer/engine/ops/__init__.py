@@ -5,14 +5,18 @@ kernel, a cache tensor or a device. Before each forward the runner calls `ops.be
 step context (positions, block tables, caches, state slots); the ops that need it read it there.
 
 Weights (at load, through models.weights.WeightReader, the one loader):
-    linear_weight(items, bias)      fused rows of stored (format, parts) -> the backend's weight
+    linear_weight(items, bias, glu=False)   fused rows of stored (format, parts) -> the backend's weight
+                                    (glu: items are a gated MLP's [gate, up], for gated_linear only;
+                                    the backend may keep the rows in its own order)
     embedding_weight(fmt, parts, lm_head)
     vector(t)                       a norm weight or conv taps, in the backend's dtype, on the device
     parameter(t)                    a small float32 tensor kept float32 (A_log, dt_bias)
 Compute (x: [tokens, width] in the backend's compute dtype; `residual` is the backend's residual
 stream, updated in place):
     embed(ids, w, scale=1) -> residual   rms_norm(x, w, eps) -> x   add_rms_norm(x, residual, w, eps) -> x
-    linear(x, w) -> [T, N]          silu_mul(gate_up) -> [T, I]     gelu_mul(gate_up) -> [T, I] (tanh gelu)
+    linear(x, w) -> [T, N]
+    gated_linear(x, w, activation) -> [T, I]   act(x @ gate^T) * (x @ up^T), w a glu weight;
+        activation "silu" (SwiGLU) or "gelu_tanh" (GeGLU); cuda decode: one gemv, the activation in its epilogue
     sigmoid_gate(x, gate) -> x * sigmoid(gate)
     attention(layer, qkv, q_norm, k_norm) -> [T, heads * head_dim]
         qkv: q | k | v heads side by side (a view of a fused projection); per-head RMSNorm

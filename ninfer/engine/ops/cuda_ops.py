@@ -6,7 +6,11 @@ Two routes, chosen by the step context, not by row count:
   stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: on tensor
   cores with bf16 activations, route "blocks_tile" for q4_k / q6_k and "blocks_mma" for the others,
   else "blocks"), split-K paged decode attention,
-  one delta-rule step per sequence.
+  one delta-rule step per sequence. Fewer launches per layer: a gated MLP's activation runs in the
+  gate_up gemv's epilogue (gated_linear over a glu weight, on the routes whose epilogue is
+  common.cuh's tile_epilogue), and RoPE + the K/V write run inside the decode attention kernel
+  (rope_attention_decode: act caches, whole-head rotary, no q/k norms, not verification), each with
+  the bits of the kernels it replaces.
 - prompt (prefill, chunks, prefix-hit suffixes): torch.mm on dense weights (quantized weights
   expanded per projection on the fly; block formats by the dequant_blocks kernel) in blocks of
   exactly prompt_rows rows (padded), paged prefill attention, the delta rule over each sequence's tokens.
@@ -58,6 +62,7 @@ class Weight:
     bias: torch.Tensor | None = None  # [N], activation dtype
     route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES; blocks.cu's: BLOCK_ROUTES)
     segments: list[Weight] | None = None  # row blocks in their own formats (then fmt/parts unused)
+    glu: bool = False  # a gated MLP's gate and up rows in launchers.glu_rows' order (see gated_linear)
 
     @property
     def rows(self) -> int:
@@ -141,7 +146,12 @@ class CudaOps:
     # -- weights ----------------------------------------------------------------------------
 
     def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
-                      bias: torch.Tensor | None = None) -> Weight:
+                      bias: torch.Tensor | None = None, glu: bool = False) -> Weight:
+        if glu and self._glu_ok(items, bias):  # rows interleaved for the fused epilogue (gated_linear)
+            (fmt, gate), (_, up) = items
+            w = self.linear_weight([(fmt, {sfx: L.glu_rows(gate[sfx], up[sfx]) for sfx in gate})])
+            w.glu = True
+            return w
         fmts = [fmt for fmt, _ in items]
         first_fmt, first = items[0]
         k = in_features(first_fmt, first[""])
@@ -166,6 +176,20 @@ class CudaOps:
         # f32/f16, mixed formats or shapes the gemv kernel does not take: the activation dtype
         return Weight(DTYPES[self.dtype],
                       {"": torch.cat([dequantize(f, p, self.dtype) for f, p in items]).contiguous()}, b)
+
+    def _glu_ok(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]], bias: torch.Tensor | None) -> bool:
+        """Whether a gated MLP's [gate, up] (no bias) is kept for the fused gemv epilogue: one format,
+        rows in 8s, and a decode route whose epilogue takes it (launchers/blocks GLU_ROUTES)."""
+        if len(items) != 2 or bias is not None or items[0][0] != items[1][0]:
+            return False
+        fmt, parts = items[0]
+        rows, k = parts[""].shape[0], in_features(fmt, parts[""])
+        if rows % 8 or items[1][1][""].shape != parts[""].shape:
+            return False
+        if fmt.blocks:
+            return blocks_ok(fmt, k) and BLOCK_ROUTES[self.blocks_route(fmt)] in B.GLU_ROUTES
+        return (gemv_ok(fmt, k) and (fmt.quantized or fmt.format == "bf16")
+                and self.gemv_route(fmt, k, 2 * rows) in L.GLU_ROUTES)
 
     def blocks_route(self, fmt: TensorFormat) -> str:
         """blocks.cu's decode gemv: on tensor cores with bf16 activations (whole blocks per lane where
@@ -240,9 +264,14 @@ class CudaOps:
             y.add_(w.bias)
         return y
 
-    def _gemv(self, x: torch.Tensor, w: Weight, out: torch.Tensor) -> None:
-        """out [M, N] = x @ W^T (M <= 8) by each segment's route."""
-        if w.segments:
+    def _gemv(self, x: torch.Tensor, w: Weight, out: torch.Tensor, glu: str = "") -> None:
+        """out [M, N] = x @ W^T (M <= 8) by each segment's route (glu: fused gated activation, out [M, N/2])."""
+        if glu:
+            if w.fmt.blocks:
+                B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out, BLOCK_ROUTES[w.route], glu=glu)
+            else:
+                L.gemv(self.kc, x, w.fmt, w.parts, out, w.route, glu=glu)
+        elif w.segments:
             r0 = 0
             for seg in w.segments:
                 self._gemv(x, seg, out[:, r0:r0 + seg.rows])
@@ -282,14 +311,20 @@ class CudaOps:
             return out
         return dequantize(w.fmt, L.gemv_unpack(w.route, w.fmt, w.parts), self.dtype)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        out = self._empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        L.swiglu(self.kc, gate_up, out)
-        return out
-
-    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        out = self._empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        L.geglu(self.kc, gate_up, out)
+    def gated_linear(self, x: torch.Tensor, w: Weight, activation: str = "silu") -> torch.Tensor:
+        """act(x @ gate^T) * (x @ up^T) for w = linear_weight([gate, up], glu=True): on the decode route
+        one gemv whose epilogue applies the activation (a glu weight), else the projection into the
+        activation dtype, then the swiglu / geglu kernel (the same bits either way)."""
+        kernel = {"silu": L.swiglu, "gelu_tanh": L.geglu}[activation]
+        n = x.shape[0]
+        if self.ctx.decode and w.glu:
+            y = self._empty(n, w.rows // 2)
+            for r in range(0, n, L.MAX_GEMV_ROWS):
+                self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS], glu=activation)
+            return y
+        gate_up = self.linear(x, w)
+        out = self._empty(n, gate_up.shape[1] // 2)
+        kernel(self.kc, gate_up, out, interleaved=w.glu)
         return out
 
     def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -308,6 +343,15 @@ class CudaOps:
         cos, sin = self.layer_rope[layer]
         window, softcap = self.layers[layer].window, c.attn_logit_softcapping
         scales = (ctx.k_scale[layer], ctx.v_scale[layer]) if ctx.k_scale else (None, None)
+        out = self._empty(T, Hq, D)
+        if (ctx.decode and ctx.verify_width <= 1
+                and L.rope_attention_decode_ok(q, ctx.k_cache[layer], self.rotary_dim, q_norm is not None)):
+            # one launch: RoPE, the K/V write and the attention (the same bits as the two kernels below)
+            L.rope_attention_decode(self.kc, q, k, v, cos, sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
+                                    ctx.v_cache[layer], ctx.block_tables, ctx.seq_lens, ctx.max_context, out,
+                                    self.scale, self.profile.attention_partition, ctx.workspace,
+                                    window=window, softcap=softcap)
+            return out.view(T, -1)
         if scales[0] is None:
             L.rope_kv_write(self.kc, q, k, v, cos, sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
                             ctx.v_cache[layer], q_norm, k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
@@ -318,7 +362,6 @@ class CudaOps:
                             k_norm, c.rms_norm_eps, rotary_dim=self.rotary_dim)
             L.kv_quantize_write(self.kc, k_rows.view(T, Hkv, D), v_rows.view(T, Hkv, D), ctx.kv_slots,
                                 ctx.k_cache[layer], ctx.v_cache[layer], *scales)
-        out = self._empty(T, Hq, D)
         if ctx.decode:
             L.paged_attention_decode(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
                                      ctx.seq_lens, ctx.max_context, out, self.scale,

@@ -493,8 +493,9 @@ class TorchOps:
     # -- weights ----------------------------------------------------------------------------
 
     def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
-                      bias: torch.Tensor | None = None) -> Linear:
-        """One Linear whose rows are the given stored weights stacked in order (a fused projection)."""
+                      bias: torch.Tensor | None = None, glu: bool = False) -> Linear:
+        """One Linear whose rows are the given stored weights stacked in order (a fused projection;
+        glu, [gate, up] of a gated MLP for gated_linear, changes nothing here)."""
         weight = torch.cat([dequantize(fmt, parts, self.dtype) for fmt, parts in items])
         lin = Linear(weight.contiguous(), bias.to(self.dtype) if bias is not None else None)
         fmts = {fmt for fmt, _ in items}
@@ -531,13 +532,9 @@ class TorchOps:
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
         return w(x)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-    def gelu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+    def gated_linear(self, x: torch.Tensor, w: Linear, activation: str = "silu") -> torch.Tensor:
+        gate, up = w(x).chunk(2, dim=-1)
+        return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
     def sigmoid_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(gate)
