@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gpukern branch on one GPU, in one call (~8 min on an H200; every step has its own timeout and
 # a failure does not stop the rest):
-#   1. its GPU tests: the fused gated-MLP epilogue and RoPE-in-attention (bit-equal to the kernels
+#   1. its GPU tests: the fused gated-MLP and residual-norm epilogues and RoPE-in-attention (bit-equal to the kernels
 #      they replace), plus the existing gemv / attention / rope tests the shared epilogue touches;
 #   2. `ninfer bench --backend cuda`, before (BASE_TREE, a checkout of main) and after (this tree),
 #      interleaved per model, then one compact table:
@@ -32,7 +32,7 @@ echo "after: $HERE ($(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo 
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   echo "== GPU tests: the new kernels (timeout 240 s)"
   PYTHONPATH="$HERE" timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
-    tests/gpu/test_fused_glu.py tests/gpu/test_rope_attention.py > "$OUT/tests.log" 2>&1
+    tests/gpu/test_fused_glu.py tests/gpu/test_rope_attention.py tests/gpu/test_fused_norm.py > "$OUT/tests.log" 2>&1
   echo "pytest exit $? (124: timed out)"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20

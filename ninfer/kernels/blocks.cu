@@ -397,7 +397,7 @@ __device__ __forceinline__ void quad_bf16(u32 v, const u16* kv16, u32 off2, u32&
 // Grid: ceil(N / 16) blocks of MMA_WARPS * 32 threads.
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
-                i64 y_stride, int M, int N, int K, int y_f32) {
+                i64 y_stride, int M, int N, int K, int y_f32 NORM_PARAMS) {
   __shared__ u16 kv16[16];
   if (IQ4 && threadIdx.x < 16) kv16[threadIdx.x] = f32_to_bf16(KVALUES[threadIdx.x]);
   if (IQ4) __syncthreads();
@@ -438,7 +438,7 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
       }
     }
   }
-  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride, y_f32);  // common.cuh
+  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh
 }
 #endif
 
@@ -655,7 +655,7 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
 // the cost of registers: q4_k reaches the 128 that 512-thread blocks allow).
 extern "C" __global__ void __launch_bounds__(TILE_MAX_WARPS * 32)
 gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
-                 i64 y_stride, int M, int N, int K, int y_f32) {
+                 i64 y_stride, int M, int N, int K, int y_f32 NORM_PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int nw = blockDim.x >> 5;
   const int n0 = blockIdx.x * 16;
@@ -690,7 +690,7 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
     tile_block(acc, d, xl + (i64)b * QK, mask, magic, ones);
   }
 #endif
-  tile_epilogue<TILE_MAX_WARPS>(acc, nw, n0, N, M, y, y_stride, y_f32);  // common.cuh
+  tile_epilogue<TILE_MAX_WARPS>(acc, nw, n0, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh
 }
 #endif
 #endif

@@ -13,7 +13,8 @@ import torch
 
 from ninfer.formats import BLOCK_FORMATS, TensorFormat
 from ninfer.kernels.compiler import I32, I64, KernelError, ptr
-from ninfer.kernels.launchers import F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _glu_out, _out_stride, _rows
+from ninfer.kernels.launchers import (F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _glu_out, _out_stride, _rows,
+                                      norm_epilogue)
 
 if TYPE_CHECKING:
     from ninfer.kernels.compiler import KernelCompiler
@@ -63,11 +64,12 @@ def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype) -> bool:
 
 
 def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
-                route: str = "warp", glu: str = "") -> None:
+                route: str = "warp", glu: str = "", norm: tuple | None = None) -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8, W in block format `fmt` (its stored uint8 part).
     x bf16 or fp32 (the activation dtype; routes "mma" and "tile": bf16 only); out in x's dtype or fp32. Row
     strides of x and out may exceed their widths (x's: a 16-byte multiple).
-    glu ("silu" / "gelu_tanh", routes mma and tile): as launchers.gemv's (W in glu_rows' order, out [M, N/2])."""
+    glu ("silu" / "gelu_tanh", routes mma and tile): as launchers.gemv's (W in glu_rows' order, out [M, N/2]).
+    norm (routes mma and tile, out in x's dtype): the residual RMSNorm in the same launch (launchers.norm_epilogue)."""
     M, K = x.shape
     N, code = _weight(kc, fmt, w, K)
     if route not in ROUTES:
@@ -86,8 +88,12 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
             raise KernelError(f"out must be {x.dtype} or {F32_DT}, got {out.dtype}")
         _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
     out_stride = _out_stride(out, M)
+    if norm is not None and (route not in GLU_ROUTES or glu or out.dtype != x.dtype):
+        raise KernelError(f"a fused norm takes the {' / '.join(GLU_ROUTES)} routes, no glu, out in {x.dtype}")
+    norm_defines, norm_args = norm_epilogue(kc, out, M, N, norm)
+    defines.update(norm_defines)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
-            I32(1 if out.dtype == F32_DT else 0)]
+            I32(1 if out.dtype == F32_DT else 0), *norm_args]
     if route == "mma":
         kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
         return

@@ -158,6 +158,54 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// 8 activations at p read through L2 only (not L1: data written by other blocks of the same kernel).
+__device__ __forceinline__ void load_act8_l2(const act* p, float* f) {
+#if ACT_F32
+  const float4 a = __ldcg((const float4*)p), b = __ldcg((const float4*)(p + 4));
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+#else
+  unpack8(__ldcg((const uint4*)p), f);
+#endif
+}
+
+// One row of RMSNorm fused with the residual add, by the block's first nt threads (every thread of
+// the block calls it: block_sum): rr == nullptr: out = rmsnorm(x) * w; else rr += x (rounded to act,
+// as an add in that dtype would be) and out = rmsnorm(rr) * w. fp32 sum of squares in an order fixed
+// by nt alone, so elementwise.cu's rmsnorm_residual (nt = its block size) and the fused gemv epilogue
+// (GEMV_NORM, the same nt) give the same bits. L2: x is read through L2 (written by other blocks).
+template <bool L2>
+__device__ __forceinline__ void rmsnorm_row(const act* x, act* rr, const act* __restrict__ weight, act* orow, int H,
+                                            float eps, int nt, float* scratch) {
+  const int nvec = H / 8;
+  const bool mine = threadIdx.x < nt;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; mine && i < nvec; i += nt) {
+    float a[8];
+    if (L2) load_act8_l2(x + i * 8, a);
+    else load_act<8>(x + i * 8, a);
+    if (rr) {
+      float r[8];
+      load_act<8>(rr + i * 8, r);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[j] = act_round(a[j] + r[j]);
+      store_act<8>(rr + i * 8, a);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss += a[j] * a[j];
+  }
+  const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
+  for (int i = threadIdx.x; mine && i < nvec; i += nt) {
+    float a[8], w[8];
+    if (rr) load_act<8>(rr + i * 8, a);  // this thread's own writes above: no barrier needed
+    else if (L2) load_act8_l2(x + i * 8, a);
+    else load_act<8>(x + i * 8, a);
+    load_act<8>(weight + i * 8, w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = a[j] * inv * w[j];
+    store_act<8>(orow + i * 8, a);
+  }
+}
+
 // RoPE (rotate_half) on one pair (x = element i, y = element i + half of a head): lo = x cos - y sin,
 // hi = y cos + x sin, each one product and one fma in this order, so that rope_kv.cu and the fused
 // decode attention (attention.cu ROPE_KV) round the same way.
@@ -182,18 +230,35 @@ __device__ __forceinline__ float gelu_mul_f(float g, float u) {
 // projections with rows interleaved in eights (tile rows 0..7: gate rows n0/2 .. n0/2 + 7, rows 8..15:
 // the same up rows; launchers.glu_rows) and y [M, N/2] receives act(act(gate) x act(up)) at n0/2 + g:
 // the bits a gemv into act followed by swiglu / geglu would give. y_f32 is ignored (always act).
+// Compiled with -DGEMV_NORM=1, the kernel also does rmsnorm_residual's work on its output (one
+// launch instead of two): y [M, N] (act) is stored as usual, then the block that finishes last (a
+// device-wide counter, reset by that block for the next launch) adds each row of y into the residual
+// and writes the normed row: residual[m] += y[m], normed[m] = rmsnorm(residual[m]) * norm_w, with
+// rmsnorm_residual's bits (rmsnorm_row, its thread count norm_nt). The kernels take the extra
+// arguments as NORM_PARAMS.
 #ifndef GEMV_GLU
 #define GEMV_GLU 0
 #endif
+#ifndef GEMV_NORM
+#define GEMV_NORM 0
+#endif
+#if GEMV_NORM
+#define NORM_PARAMS , act* __restrict__ residual, i64 res_stride, const act* __restrict__ norm_w, \
+    act* __restrict__ normed, i64 normed_stride, float eps, int norm_nt, u32* __restrict__ counter
+#define NORM_ARGS , residual, res_stride, norm_w, normed, normed_stride, eps, norm_nt, counter
+#else
+#define NORM_PARAMS
+#define NORM_ARGS
+#endif
 template <int MAXW>
 __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, int N, int M, void* y, i64 y_stride,
-                                              int y_f32) {
+                                              int y_f32 NORM_PARAMS) {
   __shared__ float part[MAXW][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < 4; ++j) part[warp][lane][j] = acc[j];
   __syncthreads();
-  if (warp) return;
+  if (warp == 0) {
   float r[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -221,5 +286,20 @@ __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, 
       else ((act*)y)[m * y_stride + n] = to_act(r[j]);
     }
   }
+#endif
+  }
+#if GEMV_NORM
+  __shared__ u32 last;
+  __shared__ float scratch[32];
+  __threadfence();  // this block's stores of y reach L2 before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every other block's y is visible (read through L2 below)
+  for (int m = 0; m < M; ++m)
+    rmsnorm_row<true>((const act*)y + m * y_stride, residual + m * res_stride, norm_w, normed + m * normed_stride, N,
+                      eps, norm_nt, scratch);
+  if (threadIdx.x == 0) *counter = 0u;  // every block has counted: ready for the next launch
 #endif
 }

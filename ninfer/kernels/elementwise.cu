@@ -72,34 +72,8 @@ extern "C" __global__ void rmsnorm_residual(const act* __restrict__ x, act* resi
                                             i64 out_stride, float eps) {
   __shared__ float scratch[32];
   const int t = blockIdx.x;
-  const int nvec = H / 8;
-  const act* xr = x + t * x_stride;
-  act* rr = residual ? residual + t * res_stride : nullptr;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float a[8];
-    load_act<8>(xr + i * 8, a);
-    if (rr) {
-      float r[8];
-      load_act<8>(rr + i * 8, r);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) a[j] = act_round(a[j] + r[j]);
-      store_act<8>(rr + i * 8, a);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) ss += a[j] * a[j];
-  }
-  const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
-  const act* src = rr ? rr : xr;  // this thread's own writes above: no barrier needed
-  act* orow = out + t * out_stride;
-  for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
-    float a[8], w[8];
-    load_act<8>(src + i * 8, a);
-    load_act<8>(weight + i * 8, w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) a[j] = a[j] * inv * w[j];
-    store_act<8>(orow + i * 8, a);
-  }
+  rmsnorm_row<false>(x + t * x_stride, residual ? residual + t * res_stride : nullptr, weight, out + t * out_stride, H,
+                     eps, blockDim.x, scratch);
 }
 
 // gate_up [T, 2I] -> out [T, I] = act(g) * up, act silu (swiglu) or gelu_tanh (geglu, Gemma's MLP).

@@ -127,7 +127,7 @@ __device__ __forceinline__ void scale_into(float* acc, const float* c, const flo
 extern "C" __global__ void __launch_bounds__(T4_WARPS * 32)
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
-           int y_f32) {
+           int y_f32 NORM_PARAMS) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, S = K >> 6;
   // this lane's bytes of the warp's first slab (j = warp), its scales, its activations (row g, k 8 t of
@@ -232,5 +232,5 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   for (int p = 0; p < T4_STAGES; ++p)
     if (base + T4_STAGES + p < n) compute(st[p], p + T4_STAGES);
 
-  tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride, y_f32);  // common.cuh
+  tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh
 }

@@ -140,9 +140,36 @@ def rmsnorm_residual(kc: KernelCompiler, x: torch.Tensor, weight: torch.Tensor, 
             raise KernelError("residual must not alias x or out")
     if T:
         kc.kernel("elementwise.cu", "rmsnorm_residual", defines).launch(
-            (T, 1, 1), (256 if H >= 2048 else 128, 1, 1),
+            (T, 1, 1), (rmsnorm_threads(H), 1, 1),
             [ptr(x), ptr(residual), ptr(weight), ptr(out), I32(H), I64(_rows(x, "x", H)), I64(res_stride),
              I64(_rows(out, "out", H)), F32(eps)])
+
+
+def rmsnorm_threads(H: int) -> int:
+    """rmsnorm_residual's block size for rows of H: its order of additions (the fused gemv epilogue,
+    GEMV_NORM, uses the same count to give the same bits)."""
+    return 256 if H >= 2048 else 128
+
+
+def norm_epilogue(kc: KernelCompiler, y: torch.Tensor, M: int, N: int, norm: tuple | None) -> tuple[dict[str, int], list]:
+    """Checks the residual RMSNorm a gemv may fuse into its epilogue (common.cuh GEMV_NORM) ->
+    (compile defines, extra kernel arguments); norm None: ({}, []). norm = (residual [M, N],
+    weight [N], normed [M, N], eps, counter [1] int32 zero between launches): the kernel's output y
+    [M, N] (act) then goes through rmsnorm_residual(y, weight, normed, eps, residual=residual)."""
+    if norm is None:
+        return {}, []
+    residual, weight, normed, eps, counter = norm
+    act = y.dtype
+    _check(weight, "norm weight", act, [N], kc.device, align16=True)
+    for name, t in (("residual", residual), ("normed", normed)):
+        _check(t, name, act, [M, N], kc.device, contiguous=False, align16=True)
+    _check(counter, "counter", I32_DT, [1], kc.device)
+    if N % 8 or (y.stride(0) * y.element_size()) % 16 or y.data_ptr() % 16:
+        raise KernelError(f"a fused norm needs N ({N}) in 8s and 16-byte aligned output rows")
+    if residual.data_ptr() in (y.data_ptr(), normed.data_ptr()):
+        raise KernelError("residual must not alias the gemv output or the normed rows")
+    return {"GEMV_NORM": 1}, [ptr(residual), I64(_rows(residual, "residual", N)), ptr(weight), ptr(normed),
+                              I64(_rows(normed, "normed", N)), F32(eps), I32(rmsnorm_threads(N)), ptr(counter)]
 
 
 def swiglu(kc: KernelCompiler, gate_up: torch.Tensor, out: torch.Tensor, interleaved: bool = False) -> None:
@@ -616,7 +643,8 @@ def tiled_variant(N: int, K: int) -> dict[str, int]:
 
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
-         out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None, glu: str = "") -> None:
+         out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None, glu: str = "",
+         norm: tuple | None = None) -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
@@ -625,7 +653,9 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     (tuning scripts; they change speed, never results).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
-    dtype followed by swiglu / geglu."""
+    dtype followed by swiglu / geglu.
+    norm (routes mma and tiled; out in x's dtype): (residual, weight, normed, eps, counter), then
+    out -> rmsnorm_residual into normed in the same launch (norm_epilogue)."""
     if route not in GEMV_ROUTES:
         raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
     act_defines = _act(x.dtype, "x")
@@ -660,8 +690,12 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
             raise KernelError(f"out must be {' or '.join(sorted({str(x.dtype), str(F32_DT)}))}, got {out.dtype}")
         _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
     out_stride = _out_stride(out, M)
+    if norm is not None and (route not in GLU_ROUTES or glu or out.dtype != x.dtype):
+        raise KernelError(f"a fused norm takes the {' / '.join(GLU_ROUTES)} routes, no glu, out in {x.dtype}")
+    norm_defines, norm_args = norm_epilogue(kc, out, M, N, norm)
+    glu_defines.update(norm_defines)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
-            I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0)]
+            I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0), *norm_args]
     if route == "tiled":
         align = 8 if g == 32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):

@@ -90,8 +90,10 @@ class MLP:
         return cls(w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], glu=True),
                    w.linear([p + "mlp.down_proj.weight"]))
 
-    def __call__(self, ops: Any, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(ops.gated_linear(x, self.gate_up, "silu"), self.down)
+    def add_norm(self, ops: Any, x: torch.Tensor, residual: torch.Tensor, norm: Any, eps: float) -> torch.Tensor:
+        """The MLP's output added into the residual stream, then RMSNorm with `norm` (the down
+        projection and the norm are one op: a decode step fuses them)."""
+        return ops.linear_add_rms_norm(ops.gated_linear(x, self.gate_up, "silu"), self.down, residual, norm, eps)
 
 
 @dataclass(slots=True)
@@ -109,7 +111,17 @@ class Attention:
         return cls(w.linear([a + f"{x}_proj.weight" for x in "qkv"], bias), w.linear([a + "o_proj.weight"]), *norms)
 
     def __call__(self, ops: Any, layer: int, x: torch.Tensor, c: ModelConfig) -> torch.Tensor:
-        return ops.linear(ops.attention(layer, ops.linear(x, self.qkv), self.q_norm, self.k_norm), self.o_proj)
+        return ops.linear(self.heads(ops, layer, x), self.o_proj)
+
+    def heads(self, ops: Any, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The attention heads' output, before o_proj."""
+        return ops.attention(layer, ops.linear(x, self.qkv), self.q_norm, self.k_norm)
+
+    def add_norm(self, ops: Any, layer: int, x: torch.Tensor, residual: torch.Tensor, norm: Any,
+                 eps: float) -> torch.Tensor:
+        """The attention output added into the residual stream, then RMSNorm with `norm` (o_proj and
+        the norm are one op: a decode step fuses them)."""
+        return ops.linear_add_rms_norm(self.heads(ops, layer, x), self.o_proj, residual, norm, eps)
 
 
 @dataclass(slots=True)
@@ -151,9 +163,9 @@ class LlamaModel:
         h = ops.embed(input_ids, self.embed)  # the residual stream
         x = ops.rms_norm(h, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            x = ops.add_rms_norm(layer.attn(ops, i, x, self.config), h, layer.post_norm, eps)
+            x = layer.attn.add_norm(ops, i, x, h, layer.post_norm, eps)
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
-            x = ops.add_rms_norm(layer.mlp(ops, x), h, nxt, eps)
+            x = layer.mlp.add_norm(ops, x, h, nxt, eps)
         return x
 
     def compute_logits(self, ops: Any, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -174,7 +174,7 @@ class Qwen3_5Model:
         for i, layer in enumerate(layers):
             x = ops.add_rms_norm(layer.mixer(ops, layer.index, x, self.config), h, layer.post_norm, eps)
             nxt = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
-            x = ops.add_rms_norm(layer.mlp(ops, x), h, nxt, eps)
+            x = layer.mlp.add_norm(ops, x, h, nxt, eps)
         return x
 
     def compute_logits(self, ops: Any, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,7 +216,7 @@ class MtpHead:
         res = ops.linear(torch.cat([e, h], dim=-1), self.fc).to(emb.dtype)  # [T, hidden] residual
         x = ops.rms_norm(res, layer.input_norm, eps)
         x = ops.add_rms_norm(layer.mixer(ops, 0, x, self.config), res, layer.post_norm, eps)
-        return ops.add_rms_norm(layer.mlp(ops, x), res, self.norm, eps)
+        return layer.mlp.add_norm(ops, x, res, self.norm, eps)
 
 
 # ---- llama.cpp GGUF (`qwen35`) ------------------------------------------------------------------

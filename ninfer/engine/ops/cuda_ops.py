@@ -139,6 +139,8 @@ class CudaOps:
         # tensor cores for prompt attention where they take it (one route for the whole run; layers
         # with a window or soft-capping take the warp kernel, which has them)
         self.prefill_attention = "mma" if L.attention_prefill_route_ok("mma", dtype, config.head_dim) else "warp"
+        # the fused residual norm's arrival counter (launchers.norm_epilogue): zero between launches
+        self.norm_counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -251,6 +253,27 @@ class CudaOps:
         out = torch.empty_like(x)
         L.rmsnorm_residual(self.kc, x, w, out, eps, residual=residual)
         return out
+
+    def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
+                            eps: float) -> torch.Tensor:
+        """add_rms_norm(linear(x, w), residual, norm, eps); on the decode route one launch where w's
+        gemv epilogue is tile_epilogue (the norm by the block that finishes last, the same bits)."""
+        n = x.shape[0]
+        if not (self.ctx.decode and n <= L.MAX_GEMV_ROWS and self._norm_route(w)):
+            return self.add_rms_norm(self.linear(x, w), residual, norm, eps)
+        y, out = self._empty(n, w.rows), torch.empty_like(residual)
+        fused = (residual, norm, out, eps, self.norm_counter)
+        if w.fmt.blocks:
+            B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], y, BLOCK_ROUTES[w.route], norm=fused)
+        else:
+            L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, norm=fused)
+        return out
+
+    def _norm_route(self, w: Weight) -> bool:
+        """Whether w's decode gemv can fuse the residual norm: one format, no bias, a tile_epilogue route."""
+        if w.segments or w.bias is not None or w.rows % 8:
+            return False
+        return BLOCK_ROUTES[w.route] in B.GLU_ROUTES if w.fmt.blocks else w.route in L.GLU_ROUTES
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         n, N = x.shape[0], w.rows

@@ -532,6 +532,10 @@ class TorchOps:
     def linear(self, x: torch.Tensor, w: Linear) -> torch.Tensor:
         return w(x)
 
+    def linear_add_rms_norm(self, x: torch.Tensor, w: Linear, residual: torch.Tensor, norm: torch.Tensor,
+                            eps: float) -> torch.Tensor:
+        return self.add_rms_norm(w(x), residual, norm, eps)
+
     def gated_linear(self, x: torch.Tensor, w: Linear, activation: str = "silu") -> torch.Tensor:
         gate, up = w(x).chunk(2, dim=-1)
         return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
