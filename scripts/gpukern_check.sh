@@ -31,13 +31,13 @@ echo "after: $HERE ($(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo 
 
 if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
   echo "== GPU tests: the new kernels (timeout 240 s)"
-  PYTHONPATH="$HERE" timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
+  PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" timeout 240 "$PY" -m pytest -q -p no:cacheprovider \
     tests/gpu/test_fused_glu.py tests/gpu/test_rope_attention.py tests/gpu/test_fused_norm.py > "$OUT/tests.log" 2>&1
   echo "pytest exit $? (124: timed out)"
   grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
   echo "== GPU tests: what the shared epilogue and rope rounding touch (timeout 150 s)"
-  PYTHONPATH="$HERE" timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
+  PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" timeout 150 "$PY" -m pytest -q -p no:cacheprovider \
     tests/gpu/test_kernels.py tests/gpu/test_gemv_tiled.py tests/gpu/test_blocks_kernels.py \
     -k "rope_kv or paged_attention_decode or swiglu or gemv_mma or 576x576 or 960x576 or 576x1536 \
         or batch_invariant or model_on_the_tiled_route" > "$OUT/tests_touched.log" 2>&1
@@ -58,7 +58,7 @@ run_bench() {  # side tree name timeout args...
   local side="$1" tree="$2" name="$3" limit="$4"
   shift 4
   echo "-- $name $side"
-  (cd "$tree" && PYTHONPATH="$tree" timeout "$limit" "$PY" -m ninfer.cli.main bench "$@" "${COMMON[@]}") \
+  (cd "$tree" && PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}" timeout "$limit" "$PY" -m ninfer.cli.main bench "$@" "${COMMON[@]}") \
     > "$OUT/$name.$side.jsonl" 2> "$OUT/$name.$side.err"
   local rc=$?
   [ $rc -ne 0 ] && { echo "   exit $rc (124: timed out); last lines:"; tail -3 "$OUT/$name.$side.err"; }
