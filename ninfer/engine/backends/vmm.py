@@ -145,11 +145,13 @@ class Arena:
         return len(self._handles) == self._chunks
 
     def release(self) -> None:
-        """Unmap and free the physical memory; the addresses stay reserved. The device must be
-        idle over the arena (the caller synchronizes)."""
+        """Unmap and free the physical memory (after the device's work is done); the addresses
+        stay reserved."""
         from cuda.bindings import driver
 
         with self._current():
+            if self._handles:
+                _check(driver.cuCtxSynchronize(), "cuCtxSynchronize")  # no work left over the range
             while self._handles:
                 i = len(self._handles) - 1
                 _check(driver.cuMemUnmap(driver.CUdeviceptr(self.address + i * self.chunk), self.chunk), "cuMemUnmap")
