@@ -72,7 +72,8 @@ def main() -> None:
         while tmux("display-message", "-p", "-t", "c", "#{pane_dead}").strip() != "1":
             assert time.monotonic() < deadline, text()
             time.sleep(0.1)
-        status = tmux("display-message", "-p", "-t", "c", "#{pane_dead_status}").strip()
+        time.sleep(0.5)  # tmux reaps the process on its own time
+        status = tmux("display-message", "-p", "-t", "c", "#{pane_dead_status}").strip() or "unknown"
         lines = [line.rstrip() for line in text().rstrip("\n").split("\n")]
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True, check=False)
