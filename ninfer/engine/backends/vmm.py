@@ -1,21 +1,23 @@
 """Fixed-address device memory for model suspend (engine/suspend.py) on the cuda backend: CUDA
 virtual memory management through cuda-python's driver API.
 
-An `Arena` reserves a virtual address range once and maps physical memory (one cuMemCreate
-allocation) into it; the tensors handed out are torch views of that memory (__cuda_array_interface__),
-so CUDA Graphs captured over them stay valid while the physical memory comes and goes:
-`release()` unmaps and frees the physical memory (the addresses stay reserved), `restore()` creates
-fresh physical memory and maps it at the same addresses (its contents are undefined: the runner
-uploads the weights and copies the retained state back). The address range and the physical memory
-go back to the driver when the arena is collected, which is after the last tensor over it.
+An `Arena` reserves a virtual address range once and maps physical memory into it in chunks
+(cuMemCreate / cuMemMap / cuMemSetAccess, the granularity from cuMemGetAllocationGranularity); the
+tensors handed out are torch views of that memory (__cuda_array_interface__), so CUDA Graphs captured
+over them stay valid while the physical memory comes and goes: `release()` unmaps and frees the
+physical memory (the addresses stay reserved), `restore()` creates fresh physical memory and maps it
+at the same addresses (its contents are undefined: the runner uploads the weights and copies the
+retained state back). The address range goes back to the driver when the arena is collected, which
+is after the last tensor over it.
 
 `adopt(roots)` moves the storages of every tensor reachable from `roots` (objects, lists, dicts:
 the runner's weights, its step buffers) into a new arena, repointing each tensor in place
-(`Tensor.set_`), so the objects that hold them need not change. `supported(device)` says whether the
-device has VMM (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED).
+(`Tensor.set_`), so the objects that hold them need not change; `copy_into` fills an adoption's
+blocks from a fresh build of the same objects. `supported(device)` says whether the device has VMM
+(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED).
 
-`memory`, a host-memory stand-in with the same interface (bytes of a CPU tensor; release and
-restore only mark it), lets the adoption be tested where there is no GPU.
+`HostArena`, a host-memory stand-in with the same interface (a release overwrites its bytes), lets
+the adoption be tested where there is no GPU.
 """
 from __future__ import annotations
 
