@@ -1,8 +1,9 @@
 """Capture the statistics panel of a real `ninfer serve` run as text (docs/PANEL.md).
 
-Runs the server under a pseudo-terminal (so the Textual panel is on), sends chat requests with the
-openai client (to two router models when --preset is given), presses Ctrl+C twice on the terminal,
-and prints the last frame the panel left on screen with the control sequences removed.
+Runs the server in a tmux pane (a real terminal, so the Textual panel is on), sends chat requests
+with the openai client (to two router models when --preset is given), presses Ctrl+C twice, and
+prints the end of what the terminal holds after the exit (scrollback and screen, as tmux keeps it):
+the last records, the panel's last frame left beneath them, and the records after it.
 
     python scripts/panel_capture.py MODEL_OR_NOTHING [--preset FILE] [--requests 12]
 """
@@ -10,51 +11,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import pty
-import re
-import select
 import socket
 import subprocess
 import sys
-import threading
 import time
+import uuid
 
-RECORD_LINES = 16  # the record view's height (cli/panel.py)
-ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(\x07|\x1b\\)|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
+COLUMNS, LINES = 100, 34
+RECORDS_SHOWN = 16  # record lines printed above the panel
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def read_all(fd: int, seconds: float, out: bytearray) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.05)
-        if ready:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            out += chunk
-
-
-def last_frame(raw: bytes) -> str:
-    """The text of the app's last frame: the record lines above the table, then the table from its
-    top border to its bottom border."""
-    text = ANSI.sub("", raw.decode("utf-8", "replace")).replace("\r\n", "\n").replace("\r", "\n")
-    lines = [line.rstrip() for line in text.split("\n")]
-    tops = [i for i, line in enumerate(lines) if line.lstrip().startswith("╭")]
-    if not tops:
-        return "\n".join(lines[-40:])
-    start = tops[-1]
-    above = max(0, start - RECORD_LINES)
-    end = next((i for i in range(start, len(lines)) if lines[i].lstrip().startswith("╰")), len(lines) - 1)
-    return "\n".join(line for line in lines[above:start] if line.strip()) + "\n" + "\n".join(lines[start:end + 1])
 
 
 def main() -> None:
@@ -68,28 +38,25 @@ def main() -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", "--port", str(port), "--log-stats-interval-ms", "0"]
     cmd += ["--models-preset", args.preset, "--models-max", "0"] if args.preset else ([args.model] if args.model else [])
-    master, slave = pty.openpty()
-    os.set_blocking(master, False)
-    import fcntl
-    import struct
-    import termios
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 34, 100, 0, 0))
-    env = dict(os.environ, TERM="xterm-256color", COLUMNS="100", LINES="34")
-    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
-    os.close(slave)
-    raw = bytearray()
-    done = threading.Event()
+    sock = f"ninfer-capture-{uuid.uuid4().hex[:12]}"
 
-    def drain() -> None:  # read the terminal all the time: a full pty would block the server's writes
-        while not done.is_set():
-            read_all(master, 0.1, raw)
+    def tmux(*a: str) -> str:
+        return subprocess.run(["tmux", "-L", sock, "-f", "/dev/null", *a], check=True, capture_output=True,
+                              text=True).stdout
 
-    reader = threading.Thread(target=drain, daemon=True)
-    reader.start()
+    env = [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", "TERM=xterm-256color"]
+    tmux("new-session", "-d", "-s", "c", "-x", str(COLUMNS), "-y", str(LINES), "env", "-u", "COLUMNS", "-u", "LINES",
+         *env, *cmd)
+    tmux("set-option", "-t", "c", "remain-on-exit", "on")
+
+    def text() -> str:
+        return tmux("capture-pane", "-p", "-J", "-S", "-", "-E", "-", "-t", "c")
+
     try:
         deadline = time.monotonic() + 240
-        while b"serving" not in raw:
-            assert proc.poll() is None and time.monotonic() < deadline, ANSI.sub("", raw.decode(errors="replace"))
+        while "serving" not in text():
+            assert tmux("display-message", "-p", "-t", "c", "#{pane_dead}").strip() == "0", text()
+            assert time.monotonic() < deadline, text()
             time.sleep(0.1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         names = [m.id for m in client.models.list().data]
@@ -98,17 +65,22 @@ def main() -> None:
             client.chat.completions.create(model=names[n % len(names)], max_tokens=16 + 4 * (n % 3),
                                            messages=[{"role": "user", "content": prompts[n % len(prompts)]}])
         time.sleep(1.5)  # two redraws
-        os.write(master, b"\x03")
+        tmux("send-keys", "-t", "c", "C-c")
         time.sleep(0.5)
-        os.write(master, b"\x03")
-        proc.wait(60)
-        time.sleep(1.0)
+        tmux("send-keys", "-t", "c", "C-c")
+        deadline = time.monotonic() + 60
+        while tmux("display-message", "-p", "-t", "c", "#{pane_dead}").strip() != "1":
+            assert time.monotonic() < deadline, text()
+            time.sleep(0.1)
+        time.sleep(0.5)  # tmux reaps the process on its own time
+        status = tmux("display-message", "-p", "-t", "c", "#{pane_dead_status}").strip() or "unknown"
+        lines = [line.rstrip() for line in text().rstrip("\n").split("\n")]
     finally:
-        done.set()
-        if proc.poll() is None:
-            proc.kill()
-    print(last_frame(bytes(raw)))
-    print(f"(exit status {proc.returncode})")
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True, check=False)
+    lines = [line for line in lines if line and not line.startswith("Pane is dead")]
+    top = max((i for i, line in enumerate(lines) if line.lstrip().startswith("╭")), default=len(lines))
+    print("\n".join(lines[max(0, top - RECORDS_SHOWN):]))
+    print(f"(exit status {status})")
 
 
 if __name__ == "__main__":

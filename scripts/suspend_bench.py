@@ -41,7 +41,8 @@ def main() -> None:
     engine = m.engine
     reserved = engine.configure_suspend(SuspendOptions(args.suspend_snapshot, args.suspend_weights)).result()
     print(f"--suspend-snapshot {args.suspend_snapshot} --suspend-weights {args.suspend_weights}: "
-          f"reserved {reserved.host_reserved_bytes / 2**20:.1f} MiB")
+          f"reserved {reserved.host_reserved_bytes / 2**20:.1f} MiB, fixed addresses (CUDA VMM, graphs kept): "
+          f"{getattr(engine.runner, 'fixed_addresses', False)}")
     prompt = m.tokenizer.encode("The lighthouse keeper climbed the stairs. " * 60)
     for event in engine.submit(PreparedRequest("warm", prompt, SamplingParams(temperature=0.0), max_tokens=16)):
         pass
@@ -50,6 +51,7 @@ def main() -> None:
         before, dev_before = rss_mib(), device_used_mib()
         r = engine.suspend().result()
         suspended, dev_suspended = rss_mib(), device_used_mib()
+        held = r.host_snapshot_bytes
         t0 = time.monotonic()
         r = engine.resume().result()
         wall = time.monotonic() - t0
@@ -59,7 +61,7 @@ def main() -> None:
         print(f"cycle {n}: suspend {s.seconds * 1e3:.0f} ms (state {s.state_bytes / 2**20:.1f} MiB, weights "
               f"{s.weight_bytes / 2**20:.1f} MiB released) | resume {u.seconds * 1e3:.0f} ms (wall {wall * 1e3:.0f} ms, "
               f"artifact read {u.artifact_read_bytes / 2**20:.1f} MiB, snapshot held "
-              f"{s.state_bytes / 2**20 + s.artifact_read_bytes / 2**20:.1f} MiB) | RSS {before:.0f} -> {suspended:.0f} -> "
+              f"{held / 2**20:.1f} MiB) | RSS {before:.0f} -> {suspended:.0f} -> "
               f"{after:.0f} MiB{dev}")
     final = None
     for event in engine.submit(PreparedRequest("again", prompt, SamplingParams(temperature=0.0), max_tokens=4)):

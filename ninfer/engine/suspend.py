@@ -4,18 +4,23 @@ retained conversations so that their prefixes are reused exactly after a resume.
 A suspend runs on the Engine's worker between steps and only while nothing is queued, admitted or
 running (EngineBusy otherwise; it never cancels work). The runner copies the live KV pages and
 recurrent-state slots (those the page and state pools hold: retained conversations; with --spec
-mtp the MTP head's pages too) into a host snapshot, and drops its weights, its KV pool and its
-state pool. A resume reads the weights again, allocates the pools afresh and copies the snapshot
-back into the same page and slot ids, so the scheduler's block tables and the prefix cache stay
-valid untouched. `Residency` is what GET /v1/models/{id}/residency reports.
+mtp the MTP head's pages too) into a host snapshot and gives its memory back; a resume takes it
+again, uploads the weights and copies the snapshot back into the same page and slot ids, so the
+scheduler's block tables and the prefix cache stay valid untouched. On the cuda backend with CUDA
+virtual memory management the runner's device memory sits at fixed addresses (backends/vmm.py,
+CudaModelRunner.fix_addresses, done when the model loads with --model-suspend): a suspend releases
+the physical memory and keeps the CUDA Graphs, a resume maps fresh memory at the same addresses.
+Without VMM (and on the torch backend) a suspend drops the weights and pools and a resume builds
+them again. `Residency` is what GET /v1/models/{id}/residency reports.
 
 Where the snapshot lives (--suspend-snapshot): `pageable` host memory allocated at suspend, sized to
 what is live and freed after the resume; or `pinned`: a block sized for the whole persistent state
 (every KV page and state slot), reserved when the model loads and kept (page-locked when the model
 is on a GPU; on the CPU backend the device memory is host memory, so the block is ordinary memory
 reserved up front). Where the weights come from at resume (--suspend-weights): the `artifact`
-file again, or `host`: a suspend copies the artifact's stored tensors into host memory and the
-resume reads those instead of the file.
+file again, or `host`: a suspend copies the weights into host memory and the resume reads those
+instead of the file (at fixed addresses the device's own bytes, copied back as they are; otherwise
+the artifact's stored tensors, which the loader reads).
 """
 from __future__ import annotations
 
@@ -97,6 +102,8 @@ def configure(engine: Engine, options: SuspendOptions) -> Residency:
     r = engine.residency
     r.options = options
     runner = engine.runner
+    if hasattr(runner, "fix_addresses"):  # before any CUDA Graph is captured over the old addresses
+        runner.fix_addresses()
     if options.snapshot == "pinned" and r.reserved is None and hasattr(runner, "suspend_caches"):
         r.reserved = reserve(runner.suspend_caches(), runner.device)
         r.host_reserved_bytes = sum(t.numel() * t.element_size() for ts in r.reserved.values() for t in ts)
@@ -130,16 +137,24 @@ def suspend(engine: Engine) -> Residency:
     used_slots = sorted(set(range(engine.state_pool.num_slots)) - set(engine.state_pool.free_slot_ids())) \
         if engine.state_pool is not None else []
     t0 = time.monotonic()
+    host = r.options.weights == "host"
     try:
-        weights = HostWeights(runner.weights_artifact, runner.device) if r.options.weights == "host" else None
-        snapshot, state_bytes, weight_bytes = runner.release_memory(used_pages, used_slots, r.reserved)
+        fixed = hasattr(runner, "fix_addresses") and runner.fix_addresses()
+        if fixed:  # the weights go to the host, if at all, inside the snapshot
+            weights = None
+            snapshot, state_bytes, weight_bytes = runner.release_memory(used_pages, used_slots, r.reserved,
+                                                                        weights_to_host=host)
+        else:
+            weights = HostWeights(runner.weights_artifact, runner.device) if host else None
+            snapshot, state_bytes, weight_bytes = runner.release_memory(used_pages, used_slots, r.reserved)
     except BaseException:
         r.state = "resident"
         raise
     read = weights.read_bytes if weights is not None else 0
     r.last_suspend = MemoryMove(time.monotonic() - t0, state_bytes, weight_bytes, read)
     r.snapshot, r.weights = snapshot, weights
-    r.host_snapshot_bytes = state_bytes + (weights.nbytes if weights is not None else 0)
+    held_weights = weights.nbytes if weights is not None else (weight_bytes if fixed and host else 0)
+    r.host_snapshot_bytes = state_bytes + held_weights
     r.state, r.suspends, r.last_error = "suspended", r.suspends + 1, None
     return r
 
@@ -153,7 +168,7 @@ def resume(engine: Engine) -> Residency:
     t0 = time.monotonic()
     try:
         state_bytes, weight_bytes, read_bytes = engine.runner.restore_memory(r.snapshot, r.weights)
-    except Exception as e:  # noqa: BLE001 - reported, the model stays suspended
+    except Exception as e:
         r.last_error = f"{type(e).__name__}: {e}"
         raise
     r.last_resume = MemoryMove(time.monotonic() - t0, state_bytes, weight_bytes, read_bytes)

@@ -19,11 +19,13 @@ ask for logprobs get the records of the drawn token, computed from the same logi
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ninfer.engine.backends import vmm
 from ninfer.engine.backends.cuda_graphs import MAX_DECODE_ROWS, DecodeGraphs, DecodeState
 from ninfer.engine.backends.torch_runner import check_state_slots, release_device_memory, tensor_bytes
 from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
@@ -35,12 +37,13 @@ from ninfer.engine.sampler import fill_mask_row, logprob_records
 from ninfer.engine.speculative import MAX_DRAFT_TOKENS, commit, position_rows
 from ninfer.engine.transfer import indexable
 from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
-from ninfer.errors import ConfigError
+from ninfer.errors import ConfigError, NInferError
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler, default_cache_dir
 from ninfer.kernels.profile import DeviceProfile
 
 _MASK64 = (1 << 64) - 1
+log = logging.getLogger("ninfer.engine.cuda")
 
 
 # --kv-dtype -> the cache's storage dtype (None: the compute dtype)
@@ -116,6 +119,9 @@ class CudaModelRunner:
         self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
         self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=cuda_graph,
                                    preserve=self._preserve_states if self.spec.recurrent else None)
+        self._arenas: dict[str, vmm.Adopted] | None = None  # fix_addresses
+        self._stash: dict[str, object] | None = None  # the objects over the arenas while suspended
+        self._arenas_refused = False
 
     # ---- suspend (engine/suspend.py): give the device memory back, take it again -------------
 
@@ -138,10 +144,16 @@ class CudaModelRunner:
                              self.verify_conv, self.verify_ssm))
 
     @torch.inference_mode()
-    def release_memory(self, pages: list[int], slots: list[int], reserved: dict | None = None) -> tuple[dict, int, int]:
+    def release_memory(self, pages: list[int], slots: list[int], reserved: dict | None = None,
+                       weights_to_host: bool = False) -> tuple[dict, int, int]:
         """Copy the live KV pages and state slots to host memory (into the pinned `reserved` block,
-        when given), then drop weights, pools, step state and CUDA graphs (their memory pools with
-        them). -> (snapshot, its bytes, weight bytes)."""
+        when given) and give the device memory back. At fixed addresses (`fix_addresses`): the
+        step buffers and the ops' tables go to the host too (and the weights as they sit on the
+        device with `weights_to_host`), then the arenas' physical memory is released; the CUDA
+        Graphs stay. Otherwise weights, pools, step state and graphs are dropped.
+        -> (snapshot, its state bytes, weight bytes)."""
+        if self._arenas is not None:
+            return self._release_fixed(pages, slots, reserved, weights_to_host)
         with torch.cuda.device(self.device):
             snapshot = take_snapshot(self.suspend_caches(), pages, slots, self.device, reserved)
             torch.cuda.synchronize(self.device)
@@ -154,9 +166,13 @@ class CudaModelRunner:
 
     @torch.inference_mode()
     def restore_memory(self, snapshot: dict, weights: object | None = None) -> tuple[int, int, int]:
-        """Build the runner again (weights read from `weights`, a suspend's host copy, else the
-        artifact; fresh pools; graphs are captured again on first use) and copy the snapshot into
-        the same page and slot ids."""
+        """Take the device memory again and copy the snapshot into the same page and slot ids. At
+        fixed addresses: map fresh memory at the same addresses, upload the weights (from the
+        suspend's host copy, else built again from `weights` or the artifact) and copy the retained
+        state back; the graphs replay as they are. Otherwise build the runner again (graphs are
+        captured again on first use)."""
+        if self._arenas is not None:
+            return self._restore_fixed(snapshot, weights)
         artifact, kwargs = self._build_args
         source = weights if weights is not None else artifact
         self.__init__(source, **kwargs)
@@ -165,6 +181,116 @@ class CudaModelRunner:
             state_bytes = restore_snapshot(self.suspend_caches(), snapshot, self.device)
             torch.cuda.synchronize(self.device)
         return state_bytes, tensor_bytes((self.model, self.ops)), getattr(source, "payload_bytes", 0)
+
+    # ---- fixed addresses (backends/vmm.py): what a suspend releases stays where it was ----------
+
+    _SUSPENDED = ("model", "ops", "k_cache", "v_cache", "k_scale", "v_scale", "conv", "ssm", "state",
+                  "verify_conv", "verify_ssm")
+
+    @property
+    def fixed_addresses(self) -> bool:
+        return self._arenas is not None
+
+    @torch.inference_mode()
+    def fix_addresses(self) -> bool:
+        """Move the KV and state pools, the step buffers with the ops' tables, and the weights into
+        fixed-address arenas (CUDA virtual memory management), so that a suspend releases their
+        physical memory and keeps the CUDA Graphs. Graphs captured before the move are dropped
+        (captured again on first use). False, logged, when the device has no VMM or a tensor is
+        also held from elsewhere: a suspend then rebuilds the runner."""
+        if self._arenas is not None:
+            return True
+        if self._arenas_refused:
+            return False
+        self._arenas_refused = True  # until it succeeds: asked once, logged once
+        if not vmm.supported(self.device):
+            log.info("model suspend: no CUDA virtual memory management on %s; a resume rebuilds the runner",
+                     self.device)
+            return False
+        groups = {"pools": [self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.conv, self.ssm],
+                  "aux": [self.state, self.verify_conv, self.verify_ssm, self.ops],
+                  "weights": vmm.Skip(self.model, (CudaOps,))}  # the ops are aux: snapshotted as they are
+        for name, roots in groups.items():
+            why = vmm.movable(vmm.storages(roots, self.device))
+            if why is not None:
+                log.warning("model suspend: the %s cannot move to fixed addresses (%s); a resume rebuilds the runner",
+                            name, why)
+                return False
+        arenas: dict[str, vmm.Adopted] = {}
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize(self.device)
+            try:
+                for name, roots in groups.items():
+                    arenas[name] = vmm.adopt(roots, self.device, after=[a.arena for a in arenas.values()])
+            except NInferError as e:  # what moved stays where it is (still correct, not releasable)
+                log.warning("model suspend: fixed addresses failed (%s); a resume rebuilds the runner", e)
+                return False
+            if self.graphs is not None and self.graphs.captures:
+                self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=self.graphs.enabled,
+                                           preserve=self._preserve_states if self.spec.recurrent else None)
+        self._arenas, self._arenas_refused = arenas, False
+        log.debug("model suspend: %s at fixed addresses",
+                  ", ".join(f"{name} {a.arena.nbytes / 2**20:.0f} MiB" for name, a in arenas.items()))
+        return True
+
+    def _release_fixed(self, pages: list[int], slots: list[int], reserved: dict | None,
+                       weights_to_host: bool) -> tuple[dict, int, int]:
+        weights, aux = self._arenas["weights"].arena, self._arenas["aux"].arena
+        with torch.cuda.device(self.device):
+            snapshot = take_snapshot(self.suspend_caches(), pages, slots, self.device, reserved)
+            snapshot["aux"] = [aux.bytes_view().to("cpu")]
+            state_bytes = snapshot_bytes(snapshot)
+            if weights_to_host:
+                device_weights = weights.bytes_view()
+                host = torch.empty(device_weights.shape, dtype=torch.uint8, pin_memory=True)
+                snapshot["weights"] = [host.copy_(device_weights)]
+            torch.cuda.synchronize(self.device)
+            self._stash = {name: getattr(self, name) for name in self._SUSPENDED}
+            for name in self._SUSPENDED:  # nothing reaches the released memory while suspended
+                setattr(self, name, None)
+            for adopted in self._arenas.values():
+                adopted.arena.release()
+            release_device_memory(self.device)
+        return snapshot, state_bytes, weights.nbytes
+
+    def _restore_fixed(self, snapshot: dict, source: object | None) -> tuple[int, int, int]:
+        weights = self._arenas["weights"].arena
+        read = 0
+        with torch.cuda.device(self.device):
+            try:
+                if "weights" in snapshot:  # the suspend's host copy, at bus speed
+                    weights.restore()
+                    weights.bytes_view().copy_(snapshot["weights"][0])
+                else:  # built again (into ordinary memory) and copied to the fixed addresses
+                    source = source if source is not None else self._build_args[0]
+                    ops = CudaOps(self.kc, self.config, self.dtype, self.device, self.profile)
+                    model = architecture(self.config).model.load(WeightReader(source, ops, self.device), self.config)
+                    weights.restore()
+                    vmm.copy_into(self._arenas["weights"], vmm.Skip(model, (CudaOps,)), self.device)
+                    del model, ops
+                    release_device_memory(self.device)  # before the pools take theirs
+                    read = getattr(source, "payload_bytes", 0)
+                pools = self._arenas["pools"].arena
+                pools.restore()
+                pools.bytes_view().zero_()  # free pages and slots read as a fresh pool's
+                aux = self._arenas["aux"].arena
+                aux.restore()
+                aux.bytes_view().copy_(snapshot["aux"][0])
+                for name, value in self._stash.items():
+                    setattr(self, name, value)
+                restore_snapshot(self.suspend_caches(), snapshot, self.device)
+                torch.cuda.synchronize(self.device)
+            except BaseException:
+                torch.cuda.synchronize(self.device)
+                for name in self._SUSPENDED:
+                    setattr(self, name, None)
+                for adopted in self._arenas.values():
+                    adopted.arena.release()
+                release_device_memory(self.device)
+                raise
+            self._stash = None
+        state_bytes = snapshot_bytes({k: v for k, v in snapshot.items() if k != "weights"})
+        return state_bytes, weights.nbytes, read
 
     def _check_shapes(self, c: ModelConfig) -> None:
         gqa = c.num_attention_heads // c.num_key_value_heads
