@@ -1,0 +1,275 @@
+"""Pipeline stages (--devices, --stage-layers): one model split by layers over several devices.
+
+A stage is a contiguous slice of the decoder layers with its own device, ops, weights and pools.
+Nothing here knows an architecture: a stage's model is the architecture's ONE model class loaded
+from a sliced config (`stage_config`: its layers only, so layer and pool indices are the stage's
+own) through a `StageReader`, which maps its layers to the artifact's names and loads the
+embedding only on the first stage and the lm_head only on the last. One step runs the stages in
+order (`forward_stages`): each stage's forward takes the previous stage's residual stream in
+place of its embedding (`HandOff`), recomputes its first layer's input norm from it, and hands
+its own residual on; the last stage's final normed hidden goes to the lm_head and the sampler.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ninfer.engine.config import ModelConfig
+from ninfer.engine.models.spec import ATTENTION, LINEAR_ATTENTION
+from ninfer.engine.models.weights import WeightReader
+from ninfer.errors import ConfigError
+
+MIN_STAGES, MAX_STAGES = 2, 8
+
+
+# ---- options ----------------------------------------------------------------------------------
+
+def parse_devices(value: str | None, backend: str) -> list[str] | None:
+    """--devices A,B,...: CUDA indices ("0", "cuda:0"), or "cpu" on the torch backend; 2 to 8
+    entries, a device may repeat (two stages on one device). None when not given."""
+    if value is None or value == "":
+        return None
+    names = [v.strip() for v in str(value).split(",")]
+    if not MIN_STAGES <= len(names) <= MAX_STAGES:
+        raise ConfigError(f"--devices takes {MIN_STAGES} to {MAX_STAGES} devices, got {len(names)} ({value!r})")
+    devices = []
+    for name in names:
+        if name == "cpu":
+            if backend == "cuda":
+                raise ConfigError("--devices cpu: the cuda backend runs on CUDA devices (use --backend torch)")
+            devices.append("cpu")
+        elif name.removeprefix("cuda:").isdigit():
+            devices.append(f"cuda:{int(name.removeprefix('cuda:'))}")
+        else:
+            raise ConfigError(f"--devices: {name!r} is not a CUDA device index (0, cuda:1) or cpu")
+    if len({d == "cpu" for d in devices}) > 1:
+        raise ConfigError(f"--devices {value}: list CUDA devices or cpu, not both")
+    return devices
+
+
+def parse_stage_layers(value: str | None) -> list[int] | None:
+    """--stage-layers A,B,...: positive layer counts (checked against the model by `check_split`)."""
+    if value is None or value == "":
+        return None
+    try:
+        counts = [int(v) for v in str(value).split(",")]
+    except ValueError:
+        raise ConfigError(f"--stage-layers takes comma-separated layer counts, got {value!r}") from None
+    return counts
+
+
+def check_split(stage_layers: list[int], devices: list[str], num_layers: int) -> None:
+    """--stage-layers must give each device at least one layer and sum to the model's layers."""
+    if len(stage_layers) != len(devices):
+        raise ConfigError(f"--stage-layers lists {len(stage_layers)} stages for {len(devices)} --devices")
+    if any(n < 1 for n in stage_layers):
+        raise ConfigError(f"--stage-layers {','.join(map(str, stage_layers))}: every stage needs at least one layer")
+    if sum(stage_layers) != num_layers:
+        raise ConfigError(f"--stage-layers {','.join(map(str, stage_layers))} sums to {sum(stage_layers)}, but the "
+                          f"model has {num_layers} layers")
+
+
+def balanced_split(num_layers: int, weights: list[float]) -> list[int]:
+    """Layers per stage in proportion to `weights` (e.g. each device's free memory), every stage at
+    least one, summing to num_layers (largest remainders take the leftover layers)."""
+    n = len(weights)
+    if num_layers < n:
+        raise ConfigError(f"the model has {num_layers} layers, fewer than the {n} --devices")
+    total = sum(max(w, 0.0) for w in weights)
+    shares = [max(w, 0.0) / total * num_layers if total > 0 else num_layers / n for w in weights]
+    counts = [max(1, int(s)) for s in shares]
+    while sum(counts) > num_layers:  # the minimum of one pushed past the total: take from the largest
+        counts[max(range(n), key=lambda i: counts[i])] -= 1
+    order = sorted(range(n), key=lambda i: (counts[i] - shares[i], i))
+    k = 0
+    while sum(counts) < num_layers:
+        counts[order[k % n]] += 1
+        k += 1
+    return counts
+
+
+def memory_split(num_layers: int, devices: list[str]) -> list[int]:
+    """The default split: by each device's free memory (a device listed twice shares its memory);
+    on CPU stages, equal."""
+    if devices[0] == "cpu":
+        return balanced_split(num_layers, [1.0] * len(devices))
+    import torch
+
+    free = {d: torch.cuda.mem_get_info(torch.device(d))[0] for d in set(devices)}
+    return balanced_split(num_layers, [free[d] / devices.count(d) for d in devices])
+
+
+# ---- a stage ------------------------------------------------------------------------------------
+
+def stage_config(config: ModelConfig, first: int, count: int) -> ModelConfig:
+    """The config of layers [first, first + count): every per-layer field sliced, no MTP layers."""
+    types = config.layer_types[first:first + count] if config.layer_types else None
+    return replace(config, num_hidden_layers=count, layer_types=types, mtp_layers=0)
+
+
+@dataclass
+class StagePlan:
+    """Stage i's place in the model: layers [first, first + count) on `device`, and its attention
+    and linear-attention layers as ranges of the whole model's per-kind numbering (pool indices)."""
+
+    index: int
+    device: str
+    first: int
+    count: int
+    attention: tuple[int, int]
+    recurrent: tuple[int, int]
+    last: bool
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+
+def plan_stages(kinds: tuple[str, ...], devices: list[str], stage_layers: list[int]) -> list[StagePlan]:
+    check_split(stage_layers, devices, len(kinds))
+    plans, first = [], 0
+    for i, (device, count) in enumerate(zip(devices, stage_layers)):
+        before, mine = kinds[:first], kinds[first:first + count]
+        a0, r0 = before.count(ATTENTION), before.count(LINEAR_ATTENTION)
+        plans.append(StagePlan(i, device, first, count, (a0, a0 + mine.count(ATTENTION)),
+                               (r0, r0 + mine.count(LINEAR_ATTENTION)), i == len(devices) - 1))
+        first += count
+    return plans
+
+
+def stage_names(plan: StagePlan, tensor_names: list[str], tied: bool) -> set[str]:
+    """The stored tensors stage `plan` reads: its layers', the final norm, the embedding on the
+    first stage (and on the last when tied: it is the lm_head), the lm_head on the last."""
+    layers = {f"model.layers.{i}." for i in range(plan.first, plan.first + plan.count)}
+    wanted = {"model.norm.weight"}
+    if plan.is_first or (plan.last and tied):
+        wanted.add("model.embed_tokens.weight")
+    if plan.last:
+        wanted.add("lm_head.weight")
+    return {n for n in tensor_names if n in wanted or any(n.startswith(p) for p in layers)}
+
+
+class StageReader(WeightReader):
+    """The WeightReader of one stage: layer i of the stage's config is layer first + i of the
+    artifact; weights the stage does not hold (the embedding past the first stage, the lm_head
+    before the last) read as None."""
+
+    def __init__(self, artifact: Any, ops: Any, device: Any, plan: StagePlan) -> None:
+        names = stage_names(plan, list(artifact.meta.tensor_formats), artifact.meta.config.tie_word_embeddings)
+        self.parts = artifact.load_parts(device, names=names)
+        self.formats = dict(artifact.meta.tensor_formats)
+        self.ops = ops
+        self.plan = plan
+
+    def _name(self, name: str) -> str:
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            return f"model.layers.{self.plan.first + int(index)}.{rest}"
+        return name
+
+    def float32(self, name: str):
+        return super().float32(self._name(name))
+
+    def linear(self, names: list[str], bias: list[str] | None = None) -> Any:
+        if names == ["lm_head.weight"] and not self.plan.last:
+            return None
+        return super().linear([self._name(n) for n in names], [self._name(n) for n in bias] if bias else None)
+
+    def embedding(self, name: str, lm_head: bool) -> Any:
+        head = lm_head and self.plan.last
+        if not self.plan.is_first and not head:
+            return None
+        return super().embedding(name, head)
+
+    def select_rows(self, name: str, rows, as_name: str) -> str:
+        super().select_rows(self._name(name), rows, self._name(as_name))
+        return as_name  # the stage's own name: linear() maps it again
+
+    def release(self, prefix: str) -> None:
+        super().release(self._name(prefix))
+
+
+@dataclass
+class Stage:
+    """One built stage: its plan, config slice, ops and model (the architecture's class)."""
+
+    plan: StagePlan
+    config: ModelConfig
+    ops: Any
+    model: Any
+
+    @property
+    def device(self) -> str:
+        return self.plan.device
+
+
+def build_stages(artifact: Any, plans: list[StagePlan], make_ops: Callable[[StagePlan, ModelConfig], Any],
+                 model_class: type) -> list[Stage]:
+    """Load every stage: its ops from make_ops(plan, stage config), its weights on its device."""
+    c = artifact.meta.config
+    stages = []
+    for plan in plans:
+        sc = stage_config(c, plan.first, plan.count)
+        ops = make_ops(plan, sc)
+        model = model_class.load(StageReader(artifact, ops, ops.device, plan), sc)
+        stages.append(Stage(plan, sc, ops, model))
+    return stages
+
+
+# ---- one step through the stages -----------------------------------------------------------------
+
+class HandOff:
+    """A stage's ops as its model sees them: the ops themselves, except that `embed` returns a copy
+    of the residual stream handed in by the previous stage (None on the first stage: the real
+    embedding). `residual` is the stream the forward updated in place: what the next stage takes."""
+
+    def __init__(self, ops: Any, incoming: Any | None) -> None:
+        self._ops = ops
+        self._incoming = incoming
+        self.residual = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ops, name)
+
+    def embed(self, ids: Any, w: Any, scale: float = 1.0) -> Any:
+        h = self._ops.embed(ids, w, scale) if self._incoming is None else self._incoming.to(self._ops.device).clone()
+        self.residual = h
+        return h
+
+
+def stage_forward(stage: Stage, input_ids: Any, incoming: Any | None) -> tuple[Any, Any]:
+    """One stage's forward over the step its ops began -> (final normed hidden, residual stream)."""
+    ops = HandOff(stage.ops, incoming)
+    x = stage.model.forward(ops, input_ids)
+    return x, ops.residual
+
+
+def forward_stages(stages: list[Stage], input_ids: Any, begin: Callable[[Stage], None]) -> Any:
+    """The model over the stages in order; begin(stage) starts the step on that stage's ops (its
+    context: inputs on its device, its slice of the pools). -> the last stage's normed hidden."""
+    hidden = x = None
+    for stage in stages:
+        begin(stage)
+        x, hidden = stage_forward(stage, input_ids.to(stage.ops.device), hidden)
+    return x
+
+
+def stage_spec(spec: Any, plan: StagePlan) -> Any:
+    """The model's StateSpec cut to a stage's layers (its pool sizes; the state shapes stay)."""
+    return replace(spec, kinds=spec.kinds[plan.first:plan.first + plan.count])
+
+
+def whole_model(kinds: tuple[str, ...], device: str) -> StagePlan:
+    """The one stage of a single-device runner."""
+    return StagePlan(0, device, 0, len(kinds), (0, kinds.count(ATTENTION)), (0, kinds.count(LINEAR_ATTENTION)), True)
+
+
+def stage_memory(stages: list[Stage], kv: list[Any], states: list[Any]) -> list[dict[str, Any]]:
+    """Per stage: its device, layers and the bytes of its weights, KV pages and recurrent state
+    (kv / states: each stage's pool tensors)."""
+    from ninfer.engine.backends.torch_runner import tensor_bytes
+
+    return [{"stage": s.plan.index, "device": str(s.device), "layers": [s.plan.first, s.plan.first + s.plan.count - 1],
+             "weights_bytes": tensor_bytes((s.model, s.ops)), "kv_bytes": tensor_bytes(k),
+             "state_bytes": tensor_bytes(r)} for s, k, r in zip(stages, kv, states)]
