@@ -273,3 +273,59 @@ def stage_memory(stages: list[Stage], kv: list[Any], states: list[Any]) -> list[
     return [{"stage": s.plan.index, "device": str(s.device), "layers": [s.plan.first, s.plan.first + s.plan.count - 1],
              "weights_bytes": tensor_bytes((s.model, s.ops)), "kv_bytes": tensor_bytes(k),
              "state_bytes": tensor_bytes(r)} for s, k, r in zip(stages, kv, states)]
+
+
+# ---- start-up ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pipeline:
+    """--devices and --stage-layers as the loader takes them (stage_layers None: memory split)."""
+
+    devices: tuple[str, ...]
+    stage_layers: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_flags(cls, devices: str | None, stage_layers: str | None, backend: str) -> Pipeline | None:
+        """The options' values checked on their own (the model checks the layer counts later)."""
+        parsed = parse_devices(devices, backend)
+        counts = parse_stage_layers(stage_layers)
+        if parsed is None:
+            if counts is not None:
+                raise ConfigError("--stage-layers needs --devices")
+            return None
+        if counts is not None and len(counts) != len(parsed):
+            raise ConfigError(f"--stage-layers lists {len(counts)} stages for {len(parsed)} --devices")
+        return cls(tuple(parsed), tuple(counts) if counts is not None else None)
+
+    def check(self, backend: str, num_layers: int) -> list[int]:
+        """Check the devices against the backend and machine, and the split against the model;
+        -> layers per stage (the memory split when --stage-layers was not given)."""
+        devices = list(self.devices)
+        if devices[0] == "cpu" and backend == "cuda":
+            raise ConfigError("--devices cpu: the cuda backend runs on CUDA devices (use --backend torch)")
+        if devices[0] != "cpu":
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            missing = [d for d in devices if int(d.split(":")[1]) >= count]
+            if missing:
+                raise ConfigError(f"--devices {','.join(self.devices)}: {missing[0]} does not exist "
+                                  f"({count} CUDA devices visible)")
+        if self.stage_layers is not None:
+            check_split(list(self.stage_layers), devices, num_layers)
+            return list(self.stage_layers)
+        return memory_split(num_layers, devices)
+
+
+def auto_kv_tokens(kinds: tuple[str, ...], devices: list[str], split: list[int], bytes_per_token: int,
+                   budget: Callable[[str], int]) -> int:
+    """--kv-capacity auto over stages: the most tokens every device holds, each device paying the
+    K/V of the attention layers of the stages it holds (budget(device): its bytes for KV)."""
+    plans = plan_stages(kinds, devices, split)
+    attention = max(kinds.count(ATTENTION), 1)
+    share: dict[str, int] = {}
+    for p in plans:
+        share[p.device] = share.get(p.device, 0) + p.attention[1] - p.attention[0]
+    per_layer = bytes_per_token / attention
+    return min(int(max(budget(d), 0) // max(per_layer * n, 1)) for d, n in share.items() if n) \
+        if any(share.values()) else 1 << 40
