@@ -144,6 +144,7 @@ async def handle_props(call: Call) -> None:
         },
         "total_slots": state.loaded.engine.snapshot().max_concurrency,
         "kv_cache": kv_cache_props(state.loaded.engine),
+        "devices": device_memory(state.loaded.engine),
         "model_alias": state.model_id,
         "model_path": state.config.model_path or state.loaded.facts.path,
         "modalities": {"vision": False, "audio": False},
@@ -163,6 +164,26 @@ def kv_cache_props(engine: Any) -> dict[str, Any]:
     return {"dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
             "bytes_per_token": getattr(runner, "kv_bytes_per_token", None),
             "capacity_tokens": snap.kv_capacity_tokens, "page_tokens": snap.kv_page_tokens}
+
+
+def device_memory(engine: Any) -> list[dict[str, Any]]:
+    """Per pipeline stage (one without --devices): its device, layers [first, last] and the bytes
+    of its weights, KV pages and recurrent state on that device."""
+    report = getattr(engine.runner, "device_memory", None)
+    return report() if report is not None else []
+
+
+def _device_series(lines: list[str], stages: list[dict[str, Any]]) -> None:
+    """ninfer:device_memory_bytes{device, kind}: the stages' bytes summed per device."""
+    totals: dict[tuple[str, str], int] = {}
+    for st in stages:
+        for kind in ("weights", "kv", "state"):
+            key = (st["device"], kind)
+            totals[key] = totals.get(key, 0) + st[f"{kind}_bytes"]
+    lines.append("# HELP ninfer:device_memory_bytes bytes of weights, KV pages and recurrent state per device")
+    lines.append("# TYPE ninfer:device_memory_bytes gauge")
+    for (device, kind), v in sorted(totals.items()):
+        lines.append(f'ninfer:device_memory_bytes{{device="{device}",kind="{kind}"}} {v}')
 
 
 def load_report(call: Call, obj: str) -> dict[str, Any]:
@@ -357,6 +378,7 @@ def metrics_text(call: Call) -> str:
             snap.state_slots_total)
     _series(L, "ninfer:state_slots_used", "gauge",
             "recurrent-state slots held by admitted requests and retained checkpoints", snap.state_slots_used)
+    _device_series(L, device_memory(state.loaded.engine))
     return "\n".join(L) + "\n"
 
 

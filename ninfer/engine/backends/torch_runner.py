@@ -132,10 +132,14 @@ class TorchModelRunner:
 
     def device_memory(self) -> list[dict]:
         """Per stage (one without --devices): device, layers, bytes of weights, KV and state."""
-        kv = [self.kv.layers(*s.plan.attention).tensors() for s in self.stages]
-        states = [[*st.conv, *st.ssm] for st in (self.states.layers(*s.plan.recurrent) for s in self.stages)] \
-            if self.states is not None else [[] for _ in self.stages]
-        return stage_memory(self.stages, kv, states)
+        if self.stages is None:  # suspended: nothing held
+            return []
+        if getattr(self, "_memory", None) is None or self._memory[0] is not self.stages:  # built once per load
+            kv = [self.kv.layers(*s.plan.attention).tensors() for s in self.stages]
+            states = [[*st.conv, *st.ssm] for st in (self.states.layers(*s.plan.recurrent) for s in self.stages)] \
+                if self.states is not None else [[] for _ in self.stages]
+            self._memory = (self.stages, stage_memory(self.stages, kv, states))
+        return self._memory[1]
 
     # ---- suspend (engine/suspend.py): give the memory back, take it again ---------------------
 
