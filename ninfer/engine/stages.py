@@ -211,13 +211,57 @@ def build_stages(artifact: Any, plans: list[StagePlan], make_ops: Callable[[Stag
     stages = []
     for plan in plans:
         sc = stage_config(c, plan.first, plan.count)
-        ops = make_ops(plan, sc)
-        model = model_class.load(StageReader(artifact, ops, ops.device, plan), sc)
+        with device_scope(plan.device):
+            ops = make_ops(plan, sc)
+            model = model_class.load(StageReader(artifact, ops, ops.device, plan), sc)
         stages.append(Stage(plan, sc, ops, model))
     return stages
 
 
 # ---- one step through the stages -----------------------------------------------------------------
+
+def device_scope(device: Any):
+    """Where a stage's work is launched: its CUDA device current (our kernels launch on the
+    current device's stream), nothing to do on CPU."""
+    import contextlib
+
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def copy_across(dst: Any, src: Any) -> None:
+    """dst <- src between stages: on one device or between peers a direct copy (torch orders it
+    after the source device's work and before the destination's); between CUDA devices without
+    peer access, through pinned host memory, the destination's stream waiting for the download."""
+    import torch
+
+    a, b = src.device, dst.device
+    if a == b or a.type != "cuda" or b.type != "cuda" or torch.cuda.can_device_access_peer(b.index, a.index):
+        dst.copy_(src)
+        return
+    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)  # the caching host allocator reuses it safely
+    with torch.cuda.device(a):
+        host.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    with torch.cuda.device(b):
+        torch.cuda.current_stream().wait_event(done)
+        dst.copy_(host, non_blocking=True)
+
+
+def moved(t: Any, device: Any) -> Any:
+    """t on `device`, through `copy_across` (t itself when it is there already)."""
+    import torch
+
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    copy_across(out, t)
+    return out
+
 
 class HandOff:
     """A stage's ops as its model sees them: the ops themselves, except that `embed` returns a copy
@@ -233,7 +277,7 @@ class HandOff:
         return getattr(self._ops, name)
 
     def embed(self, ids: Any, w: Any, scale: float = 1.0) -> Any:
-        h = self._ops.embed(ids, w, scale) if self._incoming is None else self._incoming.to(self._ops.device).clone()
+        h = self._ops.embed(ids, w, scale) if self._incoming is None else moved(self._incoming, self._ops.device).clone()
         self.residual = h
         return h
 
@@ -250,8 +294,9 @@ def forward_stages(stages: list[Stage], input_ids: Any, begin: Callable[[Stage],
     context: inputs on its device, its slice of the pools). -> the last stage's normed hidden."""
     hidden = x = None
     for stage in stages:
-        begin(stage)
-        x, hidden = stage_forward(stage, input_ids.to(stage.ops.device), hidden)
+        with device_scope(stage.ops.device):
+            begin(stage)
+            x, hidden = stage_forward(stage, moved(input_ids, stage.ops.device), hidden)
     return x
 
 
@@ -271,7 +316,7 @@ def stage_memory(stages: list[Stage], kv: list[Any], states: list[Any]) -> list[
     from ninfer.engine.backends.torch_runner import tensor_bytes
 
     return [{"stage": s.plan.index, "device": str(s.device), "layers": [s.plan.first, s.plan.first + s.plan.count - 1],
-             "weights_bytes": tensor_bytes((s.model, s.ops)), "kv_bytes": tensor_bytes(k),
+             "weights_bytes": tensor_bytes(s.model), "kv_bytes": tensor_bytes(k),
              "state_bytes": tensor_bytes(r)} for s, k, r in zip(stages, kv, states)]
 
 

@@ -169,7 +169,7 @@ def kv_cache_props(engine: Any) -> dict[str, Any]:
 def device_memory(engine: Any) -> list[dict[str, Any]]:
     """Per pipeline stage (one without --devices): its device, layers [first, last] and the bytes
     of its weights, KV pages and recurrent state on that device."""
-    report = getattr(engine.runner, "device_memory", None)
+    report = getattr(getattr(engine, "runner", None), "device_memory", None)
     return report() if report is not None else []
 
 

@@ -287,7 +287,9 @@ def copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
     pools of pipeline stages live on several)."""
     on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
     for t in tensors:
-        s, d = on.setdefault(t.device, (src.to(t.device), dst.to(t.device)))
+        if t.device not in on:
+            on[t.device] = (src.to(t.device), dst.to(t.device))
+        s, d = on[t.device]
         t.index_copy_(0, d, t.index_select(0, s))
 
 
