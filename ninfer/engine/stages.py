@@ -6,8 +6,11 @@ from a sliced config (`stage_config`: its layers only, so layer and pool indices
 own) through a `StageReader`, which maps its layers to the artifact's names and loads the
 embedding only on the first stage and the lm_head only on the last. One step runs the stages in
 order (`forward_stages`): each stage's forward takes the previous stage's residual stream in
-place of its embedding (`HandOff`), recomputes its first layer's input norm from it, and hands
-its own residual on; the last stage's final normed hidden goes to the lm_head and the sampler.
+place of its embedding and the previous stage's normed output in place of its first input norm
+(`HandOff`). A stage before the last reads the next stage's first input norm as its "final norm"
+(every architecture's final norm reads like its input norms), so its normed output is exactly what
+one device computes there: stages give the bits of one device. The last stage's final normed
+hidden goes to the lm_head and the sampler.
 """
 from __future__ import annotations
 
@@ -138,11 +141,17 @@ def plan_stages(kinds: tuple[str, ...], devices: list[str], stage_layers: list[i
     return plans
 
 
+def final_norm_name(plan: StagePlan) -> str:
+    """The norm a stage ends with: the model's final norm on the last stage, else the input norm of
+    the next stage's first layer (the hand-off carries its output)."""
+    return "model.norm.weight" if plan.last else f"model.layers.{plan.first + plan.count}.input_layernorm.weight"
+
+
 def stage_names(plan: StagePlan, tensor_names: list[str], tied: bool) -> set[str]:
-    """The stored tensors stage `plan` reads: its layers', the final norm, the embedding on the
+    """The stored tensors stage `plan` reads: its layers', its final norm, the embedding on the
     first stage (and on the last when tied: it is the lm_head), the lm_head on the last."""
     layers = {f"model.layers.{i}." for i in range(plan.first, plan.first + plan.count)}
-    wanted = {"model.norm.weight"}
+    wanted = {final_norm_name(plan)}
     if plan.is_first or (plan.last and tied):
         wanted.add("model.embed_tokens.weight")
     if plan.last:
@@ -163,6 +172,8 @@ class StageReader(WeightReader):
         self.plan = plan
 
     def _name(self, name: str) -> str:
+        if name == "model.norm.weight":
+            return final_norm_name(self.plan)
         if name.startswith("model.layers."):
             index, rest = name[len("model.layers."):].split(".", 1)
             return f"model.layers.{self.plan.first + int(index)}.{rest}"
@@ -264,11 +275,13 @@ def moved(t: Any, device: Any) -> Any:
 
 
 class HandOff:
-    """A stage's ops as its model sees them: the ops themselves, except that `embed` returns a copy
-    of the residual stream handed in by the previous stage (None on the first stage: the real
-    embedding). `residual` is the stream the forward updated in place: what the next stage takes."""
+    """A stage's ops as its model sees them: the ops themselves, except that with `incoming` (the
+    previous stage's residual stream and normed output; None on the first stage) `embed` returns a
+    copy of that residual and the norm of it that follows (the first layer's input norm) returns
+    a copy of that normed output. `residual` is the stream the forward updated in place: what the
+    next stage takes."""
 
-    def __init__(self, ops: Any, incoming: Any | None) -> None:
+    def __init__(self, ops: Any, incoming: tuple[Any, Any] | None) -> None:
         self._ops = ops
         self._incoming = incoming
         self.residual = None
@@ -277,13 +290,22 @@ class HandOff:
         return getattr(self._ops, name)
 
     def embed(self, ids: Any, w: Any, scale: float = 1.0) -> Any:
-        h = self._ops.embed(ids, w, scale) if self._incoming is None else moved(self._incoming, self._ops.device).clone()
-        self.residual = h
-        return h
+        if self._incoming is None:
+            self.residual = self._ops.embed(ids, w, scale)
+        else:  # a copy: the forward updates it in place, and a decode graph's inputs must stay
+            self.residual = moved(self._incoming[0], self._ops.device).clone()
+        return self.residual
+
+    def rms_norm(self, x: Any, w: Any, eps: float) -> Any:
+        if self._incoming is not None and x is self.residual:
+            normed, self._incoming = self._incoming[1], None  # once: the stage's first input norm
+            return moved(normed, self._ops.device).clone()
+        return self._ops.rms_norm(x, w, eps)
 
 
-def stage_forward(stage: Stage, input_ids: Any, incoming: Any | None) -> tuple[Any, Any]:
-    """One stage's forward over the step its ops began -> (final normed hidden, residual stream)."""
+def stage_forward(stage: Stage, input_ids: Any, incoming: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """One stage's forward over the step its ops began, from the previous stage's (residual,
+    normed output) -> (its normed output, its residual stream)."""
     ops = HandOff(stage.ops, incoming)
     x = stage.model.forward(ops, input_ids)
     return x, ops.residual
@@ -292,11 +314,12 @@ def stage_forward(stage: Stage, input_ids: Any, incoming: Any | None) -> tuple[A
 def forward_stages(stages: list[Stage], input_ids: Any, begin: Callable[[Stage], None]) -> Any:
     """The model over the stages in order; begin(stage) starts the step on that stage's ops (its
     context: inputs on its device, its slice of the pools). -> the last stage's normed hidden."""
-    hidden = x = None
+    incoming = x = None
     for stage in stages:
         with device_scope(stage.ops.device):
             begin(stage)
-            x, hidden = stage_forward(stage, moved(input_ids, stage.ops.device), hidden)
+            x, residual = stage_forward(stage, moved(input_ids, stage.ops.device), incoming)
+            incoming = (residual, x)
     return x
 
 

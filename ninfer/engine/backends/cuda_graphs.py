@@ -24,8 +24,8 @@ class DecodeState:
     decode cu_seqlens 0..R (R + 1) and the block tables [R, max_pages]; f32 holds temperature, top_p,
     min_p, presence, frequency; i64 holds seeds and steps. Each is filled by one host->device copy
     of its used prefix. masks: the rows' packed token bitmasks (every bit set without a grammar).
-    hidden > 0 (pipeline stages): hidden_in / hidden_out [rows, hidden], the residual rows a stage
-    takes from the previous one and leaves for the next.
+    hidden > 0 (pipeline stages): hidden_in / hidden_out and normed_in / normed_out [rows, hidden],
+    the residual rows and normed rows a stage takes from the previous one and leaves for the next.
     """
 
     def __init__(self, *, vocab: int, heads: int, head_dim: int, max_pages: int, max_parts: int,
@@ -54,8 +54,8 @@ class DecodeState:
         self._part_out = torch.empty(R * heads * max_parts * head_dim, dtype=torch.float32, device=device)
         self._part_ml = torch.empty(R * heads * max_parts * 2, dtype=torch.float32, device=device)
         self._heads, self._head_dim = heads, head_dim
-        self.hidden_in = torch.zeros(R if hidden else 0, hidden, dtype=hidden_dtype, device=device)
-        self.hidden_out = torch.zeros(R if hidden else 0, hidden, dtype=hidden_dtype, device=device)
+        self.hidden_in, self.hidden_out, self.normed_in, self.normed_out = (
+            torch.zeros(R if hidden else 0, hidden, dtype=hidden_dtype, device=device) for _ in range(4))
 
     def workspace(self, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous fp32 views [n, heads, parts, head_dim] and [n, heads, parts, 2]."""

@@ -149,8 +149,10 @@ class CudaModelRunner:
         return CudaOps(self.kcs[device.index], config, self.dtype, device, self.profile)
 
     def _hand_off(self, i: int, rows: int) -> None:
-        """Decode: stage i's residual rows into stage i + 1's input buffer (peer or host copy)."""
-        copy_across(self.stage_states[i + 1].hidden_in[:rows], self.stage_states[i].hidden_out[:rows])
+        """Decode: stage i's residual and normed rows into stage i + 1's input buffers (peer or host copy)."""
+        here, there = self.stage_states[i], self.stage_states[i + 1]
+        copy_across(there.hidden_in[:rows], here.hidden_out[:rows])
+        copy_across(there.normed_in[:rows], here.normed_out[:rows])
 
     def device_memory(self) -> list[dict]:
         """Per stage (one without --devices): device, layers, bytes of weights, KV and state."""
@@ -522,12 +524,13 @@ class CudaModelRunner:
             state_slots=st.state_slots[:n], workspace=st.workspace(T, parts), verify_width=width if width > 1 else 0,
             **self._pools(stage.plan, self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.conv, self.ssm,
                           self.verify_conv, self.verify_ssm)))
-        hidden, residual = stage_forward(stage, st.ids[:T], st.hidden_in[:T] if i else None)
+        hidden, residual = stage_forward(stage, st.ids[:T], (st.hidden_in[:T], st.normed_in[:T]) if i else None)
         if stage.plan.last:
             stage.model.compute_logits(stage.ops, hidden, out=st.logits[:T])
             self._sample(T)
         else:
             st.hidden_out[:T].copy_(residual)
+            st.normed_out[:T].copy_(hidden)
 
     def _preserve_states(self, i: int, n: int):
         """Save stage i's recurrent state of decode rows [:n] (a graph's warm-up run advances it)."""
