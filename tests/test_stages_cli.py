@@ -1,6 +1,6 @@
 """Pipeline stages end to end on the default model: `ninfer run --devices cpu,cpu` gives the tokens
 of one device, bad --devices / --stage-layers values fail in one line, and a served model on two
-CPU stages answers the openai client and reports per-device memory in /props and /metrics."""
+CPU stages answers the openai client and reports per-device memory in /props, /slots and /metrics."""
 from __future__ import annotations
 
 import json
@@ -52,6 +52,10 @@ def test_bad_split_is_one_line(smollm2_artifact: Path, args: tuple[str, ...], me
     assert "Traceback" not in out.stderr + out.stdout
 
 
+def props_pages(props: dict) -> int:
+    return props["kv_cache"]["capacity_tokens"] // props["kv_cache"]["page_tokens"]
+
+
 def test_serve_on_two_cpu_stages_reports_memory_per_device(smollm2_artifact: Path, tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "serve.log"
@@ -74,6 +78,10 @@ def test_serve_on_two_cpu_stages_reports_memory_per_device(smollm2_artifact: Pat
         assert stages[0]["kv_bytes"] * 18 == stages[1]["kv_bytes"] * 12
         assert stages[0]["kv_bytes"] + stages[1]["kv_bytes"] == \
             props["kv_cache"]["bytes_per_token"] * props["kv_cache"]["capacity_tokens"]
+        # the retained conversation's pages, on each device (both stages are on "cpu": their sum)
+        cells = [c for c in httpx.get(f"{url}/slots").json() if c.get("n_pages")]
+        per_page = (stages[0]["kv_bytes"] + stages[1]["kv_bytes"]) // props_pages(props)
+        assert cells and all(c["device_kv_bytes"] == {"cpu": c["n_pages"] * per_page} for c in cells)
         metrics = httpx.get(f"{url}/metrics").text
         weights = sum(s["weights_bytes"] for s in stages)
         assert f'ninfer:device_memory_bytes{{device="cpu",kind="weights"}} {weights}' in metrics

@@ -268,6 +268,12 @@ async def handle_slots(call: Call) -> None:
     lane_at = dict(zip(order, sorted(snap.lanes, key=lambda lane: lane.lane)))
     digests: dict[int, tuple[str, ...]] = {}
     slots: list[dict[str, Any]] = []
+    per_page: dict[str, int] = {}  # pipeline stages: K/V bytes of one page on each device
+    stages = device_memory(state.loaded.engine)
+    pages = getattr(getattr(state.loaded.engine, "runner", None), "num_pages", 0)
+    if len(stages) > 1 and pages:
+        for st in stages:
+            per_page[st["device"]] = per_page.get(st["device"], 0) + st["kv_bytes"] // pages
     for i in range(count):
         entry: dict[str, Any] = {"id": i, "n_ctx": snap.max_context, "speculative": snap.spec_method is not None,
                                  "is_processing": i in lane_at, "retained": i in cells,
@@ -289,6 +295,8 @@ async def handle_slots(call: Call) -> None:
             # the session depth as both counts
             entry.update(session_digest=session, checkpoints=checkpoints, n_pages=c.n_pages,
                          n_prompt_tokens=len(c.session), n_prompt_tokens_cache=len(c.session))
+            if per_page:  # --devices: the K/V bytes the cell's pages hold on each device
+                entry["device_kv_bytes"] = {d: c.n_pages * b for d, b in per_page.items()}
         lane = lane_at.get(i)
         if lane is not None:
             entry.update(lane=lane.lane, id_task=lane.request_id, n_prompt_tokens=lane.n_prompt_tokens,
