@@ -305,7 +305,9 @@ class HandOff:
 
 def stage_forward(stage: Stage, input_ids: Any, incoming: tuple[Any, Any] | None) -> tuple[Any, Any]:
     """One stage's forward over the step its ops began, from the previous stage's (residual,
-    normed output) -> (its normed output, its residual stream)."""
+    normed output) -> (its normed output, its residual stream; None for the whole model on one device)."""
+    if incoming is None and stage.plan.last:  # one device: the plain forward, nothing to hand on
+        return stage.model.forward(stage.ops, input_ids), None
     ops = HandOff(stage.ops, incoming)
     x = stage.model.forward(ops, input_ids)
     return x, ops.residual
