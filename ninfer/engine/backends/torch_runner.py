@@ -102,7 +102,8 @@ class TorchModelRunner:
         self._artifact, self._pack = artifact, pack  # what a resume after a suspend reads again
         with torch.inference_mode():
             if devices:
-                plans = plan_stages(self.spec.kinds, devices, stage_layers or memory_split(len(self.spec.kinds), devices))
+                split = stage_layers or memory_split(len(self.spec.kinds), devices)
+                plans = plan_stages(self.spec.kinds, devices, split)
                 self.stages = build_stages(artifact, plans, self._stage_ops, architecture(c).model)
             else:
                 ops = self._stage_ops(None, c)
