@@ -182,10 +182,11 @@ class StageReader(WeightReader):
     def float32(self, name: str):
         return super().float32(self._name(name))
 
-    def linear(self, names: list[str], bias: list[str] | None = None) -> Any:
+    def linear(self, names: list[str], bias: list[str] | None = None, **options: Any) -> Any:
         if names == ["lm_head.weight"] and not self.plan.last:
             return None
-        return super().linear([self._name(n) for n in names], [self._name(n) for n in bias] if bias else None)
+        return super().linear([self._name(n) for n in names], [self._name(n) for n in bias] if bias else None,
+                              **options)
 
     def embedding(self, name: str, lm_head: bool) -> Any:
         head = lm_head and self.plan.last
