@@ -314,3 +314,13 @@ def test_paged_attention_window_and_softcap_against_direct_math(window: int, sof
         meta, _ = AttentionMetadata.build([(start, end - start, table)], ps, torch.device("cpu"))
         got.append(paged_attention(q[start:end], k[start:end], v[start:end], *cache, meta, window, scale, softcap))
     assert torch.allclose(torch.cat(got), want.reshape(n, H * D), atol=1e-10, rtol=0)
+
+
+def test_gemma3_on_two_cpu_stages_computes_one_device_bits(tiny) -> None:
+    """Pipeline stages (engine/stages.py) are architecture-blind: gemma3's scaled embedding, sandwich
+    norms and sliding/global layers split over two CPU stages give one device's logits exactly."""
+    _, art, _ = tiny["gemma3"]
+    one = TorchModelRunner(art, num_pages=4, page_size=16, dtype=torch.float32)
+    two = TorchModelRunner(art, num_pages=4, page_size=16, dtype=torch.float32, devices=["cpu", "cpu"],
+                           stage_layers=[3, 1])
+    assert torch.equal(two.forward_logits(PROMPT), one.forward_logits(PROMPT))

@@ -24,8 +24,8 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
-                               THREADS, prepare_threads, spec_from_flags, stderr_log)
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DEVICES, DRAFT_TOKENS, DTYPE, NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
+                               THREADS, STAGE_LAYERS, prepare_threads, spec_from_flags, stderr_log)
 from ninfer.engine.roofline import model_cost, roofline_fields, stored_bytes
 from ninfer.errors import ConfigError
 
@@ -136,6 +136,8 @@ def bench(
     weights: str = typer.Option("bf16", "--weights", help="Synthetic weight format: bf16, f32, int8, int4, q4_k, q6_k, q4_k_m (llama.cpp blocks)."),
     backend: str = BACKEND,
     device: int = DEVICE,
+    devices: Optional[str] = DEVICES,
+    stage_layers: Optional[str] = STAGE_LAYERS,
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
@@ -193,6 +195,8 @@ def bench(
 
     backend, torch_device = resolve_backend(backend, device)
     compute_dtype = resolve_dtype(dtype)
+    from ninfer.engine.stages import Pipeline
+    pipeline = Pipeline.from_flags(devices, stage_layers, backend)
     if synthetic is not None:
         from ninfer.engine.synthetic import SyntheticArtifact
         artifact = SyntheticArtifact(synthetic, weights)
@@ -209,7 +213,7 @@ def bench(
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
                           kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config,
                           threads=threads or None, device_profile=profile, cache_dir=cache_dir(), log=stderr_log,
-                          kv_dtype=kv_dtype)
+                          kv_dtype=kv_dtype, pipeline=pipeline)
     rng = random.Random(seed)
     if context_text is not None:
         context_ids = loaded.tokenizer.encode(context_text, add_special_tokens=False)
@@ -256,6 +260,7 @@ def bench(
                     "cpu_info": platform.processor() or platform.machine(),
                     "gpu_info": _gpu_info(torch_device), "backends": loaded.backend,
                     "device_profile": loaded.device_profile, "kv_dtype": kv_dtype,
+                    "devices": list(loaded.devices) or [loaded.device],
                     "model_filename": str(artifact.path), "model_type": f"{artifact.meta.architecture} {artifact.meta.name}",
                     "model_size": size, "model_n_params": n_params, "n_threads": n_threads,
                     "n_prompt": p, "n_gen": n, "n_depth": d, "n_concurrency": c,

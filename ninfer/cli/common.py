@@ -11,6 +11,12 @@ from ninfer.errors import ConfigError
 # The backend flags of serve, run and bench (typer reads these as the parameters' defaults).
 BACKEND = typer.Option("auto", "--backend", help="auto, torch or cuda.")
 DEVICE = typer.Option(0, "--device", help="CUDA device index.")
+DEVICES = typer.Option(None, "--devices",
+                       help="Pipeline stages: one per listed device, 2 to 8 (CUDA indices such as 0,1; cpu,cpu on "
+                            "the torch backend); overrides --device.")
+STAGE_LAYERS = typer.Option(None, "--stage-layers",
+                            help="Layers per --devices stage, in order (default: split by each device's free "
+                                 "memory; on CPU, evenly).")
 NO_CUDA_GRAPH = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend).")
 DEVICE_PROFILE = typer.Option("auto", "--device-profile",
                               help="cuda route profile: auto (stored one; calibrate a GPU without one), off "

@@ -8,10 +8,10 @@ from typing import List, Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE,
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DEVICES, DRAFT_TOKENS, DTYPE,
                                NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX, SPEC_NGRAM_MIN,
-                               THREADS, prepare_threads, sampling_from_flags, spec_from_flags, split_model_and_text,
-                               stderr_log)
+                               STAGE_LAYERS, THREADS, prepare_threads, sampling_from_flags, spec_from_flags,
+                               split_model_and_text, stderr_log)
 from ninfer.errors import ConfigError
 
 
@@ -37,6 +37,8 @@ def run(
                                               help="Constrain the answer to a JSON Schema (a file or inline JSON; {} for any JSON object)."),
     backend: str = BACKEND,
     device: int = DEVICE,
+    devices: Optional[str] = DEVICES,
+    stage_layers: Optional[str] = STAGE_LAYERS,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
     spec: Optional[str] = SPEC,
@@ -75,7 +77,8 @@ def run(
     spec_config = spec_from_flags(spec, draft_tokens, spec_ngram_min, spec_ngram_max)
     loaded = load_engine(model, backend=backend, device=device, scheduler=SchedulerConfig(max_concurrency=1),
                          announce=not json_out, cuda_graph=not no_cuda_graph, dtype=dtype, spec=spec_config,
-                         threads=threads or None, device_profile=profile, log=stderr_log)
+                         threads=threads or None, device_profile=profile, log=stderr_log, devices=devices,
+                         stage_layers=stage_layers)
     sampling = sampling_from_flags(**flags, preset=loaded.meta.sampler_presets.get("default"))
     tok = loaded.tokenizer
     try:

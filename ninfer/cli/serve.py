@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 import typer
 
-from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DRAFT_TOKENS, DTYPE,
+from ninfer.cli.common import (BACKEND, DEVICE, DEVICE_PROFILE, DEVICE_PROFILE_PATH, DEVICES, DRAFT_TOKENS, DTYPE,
                                NO_CUDA_GRAPH, SPEC, SPEC_NGRAM_MAX,
-                               SPEC_NGRAM_MIN, THREADS, prepare_threads, spec_from_flags)
+                               SPEC_NGRAM_MIN, THREADS, STAGE_LAYERS, prepare_threads, spec_from_flags)
 from ninfer.errors import ConfigError
 
 
@@ -133,6 +133,8 @@ def serve(
                                          help="Seed a new request's matching prefix from the disk tier."),
     backend: str = BACKEND,
     device: int = DEVICE,
+    devices: Optional[str] = DEVICES,
+    stage_layers: Optional[str] = STAGE_LAYERS,
     no_cuda_graph: bool = NO_CUDA_GRAPH,
     dtype: str = DTYPE,
     spec: Optional[str] = SPEC,
@@ -213,6 +215,9 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
     if p["device"] < 0:
         raise ConfigError("--device must be >= 0")
     resolve_dtype(p["dtype"])  # a bad value fails before the server starts
+    from ninfer.engine.stages import Pipeline
+    if Pipeline.from_flags(p["devices"], p["stage_layers"], p["backend"]) is not None and p["model_suspend"]:
+        raise ConfigError("--model-suspend with --devices is not supported yet")
     profile = ProfileRequest.from_flags(p["device_profile"], p["device_profile_path"])
     from ninfer.engine.loader import KV_DTYPES
     if p["kv_dtype"] not in KV_DTYPES:
@@ -271,7 +276,8 @@ def model_setup(p: dict[str, Any]) -> tuple[Any, Callable[[], Any]]:
         loaded = load_engine(p["model"], backend=p["backend"], scheduler=scheduler, kv_capacity=kv, device=p["device"],
                              chat_template=p["chat_template"], cuda_graph=not p["no_cuda_graph"], dtype=p["dtype"],
                              rope=rope, spec=spec_config, threads=p["threads"] or None, device_profile=profile,
-                             memory=memory, kv_dtype=p["kv_dtype"])
+                             memory=memory, kv_dtype=p["kv_dtype"], devices=p["devices"],
+                             stage_layers=p["stage_layers"])
         if fault:
             from ninfer.engine.fault import fail_after_batches
             fail_after_batches(loaded.engine, int(fault))

@@ -247,8 +247,9 @@ class Artifact:
         _validate_tensors(path, meta, stored)
         return cls(path, meta, payload_bytes)
 
-    def load_parts(self, device: str | torch.device = "cpu") -> dict[str, dict[str, torch.Tensor]]:
-        """name -> {suffix: stored tensor} for every expected weight."""
+    def load_parts(self, device: str | torch.device = "cpu",
+                   names: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """name -> {suffix: stored tensor} for every expected weight (only `names`, when given)."""
         from safetensors import safe_open
 
         from safetensors import SafetensorError
@@ -257,7 +258,8 @@ class Artifact:
         try:
             with safe_open(str(self.path), framework="pt", device=str(device)) as f:
                 for name, fmt in self.meta.tensor_formats.items():
-                    parts[name] = {s: f.get_tensor(name + s) for s in fmt.stored_dtypes()}
+                    if names is None or name in names:
+                        parts[name] = {s: f.get_tensor(name + s) for s in fmt.stored_dtypes()}
         except (SafetensorError, OSError) as e:  # changed or damaged since it was opened
             raise ArtifactError(f"{self.path}: cannot read its tensors ({e})") from None
         return parts

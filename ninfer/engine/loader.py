@@ -57,6 +57,7 @@ class LoadedModel:
     facts: ModelFacts
     threads: int = 0  # CPU threads the torch backend computes with (0: not a CPU backend)
     device_profile: str = ""  # the cuda backend's profile in use (DeviceProfile.source); "" on torch
+    devices: tuple[str, ...] = ()  # --devices: one pipeline stage per entry (empty: one device)
 
 
 def model_facts(artifact, tokenizer: Tokenizer, max_context: int) -> ModelFacts:
@@ -119,21 +120,20 @@ def resolve_dtype(name: str):
 
 
 def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_per_token: int,
-                     device: str) -> int:
+                     device: str, stages: tuple | None = None) -> int:
     """Pages in the shared KV pool. None: follow --max-context; "auto": device memory (CUDA: free
-    memory less 1 GiB headroom; CPU: a quarter of available RAM), capped at 8 lanes x max_context."""
+    memory less 1 GiB headroom; CPU: a quarter of available RAM), capped at 8 lanes x max_context.
+    stages: (layer kinds, devices, layers per stage) of a --devices split, whose pages every
+    device holds for its own stages' layers: auto takes what the tightest device allows."""
     if kv_capacity is None:
         tokens = max_context
     elif kv_capacity == "auto":
-        import torch
-
-        if device.startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info(torch.device(device))
-            budget = free - (1 << 30)
+        if stages is not None:
+            from ninfer.engine.stages import auto_kv_tokens
+            tokens = auto_kv_tokens(*stages, kv_bytes_per_token, _kv_budget)
         else:
-            import os
-            budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-        tokens = min(max(budget, 0) // max(kv_bytes_per_token, 1), 8 * max_context)
+            tokens = _kv_budget(device) // max(kv_bytes_per_token, 1)
+        tokens = min(tokens, 8 * max_context)
     elif isinstance(kv_capacity, int) and not isinstance(kv_capacity, bool) and kv_capacity > 0:
         tokens = kv_capacity
     else:
@@ -142,6 +142,17 @@ def resolve_kv_pages(kv_capacity: int | str | None, max_context: int, kv_bytes_p
     if pages * PAGE_SIZE < PAGE_SIZE:
         raise ConfigError("--kv-capacity leaves no room for a single KV page")
     return pages
+
+
+def _kv_budget(device: str) -> int:
+    """Bytes --kv-capacity auto gives the KV pool on `device`."""
+    import torch
+
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return max(free - (1 << 30), 0)
+    import os
+    return max(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4, 0)
 
 
 def resolve_state_slots(config, scheduler: SchedulerConfig) -> int:
@@ -168,14 +179,17 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                 threads: int | None = None,
                 device_profile: ProfileRequest | None = None,
                 log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None,
-                kv_dtype: str = "auto") -> LoadedModel:
+                kv_dtype: str = "auto", devices: str | None = None, stage_layers: str | None = None) -> LoadedModel:
     """Load `model` (None: the default model) and start an Engine over it. `rope`: the serve
-    options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec)."""
+    options' RoPE scaling, in place of the model's own; `spec`: speculative decoding (--spec);
+    devices / stage_layers: the --devices and --stage-layers values (pipeline stages)."""
     if cache_dir is None:
         from ninfer.paths import cache_dir as default_cache_dir
         cache_dir = default_cache_dir()
     backend, torch_device = resolve_backend(backend, device)
     compute_dtype = resolve_dtype(dtype)
+    from ninfer.engine.stages import Pipeline
+    pipeline = Pipeline.from_flags(devices, stage_layers, backend)
     path = resolve_model(model, cache_dir, announce=announce)
     artifact = Artifact.open(path)
     if chat_template is not None:
@@ -185,7 +199,8 @@ def load_engine(model: str | None, *, backend: str = "auto", scheduler: Schedule
                         scheduler=scheduler or SchedulerConfig(), kv_capacity=kv_capacity,
                         cuda_graph=cuda_graph, kernel_cache_dir=cache_dir / "kernels", dtype=compute_dtype,
                         rope=rope, spec=spec, threads=threads,
-                        device_profile=device_profile, cache_dir=cache_dir, log=log, memory=memory, kv_dtype=kv_dtype)
+                        device_profile=device_profile, cache_dir=cache_dir, log=log, memory=memory, kv_dtype=kv_dtype,
+                        pipeline=pipeline)
 
 
 def start_engine(artifact, *, backend: str, torch_device: str, scheduler: SchedulerConfig,
@@ -194,7 +209,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                  spec: SpecConfig | None = None, threads: int | None = None,
                  device_profile: ProfileRequest | None = None, cache_dir: Path | None = None,
                  log: Callable[[str], None] | None = None, memory: MemoryConfig | None = None,
-                 kv_dtype: str = "auto") -> LoadedModel:
+                 kv_dtype: str = "auto", pipeline=None) -> LoadedModel:
     """Build runner, tokenizer and Engine over an opened artifact (or a SyntheticArtifact) and start it.
     dtype: None (the backend's default) or a torch dtype from `resolve_dtype`. rope: RoPE scaling
     options (the default context and the KV pool follow the native window whatever they say).
@@ -202,7 +217,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     threads: CPU threads of the torch backend on CPU (None or 0: the plan `cpu_threads.prepare`
     made, else chosen now from the free cores). device_profile: how the cuda backend finds its
     route profile (None: the built-in defaults; the CLI's default is auto); `log` gets the line
-    naming it (default: the "ninfer" logger)."""
+    naming it (default: the "ninfer" logger). pipeline: a `stages.Pipeline` (--devices), whose
+    first device replaces torch_device."""
     from ninfer.engine import cpu_threads
     from ninfer.engine.backends.torch_runner import kv_bytes_per_token
     from ninfer.engine.engine import Engine
@@ -221,8 +237,18 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     tokenizer = Tokenizer.from_metadata(meta)
     tokenizer.token_bytes(0)  # build the byte table now (~0.4 s), not on the first request's first token
     check_kv_dtype(kv_dtype, backend, dtype)
+    devices = split = stages = None
+    if pipeline is not None:
+        from ninfer.engine.models import state_spec
+        kinds = state_spec(meta.config).kinds
+        split = pipeline.check(backend, len(kinds))
+        devices = list(pipeline.devices)
+        torch_device = devices[0]
+        if spec is not None and spec.method == "mtp":
+            raise ConfigError("--spec mtp with --devices is not supported yet (use --spec lookup)")
+        stages = (kinds, devices, split)
     bytes_per_token = kv_bytes_per_token(meta.config, torch_device, dtype, kv_dtype)  # the same for both backends
-    num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device)
+    num_pages = resolve_kv_pages(kv_capacity, max_context, bytes_per_token, torch_device, stages)
     num_state_slots = resolve_state_slots(meta.config, scheduler)
     on_cpu = backend != "cuda" and torch_device == "cpu"
     plan = None
@@ -247,6 +273,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
                                    cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir,
                                    num_state_slots=num_state_slots, profile=profile, kv_dtype=kv_dtype,
                                    max_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "lookup" else 0,
+                                   devices=devices, stage_layers=split,
                                    **({"dtype": dtype} if dtype is not None else {}))
         from ninfer.engine.backends.torch_runner import TorchModelRunner
         adapter = None
@@ -255,7 +282,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
             adapter = cpu_threads.ThreadAdapter(plan) if plan.source == "measured" else None
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
                                 num_state_slots=num_state_slots, thread_adapter=adapter,
-                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0, kv_dtype=kv_dtype)
+                                mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0, kv_dtype=kv_dtype,
+                                devices=devices, stage_layers=split)
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec, memory=memory,
@@ -263,7 +291,8 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
     return LoadedModel(engine=engine, tokenizer=tokenizer, meta=meta, path=artifact.path, model_id=meta.model_id,
                        max_context=max_context, backend=backend, device=torch_device, facts=facts,
                        threads=plan.threads if plan is not None else 0,
-                       device_profile=profile.source if profile is not None else "")
+                       device_profile=profile.source if profile is not None else "",
+                       devices=tuple(devices or ()))
 
 
 def check_start_up_inputs(artifact, chat_template_option: str | None) -> None:

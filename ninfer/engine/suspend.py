@@ -194,14 +194,15 @@ class HostWeights:
         self.nbytes = sum(t.numel() * t.element_size() for parts in self._parts.values() for t in parts.values())
         self.payload_bytes = 0  # a resume from here reads no file
 
-    def load_parts(self, device: Any = "cpu") -> dict[str, dict[str, Any]]:
+    def load_parts(self, device: Any = "cpu", names: set[str] | None = None) -> dict[str, dict[str, Any]]:
         import torch
 
         device = torch.device(device)
+        chosen = {n: p for n, p in self._parts.items() if names is None or n in names}
         if device.type == "cpu":
-            return {name: dict(parts) for name, parts in self._parts.items()}
+            return {name: dict(parts) for name, parts in chosen.items()}
         return {name: {s: t.to(device, non_blocking=True) for s, t in parts.items()}
-                for name, parts in self._parts.items()}
+                for name, parts in chosen.items()}
 
 
 def reserve(caches: dict[str, list[Any]], device: Any) -> dict[str, list[Any]]:

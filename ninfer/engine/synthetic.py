@@ -175,11 +175,18 @@ class SyntheticArtifact:
                    for name, fmt in self.meta.tensor_formats.items()
                    for suffix, stored in fmt.stored_shapes(self._shapes[name]).items())
 
-    def load_parts(self, device: str | torch.device = "cpu") -> dict[str, dict[str, torch.Tensor]]:
+    def load_parts(self, device: str | torch.device = "cpu",
+                   names: set[str] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """Every weight (only `names`, when given: the others are still drawn, one at a time, so
+        that a pipeline stage's weights are the same values as the whole model's)."""
         device = str(device)
         gen = torch.Generator(device=device).manual_seed(self.seed)
-        return {name: quantize(self._tensor(name, gen, device), fmt)
-                for name, fmt in self.meta.tensor_formats.items()}
+        parts = {}
+        for name, fmt in self.meta.tensor_formats.items():
+            t = self._tensor(name, gen, device)
+            if names is None or name in names:
+                parts[name] = quantize(t, fmt)
+        return parts
 
     def load_dequantized(self, dtype: torch.dtype = torch.float32,
                          device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

@@ -144,6 +144,7 @@ async def handle_props(call: Call) -> None:
         },
         "total_slots": state.loaded.engine.snapshot().max_concurrency,
         "kv_cache": kv_cache_props(state.loaded.engine),
+        "devices": device_memory(state.loaded.engine),
         "model_alias": state.model_id,
         "model_path": state.config.model_path or state.loaded.facts.path,
         "modalities": {"vision": False, "audio": False},
@@ -163,6 +164,26 @@ def kv_cache_props(engine: Any) -> dict[str, Any]:
     return {"dtype": str(tensors[0].dtype).removeprefix("torch.") if tensors else None,
             "bytes_per_token": getattr(runner, "kv_bytes_per_token", None),
             "capacity_tokens": snap.kv_capacity_tokens, "page_tokens": snap.kv_page_tokens}
+
+
+def device_memory(engine: Any) -> list[dict[str, Any]]:
+    """Per pipeline stage (one without --devices): its device, layers [first, last] and the bytes
+    of its weights, KV pages and recurrent state on that device."""
+    report = getattr(getattr(engine, "runner", None), "device_memory", None)
+    return report() if report is not None else []
+
+
+def _device_series(lines: list[str], stages: list[dict[str, Any]]) -> None:
+    """ninfer:device_memory_bytes{device, kind}: the stages' bytes summed per device."""
+    totals: dict[tuple[str, str], int] = {}
+    for st in stages:
+        for kind in ("weights", "kv", "state"):
+            key = (st["device"], kind)
+            totals[key] = totals.get(key, 0) + st[f"{kind}_bytes"]
+    lines.append("# HELP ninfer:device_memory_bytes bytes of weights, KV pages and recurrent state per device")
+    lines.append("# TYPE ninfer:device_memory_bytes gauge")
+    for (device, kind), v in sorted(totals.items()):
+        lines.append(f'ninfer:device_memory_bytes{{device="{device}",kind="{kind}"}} {v}')
 
 
 def load_report(call: Call, obj: str) -> dict[str, Any]:
@@ -247,6 +268,12 @@ async def handle_slots(call: Call) -> None:
     lane_at = dict(zip(order, sorted(snap.lanes, key=lambda lane: lane.lane)))
     digests: dict[int, tuple[str, ...]] = {}
     slots: list[dict[str, Any]] = []
+    per_page: dict[str, int] = {}  # pipeline stages: K/V bytes of one page on each device
+    stages = device_memory(state.loaded.engine)
+    pages = getattr(getattr(state.loaded.engine, "runner", None), "num_pages", 0)
+    if len(stages) > 1 and pages:
+        for st in stages:
+            per_page[st["device"]] = per_page.get(st["device"], 0) + st["kv_bytes"] // pages
     for i in range(count):
         entry: dict[str, Any] = {"id": i, "n_ctx": snap.max_context, "speculative": snap.spec_method is not None,
                                  "is_processing": i in lane_at, "retained": i in cells,
@@ -268,6 +295,8 @@ async def handle_slots(call: Call) -> None:
             # the session depth as both counts
             entry.update(session_digest=session, checkpoints=checkpoints, n_pages=c.n_pages,
                          n_prompt_tokens=len(c.session), n_prompt_tokens_cache=len(c.session))
+            if per_page:  # --devices: the K/V bytes the cell's pages hold on each device
+                entry["device_kv_bytes"] = {d: c.n_pages * b for d, b in per_page.items()}
         lane = lane_at.get(i)
         if lane is not None:
             entry.update(lane=lane.lane, id_task=lane.request_id, n_prompt_tokens=lane.n_prompt_tokens,
@@ -357,6 +386,7 @@ def metrics_text(call: Call) -> str:
             snap.state_slots_total)
     _series(L, "ninfer:state_slots_used", "gauge",
             "recurrent-state slots held by admitted requests and retained checkpoints", snap.state_slots_used)
+    _device_series(L, device_memory(state.loaded.engine))
     return "\n".join(L) + "\n"
 
 

@@ -24,10 +24,13 @@ class DecodeState:
     decode cu_seqlens 0..R (R + 1) and the block tables [R, max_pages]; f32 holds temperature, top_p,
     min_p, presence, frequency; i64 holds seeds and steps. Each is filled by one host->device copy
     of its used prefix. masks: the rows' packed token bitmasks (every bit set without a grammar).
+    hidden > 0 (pipeline stages): hidden_in / hidden_out and normed_in / normed_out [rows, hidden],
+    the residual rows and normed rows a stage takes from the previous one and leaves for the next.
     """
 
     def __init__(self, *, vocab: int, heads: int, head_dim: int, max_pages: int, max_parts: int,
-                 device: torch.device, rows: int = MAX_DECODE_ROWS) -> None:
+                 device: torch.device, rows: int = MAX_DECODE_ROWS, hidden: int = 0,
+                 hidden_dtype: torch.dtype = torch.bfloat16) -> None:
         R = self.rows = rows
         self.HEAD = 7 * R + 1  # int32 entries before the block tables
         self.max_pages = max_pages
@@ -51,6 +54,8 @@ class DecodeState:
         self._part_out = torch.empty(R * heads * max_parts * head_dim, dtype=torch.float32, device=device)
         self._part_ml = torch.empty(R * heads * max_parts * 2, dtype=torch.float32, device=device)
         self._heads, self._head_dim = heads, head_dim
+        self.hidden_in, self.hidden_out, self.normed_in, self.normed_out = (
+            torch.zeros(R if hidden else 0, hidden, dtype=hidden_dtype, device=device) for _ in range(4))
 
     def workspace(self, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous fp32 views [n, heads, parts, head_dim] and [n, heads, parts, 2]."""
@@ -79,16 +84,18 @@ class DecodeGraphs:
         self.enabled = enabled
         self._graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._stream = None  # the capture stream, on this device (torch's shared default is one device's)
         self.captures = 0  # graphs captured so far (tests, logs)
 
     def run(self, n: int, parts: int, width: int = 1) -> None:
-        if not self.enabled:
-            self.step(n, parts, width)
-            return
         graph = self._graphs.get((n, parts, width))
-        if graph is None:
-            graph = self._capture(n, parts, width)
-        graph.replay()
+        with torch.cuda.device(self.device):  # our kernels launch on the current device's stream
+            if not self.enabled:
+                self.step(n, parts, width)
+                return
+            if graph is None:
+                graph = self._capture(n, parts, width)
+            graph.replay()
 
     def widths(self) -> set[int]:
         """The verify widths captured so far (1: plain decode)."""
@@ -106,6 +113,7 @@ class DecodeGraphs:
         current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the server's other threads may touch CUDA (stats) while this thread captures.
         # No garbage collection during the capture (torch collects just before it begins): a cycle
@@ -114,7 +122,7 @@ class DecodeGraphs:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 self.step(n, parts, width)
         finally:
             if collecting:
@@ -122,3 +130,30 @@ class DecodeGraphs:
         self._graphs[(n, parts, width)] = graph
         self.captures += 1
         return graph
+
+
+class StagedGraphs:
+    """The decode step of pipeline stages (engine/stages.py): each stage's DecodeGraphs on its own
+    device, replayed in order, `hand_off(i, rows)` passing stage i's residual rows to stage i + 1
+    between them (a graph cannot span devices, so the copy runs between the replays)."""
+
+    def __init__(self, stages: list[DecodeGraphs], hand_off: Callable[[int, int], None]) -> None:
+        self.stages = stages
+        self.hand_off = hand_off
+
+    @property
+    def enabled(self) -> bool:
+        return self.stages[0].enabled
+
+    @property
+    def captures(self) -> int:
+        return sum(g.captures for g in self.stages)
+
+    def widths(self) -> set[int]:
+        return set().union(*(g.widths() for g in self.stages))
+
+    def run(self, n: int, parts: int, width: int = 1) -> None:
+        for i, graphs in enumerate(self.stages):
+            if i:
+                self.hand_off(i - 1, n * width)
+            graphs.run(n, parts, width)

@@ -26,15 +26,18 @@ import numpy as np
 import torch
 
 from ninfer.engine.backends import vmm
-from ninfer.engine.backends.cuda_graphs import MAX_DECODE_ROWS, DecodeGraphs, DecodeState
+from ninfer.engine.backends.cuda_graphs import MAX_DECODE_ROWS, DecodeGraphs, DecodeState, StagedGraphs
 from ninfer.engine.backends.torch_runner import check_state_slots, release_device_memory, tensor_bytes
 from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.cuda_ops import DTYPES, CudaContext, CudaOps
+from ninfer.engine.ops.torch_ops import copy_rows
 from ninfer.engine.sampler import fill_mask_row, logprob_records
 from ninfer.engine.speculative import MAX_DRAFT_TOKENS, commit, position_rows
+from ninfer.engine.stages import (Stage, StagePlan, build_stages, copy_across, forward_stages,
+                                  memory_split, plan_stages, stage_forward, stage_memory, whole_model)
 from ninfer.engine.transfer import indexable
 from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError, NInferError
@@ -60,17 +63,23 @@ class CudaModelRunner:
     sizes the step buffers (MAX_DECODE_ROWS x (max_draft_tokens + 1) rows) and a hybrid model's
     per-row verify states.
     profile: the device profile's route choices (kernels/profile.py; None: the defaults).
+    devices / stage_layers: pipeline stages (--devices, --stage-layers; engine/stages.py): one stage
+    per CUDA device (a device may repeat), stage_layers layers each (None: split by free memory);
+    `device` is then ignored. Each stage holds its layers' weights, K/V pages and recurrent state on
+    its device and its own decode buffers and CUDA graphs; the last one holds the sampler.
     """
 
     def __init__(self, artifact, *, num_pages: int, page_size: int = 64, device: str = "cuda",
                  cuda_graph: bool = True, kernel_cache_dir: Path | None = None,
                  dtype: torch.dtype = torch.bfloat16, num_state_slots: int = 0, max_draft_tokens: int = 0,
-                 profile: DeviceProfile | None = None, kv_dtype: str = "auto") -> None:
+                 profile: DeviceProfile | None = None, kv_dtype: str = "auto", devices: list[str] | None = None,
+                 stage_layers: list[int] | None = None) -> None:
         # what a resume after a suspend builds again (engine/suspend.py)
         self._build_args = (artifact, dict(num_pages=num_pages, page_size=page_size, device=device,
                                            cuda_graph=cuda_graph, kernel_cache_dir=kernel_cache_dir, dtype=dtype,
                                            num_state_slots=num_state_slots, max_draft_tokens=max_draft_tokens,
-                                           profile=profile, kv_dtype=kv_dtype))
+                                           profile=profile, kv_dtype=kv_dtype, devices=devices,
+                                           stage_layers=stage_layers))
         if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
             raise ConfigError(f"max_draft_tokens must be in 0..{MAX_DRAFT_TOKENS}")
         self.max_draft_tokens = max_draft_tokens
@@ -82,10 +91,11 @@ class CudaModelRunner:
         if dtype not in DTYPES:
             raise ConfigError(f"the cuda backend computes in bfloat16 or float32, not {dtype}")
         self.dtype = dtype
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            raise ConfigError(f"the cuda backend runs on a CUDA device, got {device!r}")
-        self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        if any(torch.device(d).type != "cuda" for d in devices or [device]):
+            raise ConfigError(f"the cuda backend runs on CUDA devices, got {','.join(devices or [device])!r}")
+        names = [torch.device(d) for d in devices or [device]]
+        names = [torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device()) for d in names]
+        self.device = names[-1]  # the last stage's: logits and the sampler
         c: ModelConfig = artifact.meta.config
         check_state_slots(c, num_state_slots)
         self.config = c
@@ -102,26 +112,80 @@ class CudaModelRunner:
         self.profile = profile if profile is not None else DeviceProfile()
         self.partition = self.profile.attention_partition
         self._check_shapes(c)
-        self.kc = KernelCompiler(kernel_cache_dir if kernel_cache_dir is not None else default_cache_dir(),
-                                 device=self.device.index)
-        with torch.cuda.device(self.device), torch.inference_mode():
-            self.ops = CudaOps(self.kc, c, dtype, self.device, self.profile)
-            self.model = architecture(c).model.load(WeightReader(artifact, self.ops, self.device), c)
+        cache = kernel_cache_dir if kernel_cache_dir is not None else default_cache_dir()
+        self.kcs = {d.index: KernelCompiler(cache, device=d.index) for d in names}  # one per device
+        self.kc = self.kcs[self.device.index]
+        with torch.inference_mode():
+            if devices:
+                plans = plan_stages(self.spec.kinds, [str(d) for d in names],
+                                    stage_layers or memory_split(len(self.spec.kinds), [str(d) for d in names]))
+                self.stages = build_stages(artifact, plans, self._stage_ops, architecture(c).model)
+            else:
+                with torch.cuda.device(self.device):
+                    ops = self._stage_ops(None, c)
+                    self.stages = [Stage(whole_model(self.spec.kinds, str(self.device)), c, ops,
+                                         architecture(c).model.load(WeightReader(artifact, ops, self.device), c))]
+            self.ops, self.model = self.stages[-1].ops, self.stages[-1].model  # the lm_head's stage
             self.k_cache, self.v_cache, self.k_scale, self.v_scale = self._kv(num_pages)
             self.conv, self.ssm = self._states(self.num_state_slots)
             self.max_context = min(c.max_position_embeddings, num_pages * page_size)
             rows = MAX_DECODE_ROWS * (max_draft_tokens + 1)
-            self.state = DecodeState(vocab=c.vocab_size, heads=c.num_attention_heads, head_dim=c.head_dim,
-                                     max_pages=-(-self.max_context // page_size),
-                                     max_parts=L.attention_parts(self.max_context, self.partition), device=self.device, rows=rows)
+            # per stage its decode buffers on its device; the last one's also hold the sampler's
+            self.stage_states = [DecodeState(
+                vocab=c.vocab_size if s.plan.last else 1, heads=c.num_attention_heads, head_dim=c.head_dim,
+                max_pages=-(-self.max_context // page_size),
+                max_parts=L.attention_parts(self.max_context, self.partition),
+                device=torch.device(s.device), rows=rows, hidden=c.hidden_size if len(self.stages) > 1 else 0,
+                hidden_dtype=dtype) for s in self.stages]
+            self.state = self.stage_states[-1]
             # a hybrid model's recurrent state after each verify row (restores a rejected tail)
             self.verify_conv, self.verify_ssm = self._states(rows if max_draft_tokens else 0)
         self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
-        self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=cuda_graph,
-                                   preserve=self._preserve_states if self.spec.recurrent else None)
+        graphs = [self._stage_graphs(i, cuda_graph) for i in range(len(self.stages))]
+        self.graphs = graphs[0] if len(graphs) == 1 else StagedGraphs(graphs, self._hand_off)
         self._arenas: dict[str, vmm.Adopted] | None = None  # fix_addresses
         self._stash: dict[str, object] | None = None  # the objects over the arenas while suspended
         self._arenas_refused = False
+
+    def _stage_graphs(self, i: int, enabled: bool) -> DecodeGraphs:
+        """Stage i's decode graphs (captured on first use) on its device."""
+        s = self.stages[i]
+        return DecodeGraphs(lambda n, parts, width=1: self._stage_step(i, n, parts, width), torch.device(s.device),
+                            enabled=enabled, preserve=(lambda n: self._preserve_states(i, n))
+                            if s.plan.recurrent[1] > s.plan.recurrent[0] else None)
+
+    def _stage_ops(self, plan: StagePlan | None, config: ModelConfig) -> CudaOps:
+        device = torch.device(plan.device) if plan is not None else self.device
+        return CudaOps(self.kcs[device.index], config, self.dtype, device, self.profile)
+
+    def _hand_off(self, i: int, rows: int) -> None:
+        """Decode: stage i's residual and normed rows into stage i + 1's input buffers (peer or host copy)."""
+        here, there = self.stage_states[i], self.stage_states[i + 1]
+        copy_across(there.hidden_in[:rows], here.hidden_out[:rows])
+        copy_across(there.normed_in[:rows], here.normed_out[:rows])
+
+    def device_memory(self) -> list[dict]:
+        """Per stage (one without --devices): device, layers, bytes of weights, KV and state."""
+        if self.stages is None:  # suspended
+            return []
+        if getattr(self, "_memory", None) is None or self._memory[0] is not self.stages:
+            kv, states = [], []
+            for s in self.stages:
+                p = self._pools(s.plan, self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.conv, self.ssm)
+                kv.append([*p["k_cache"], *p["v_cache"], *p["k_scale"], *p["v_scale"]])
+                states.append([*p["conv"], *p["ssm"]])
+            self._memory = (self.stages, stage_memory(self.stages, kv, states))
+        return self._memory[1]
+
+    @staticmethod
+    def _pools(plan: StagePlan, k_cache, v_cache, k_scale, v_scale, conv, ssm, verify_conv=None,
+               verify_ssm=None) -> dict:
+        """A stage's slice of per-layer pools, as CudaContext fields (its layers' own numbering)."""
+        (a0, a1), (r0, r1) = plan.attention, plan.recurrent
+        return {"k_cache": k_cache[a0:a1], "v_cache": v_cache[a0:a1], "k_scale": k_scale[a0:a1],
+                "v_scale": v_scale[a0:a1], "conv": conv[r0:r1], "ssm": ssm[r0:r1],
+                **({"verify_conv": verify_conv[r0:r1], "verify_ssm": verify_ssm[r0:r1]}
+                   if verify_conv is not None else {})}
 
     # ---- suspend (engine/suspend.py): give the device memory back, take it again -------------
 
@@ -139,8 +203,8 @@ class CudaModelRunner:
 
     def resident_bytes(self) -> int:
         """Device bytes a suspend releases: weights, KV and state pools, step inputs (graph pools not counted)."""
-        return tensor_bytes((self.model, self.ops, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
-                             self.conv, self.ssm, self.state,
+        return tensor_bytes((self.stages, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                             self.conv, self.ssm, self.stage_states,
                              self.verify_conv, self.verify_ssm))
 
     @torch.inference_mode()
@@ -152,6 +216,8 @@ class CudaModelRunner:
         device with `weights_to_host`), then the arenas' physical memory is released; the CUDA
         Graphs stay. Otherwise weights, pools, step state and graphs are dropped.
         -> (snapshot, its state bytes, weight bytes)."""
+        if len(self.stages) > 1:
+            raise ValueError("suspend with --devices is not supported yet")
         if self._arenas is not None:
             return self._release_fixed(pages, slots, reserved, weights_to_host)
         with torch.cuda.device(self.device):
@@ -159,7 +225,7 @@ class CudaModelRunner:
             torch.cuda.synchronize(self.device)
             weight_bytes = tensor_bytes((self.model, self.ops))
             for name in ("model", "ops", "k_cache", "v_cache", "k_scale", "v_scale", "conv", "ssm", "state",
-                         "verify_conv", "verify_ssm", "graphs"):
+                         "verify_conv", "verify_ssm", "graphs", "stages", "stage_states"):
                 setattr(self, name, None)
             release_device_memory(self.device)
         return snapshot, snapshot_bytes(snapshot), weight_bytes
@@ -185,7 +251,7 @@ class CudaModelRunner:
     # ---- fixed addresses (backends/vmm.py): what a suspend releases stays where it was ----------
 
     _SUSPENDED = ("model", "ops", "k_cache", "v_cache", "k_scale", "v_scale", "conv", "ssm", "state",
-                  "verify_conv", "verify_ssm")
+                  "verify_conv", "verify_ssm", "stages", "stage_states")
 
     @property
     def fixed_addresses(self) -> bool:
@@ -200,7 +266,7 @@ class CudaModelRunner:
         also held from elsewhere: a suspend then rebuilds the runner."""
         if self._arenas is not None:
             return True
-        if self._arenas_refused:
+        if self._arenas_refused or len(self.stages) > 1:
             return False
         self._arenas_refused = True  # until it succeeds: asked once, logged once
         if not vmm.supported(self.device):
@@ -226,8 +292,7 @@ class CudaModelRunner:
                 log.warning("model suspend: fixed addresses failed (%s); a resume rebuilds the runner", e)
                 return False
             if self.graphs is not None and self.graphs.captures:
-                self.graphs = DecodeGraphs(self._decode_step, self.device, enabled=self.graphs.enabled,
-                                           preserve=self._preserve_states if self.spec.recurrent else None)
+                self.graphs = self._stage_graphs(0, self.graphs.enabled)
         self._arenas, self._arenas_refused = arenas, False
         log.debug("model suspend: %s at fixed addresses",
                   ", ".join(f"{name} {a.arena.nbytes / 2**20:.0f} MiB" for name, a in arenas.items()))
@@ -304,29 +369,38 @@ class CudaModelRunner:
             raise ConfigError(f"the cuda backend's delta rule takes key/value head dims 64 or 128 and conv widths "
                               f"up to 8; this model has {r.key_dim}/{r.value_dim} and {r.conv_kernel}")
 
+    def _layer_devices(self, kind: str) -> list[torch.device]:
+        """The device of each attention (kind "attention") or linear-attention layer, by stage."""
+        out = []
+        for s in self.stages:
+            lo, hi = s.plan.attention if kind == "attention" else s.plan.recurrent
+            out += [torch.device(s.device)] * (hi - lo)
+        return out
+
     def _kv(self, pages: int) -> tuple[list[torch.Tensor], ...]:
         """K and V caches per attention layer [pages, page_size, kv_heads, head_dim] in the compute
-        dtype, or int8 / float8_e4m3fn codes with f16 scales [pages, page_size, kv_heads] (--kv-dtype)."""
+        dtype, or int8 / float8_e4m3fn codes with f16 scales [pages, page_size, kv_heads] (--kv-dtype);
+        each on its stage's device."""
         a = self.spec.attention
         shape = (pages, self.page_size, a.kv_heads, a.head_dim)
-        n = self.spec.num_attention_layers
+        devices = self._layer_devices("attention")
         store = KV_STORAGE[self.kv_storage] or self.dtype
         codes = self.kv_storage in ("int8", "fp8")
 
         def scales() -> list[torch.Tensor]:
-            return [torch.zeros(shape[:3], dtype=torch.float16, device=self.device) for _ in range(n)] if codes else []
+            return [torch.zeros(shape[:3], dtype=torch.float16, device=d) for d in devices] if codes else []
 
-        return ([torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)],
-                [torch.zeros(shape, dtype=store, device=self.device) for _ in range(n)], scales(), scales())
+        return ([torch.zeros(shape, dtype=store, device=d) for d in devices],
+                [torch.zeros(shape, dtype=store, device=d) for d in devices], scales(), scales())
 
     def _states(self, slots: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        r, n = self.spec.recurrent, self.spec.num_recurrent_layers
+        r = self.spec.recurrent
         if r is None:
             return [], []
-        return ([torch.zeros(slots, r.conv_dim, r.conv_kernel - 1, dtype=self.dtype, device=self.device)
-                 for _ in range(n)],
-                [torch.zeros(slots, r.value_heads, r.key_dim, r.value_dim, dtype=torch.float32, device=self.device)
-                 for _ in range(n)])
+        devices = self._layer_devices("recurrent")
+        return ([torch.zeros(slots, r.conv_dim, r.conv_kernel - 1, dtype=self.dtype, device=d) for d in devices],
+                [torch.zeros(slots, r.value_heads, r.key_dim, r.value_dim, dtype=torch.float32, device=d)
+                 for d in devices])
 
     # -- public ------------------------------------------------------------------------------
 
@@ -368,8 +442,7 @@ class CudaModelRunner:
         with torch.cuda.device(self.device), torch.inference_mode():
             src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
             dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
-            for t in map(indexable, tensors):
-                t.index_copy_(0, dst, t.index_select(0, src))
+            copy_rows(list(map(indexable, tensors)), src, dst)  # each layer on its stage's device
 
     def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [T, vocab] float32 for a fresh single sequence, on private pages and state (the
@@ -424,7 +497,7 @@ class CudaModelRunner:
                 group = decode[g:g + MAX_DECODE_ROWS]
                 rows = self._graph_rows(len(group))
                 parts = self._load_decode(group, rows=rows)
-                self.graphs.run(rows, parts)
+                self.graphs.run(rows, parts)  # every stage's graph in turn
                 self._collect(group, out, logits if keep_logits else None)
             for width in sorted({s.num_drafts + 1 for s in verify}):
                 same = [s for s in verify if s.num_drafts + 1 == width]
@@ -488,7 +561,7 @@ class CudaModelRunner:
             src = torch.tensor(restore_rows, dtype=torch.int64, device=self.device)
             dst = torch.tensor(restore_slots, dtype=torch.int64, device=self.device)
             for live, kept in zip((*self.conv, *self.ssm), (*self.verify_conv, *self.verify_ssm)):
-                live.index_copy_(0, dst, kept.index_select(0, src))
+                live.index_copy_(0, dst.to(live.device), kept.index_select(0, src.to(kept.device)))
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -560,34 +633,44 @@ class CudaModelRunner:
         head = torch.from_numpy(i32)
         st.i32[:4 * R].copy_(head[:4 * R])
         st.i32[5 * R:head_len + rows * mp].copy_(head[5 * R:])
+        for other in self.stage_states[:-1]:  # the earlier stages read the same inputs on their devices
+            copy_across(other.i32, st.i32)
         needed = -(-longest // self.partition)
         return min(1 << (needed - 1).bit_length(), st.max_parts)
 
     # -- forwards ----------------------------------------------------------------------------
 
-    def _decode_step(self, n: int, parts: int, width: int = 1) -> None:
-        """The captured step over n sequences of `width` state rows each: embedding .. sampled
-        tokens; no host sync."""
-        st = self.state
+    def _stage_step(self, i: int, n: int, parts: int, width: int = 1) -> None:
+        """Stage i's captured step over n sequences of `width` state rows each, from its decode
+        buffers: the first stage embeds, a later one takes the residual rows handed to it; the last
+        computes logits and samples, an earlier one leaves its residual in its output buffer. With
+        one stage: embedding .. sampled tokens. No host sync."""
+        stage, st = self.stages[i], self.stage_states[i]
         T = n * width
-        self.ops.begin(CudaContext(
-            decode=True, positions=st.positions[:T], kv_slots=st.kv_slots[:T], k_cache=self.k_cache,
-            v_cache=self.v_cache, block_tables=st.block_tables[:T], seq_lens=st.context_lens[:T],
-            max_context=parts * self.partition, cu_seqlens=st.cu_seqlens[:n + 1], conv=self.conv, ssm=self.ssm,
-            state_slots=st.state_slots[:n], workspace=st.workspace(T, parts),
-            verify_width=width if width > 1 else 0, verify_conv=self.verify_conv, verify_ssm=self.verify_ssm,
-            k_scale=self.k_scale, v_scale=self.v_scale))
-        hidden = self.model.forward(self.ops, st.ids[:T])
-        self.model.compute_logits(self.ops, hidden, out=st.logits[:T])
-        self._sample(T)
+        stage.ops.begin(CudaContext(
+            decode=True, positions=st.positions[:T], kv_slots=st.kv_slots[:T], block_tables=st.block_tables[:T],
+            seq_lens=st.context_lens[:T], max_context=parts * self.partition, cu_seqlens=st.cu_seqlens[:n + 1],
+            state_slots=st.state_slots[:n], workspace=st.workspace(T, parts), verify_width=width if width > 1 else 0,
+            **self._pools(stage.plan, self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.conv, self.ssm,
+                          self.verify_conv, self.verify_ssm)))
+        hidden, residual = stage_forward(stage, st.ids[:T], (st.hidden_in[:T], st.normed_in[:T]) if i else None)
+        if stage.plan.last:
+            stage.model.compute_logits(stage.ops, hidden, out=st.logits[:T])
+            self._sample(T)
+        else:
+            st.hidden_out[:T].copy_(residual)
+            st.normed_out[:T].copy_(hidden)
 
-    def _preserve_states(self, n: int):
-        """Save the recurrent state of decode rows [:n] (a graph's warm-up run advances it)."""
-        slots = self.state.state_slots[:n].long()
-        saved = [t.index_select(0, slots) for t in (*self.conv, *self.ssm)]
+    def _preserve_states(self, i: int, n: int):
+        """Save stage i's recurrent state of decode rows [:n] (a graph's warm-up run advances it)."""
+        slots = self.stage_states[i].state_slots[:n].long()
+        p = self._pools(self.stages[i].plan, self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.conv,
+                        self.ssm)
+        tensors = (*p["conv"], *p["ssm"])
+        saved = [t.index_select(0, slots) for t in tensors]
 
         def restore() -> None:
-            for t, s in zip((*self.conv, *self.ssm), saved):
+            for t, s in zip(tensors, saved):
                 t.index_copy_(0, slots, s)
         return restore
 
@@ -620,17 +703,23 @@ class CudaModelRunner:
         host = np.concatenate([np.asarray(ids, np.int32), np.asarray(positions, np.int32),
                                np.asarray(slots, np.int32), cu, np.asarray([s.start_pos for s in seqs], np.int32),
                                np.asarray([s.state_slot for s in seqs], np.int32), tables.reshape(-1)])
-        dev = torch.from_numpy(host).to(self.device)
         o = 3 * n
-        state_slots = dev[o + 2 * S + 1:o + 3 * S + 1]
         if conv:  # a sequence at position 0 starts from the empty state
-            fresh = torch.tensor([s.state_slot for s in seqs if s.start_pos == 0], dtype=torch.int64,
-                                 device=self.device)
+            fresh = torch.tensor([s.state_slot for s in seqs if s.start_pos == 0], dtype=torch.int64)
+            on: dict[torch.device, torch.Tensor] = {}
             for t in (*conv, *ssm):
-                t.index_fill_(0, fresh, 0)
-        self.ops.begin(CudaContext(
-            decode=False, positions=dev[n:2 * n], kv_slots=dev[2 * n:3 * n], k_cache=k_cache, v_cache=v_cache,
-            block_tables=dev[o + 3 * S + 1:].view(S, max_pages), seq_lens=dev[o + S + 1:o + 2 * S + 1],
-            max_context=max(s.start_pos + len(s.token_ids) for s in seqs), cu_seqlens=dev[o:o + S + 1],
-            conv=conv, ssm=ssm, state_slots=state_slots, k_scale=kv_scales[0], v_scale=kv_scales[1]))
-        return self.model.forward(self.ops, dev[:n])
+                if t.device not in on:
+                    on[t.device] = fresh.to(t.device)
+                t.index_fill_(0, on[t.device], 0)
+        inputs = torch.from_numpy(host)
+        first = inputs.to(self.stages[0].device)
+
+        def begin(stage: Stage) -> None:  # the inputs on the stage's device, its slice of the pools
+            dev = first if torch.device(stage.device) == first.device else inputs.to(stage.device)
+            stage.ops.begin(CudaContext(
+                decode=False, positions=dev[n:2 * n], kv_slots=dev[2 * n:3 * n],
+                block_tables=dev[o + 3 * S + 1:].view(S, max_pages), seq_lens=dev[o + S + 1:o + 2 * S + 1],
+                max_context=max(s.start_pos + len(s.token_ids) for s in seqs), cu_seqlens=dev[o:o + S + 1],
+                state_slots=dev[o + 2 * S + 1:o + 3 * S + 1],
+                **self._pools(stage.plan, k_cache, v_cache, *kv_scales, conv, ssm)))
+        return forward_stages(self.stages, first[:n], begin)

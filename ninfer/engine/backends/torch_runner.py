@@ -18,6 +18,8 @@ from ninfer.engine.models.weights import WeightReader
 from ninfer.engine.ops.torch_ops import KV_DTYPES, KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
 from ninfer.engine.speculative import sample_rows
+from ninfer.engine.stages import (Stage, StagePlan, build_stages, forward_stages, memory_split, plan_stages,
+                                  stage_memory, stage_spec, whole_model)
 from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError, NInferError
 
@@ -60,18 +62,22 @@ class TorchModelRunner:
     torch.float32 for a reference-exact run (all weights expanded to f32). num_state_slots:
     recurrent-state slots (models with linear-attention layers; one per running sequence and one
     per retained checkpoint). thread_adapter: a `cpu_threads.ThreadAdapter` that `run` ticks.
-    kv_dtype: the KV cache's storage (--kv-dtype auto|bf16|int8, see torch_ops.KVCache)."""
+    kv_dtype: the KV cache's storage (--kv-dtype auto|bf16|int8, see torch_ops.KVCache).
+    devices / stage_layers: pipeline stages (--devices, --stage-layers; engine/stages.py): one
+    stage per device (a device may repeat), stage_layers layers each (None: an even split on CPU,
+    by free memory on CUDA); `device` is then ignored."""
 
     def __init__(self, artifact: Artifact, *, num_pages: int, page_size: int = 64, device: str = "cpu",
                  dtype: torch.dtype | None = None, num_state_slots: int = 0, mtp_draft_tokens: int = 0,
-                 thread_adapter=None, kv_dtype: str = "auto") -> None:
+                 thread_adapter=None, kv_dtype: str = "auto", devices: list[str] | None = None,
+                 stage_layers: list[int] | None = None) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype {kv_dtype} is not supported by the torch backend "
                               f"(it takes {', '.join(KV_DTYPES)}; fp8 needs the cuda backend)")
         self.kv_storage = kv_dtype
         if num_pages <= 0 or page_size <= 0:
             raise ConfigError(f"num_pages and page_size must be positive (got {num_pages}, {page_size})")
-        self.device = torch.device(device)
+        self.device = torch.device(devices[0] if devices else device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
         self.kv_dtype = attention_dtype(self.device, self.dtype)
         self.config: ModelConfig = artifact.meta.config
@@ -91,12 +97,22 @@ class TorchModelRunner:
                               f"{c.architecture} artifact has none")
         if mtp_draft_tokens >= page_size:
             raise ConfigError(f"--draft-tokens {mtp_draft_tokens} must be below the page size {page_size}")
+        if mtp_draft_tokens and devices:
+            raise ConfigError("--spec mtp with --devices is not supported yet (use --spec lookup)")
         self._artifact, self._pack = artifact, pack  # what a resume after a suspend reads again
         with torch.inference_mode():
-            self.ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=pack)
-            reader = WeightReader(artifact, self.ops, self.device)
-            self.model = architecture(c).model.load(reader, c)
-            self.kv = KVCache(self.spec, num_pages, page_size, self.kv_dtype, self.device, kv_dtype)
+            if devices:
+                split = stage_layers or memory_split(len(self.spec.kinds), devices)
+                plans = plan_stages(self.spec.kinds, devices, split)
+                self.stages = build_stages(artifact, plans, self._stage_ops, architecture(c).model)
+            else:
+                ops = self._stage_ops(None, c)
+                reader = WeightReader(artifact, ops, self.device)
+                self.stages = [Stage(whole_model(self.spec.kinds, str(self.device)), c, ops,
+                                     architecture(c).model.load(reader, c))]
+            # the last stage computes the logits (and, on one device, is the whole model)
+            self.ops, self.model = self.stages[-1].ops, self.stages[-1].model
+            self.kv = self._kv(num_pages)
             self.states = self._states(self.num_state_slots)
             # --spec mtp: the MTP head drafts each sampling row's next round (backends/mtp_drafts.py)
             self.mtp = MtpDrafts(head.load(reader, c), self.model, self.ops, self.spec, num_pages, page_size,
@@ -105,11 +121,32 @@ class TorchModelRunner:
         self._verify_states: RecurrentStates | None = None  # the last forward's per-token states of verify rows
         self._verify_rows: dict[int, int] = {}  # seq_id -> its first flat row in the last forward
 
+    def _stage_ops(self, plan: StagePlan | None, config: ModelConfig) -> TorchOps:
+        device = torch.device(plan.device) if plan is not None else self.device
+        return TorchOps(config, self.dtype, self.kv_dtype, device, pack=self._pack)
+
+    def _kv(self, num_pages: int) -> KVCache:
+        """A KV pool of num_pages pages: each stage's layers on its device."""
+        parts = [KVCache(stage_spec(self.spec, s.plan), num_pages, self.page_size, self.kv_dtype,
+                         torch.device(s.device), self.kv_storage) for s in self.stages]
+        return parts[0] if len(parts) == 1 else KVCache.join(parts)
+
+    def device_memory(self) -> list[dict]:
+        """Per stage (one without --devices): device, layers, bytes of weights, KV and state."""
+        if self.stages is None:  # suspended: nothing held
+            return []
+        if getattr(self, "_memory", None) is None or self._memory[0] is not self.stages:  # built once per load
+            kv = [self.kv.layers(*s.plan.attention).tensors() for s in self.stages]
+            states = [[*st.conv, *st.ssm] for st in (self.states.layers(*s.plan.recurrent) for s in self.stages)] \
+                if self.states is not None else [[] for _ in self.stages]
+            self._memory = (self.stages, stage_memory(self.stages, kv, states))
+        return self._memory[1]
+
     # ---- suspend (engine/suspend.py): give the memory back, take it again ---------------------
 
     def resident_bytes(self) -> int:
         """Bytes a suspend releases: weights, the KV pool and the state pool (and the MTP head's)."""
-        return tensor_bytes((self.model, self.ops, self.suspend_caches(), self.mtp))
+        return tensor_bytes((self.stages, self.suspend_caches(), self.mtp))
 
     @property
     def weights_artifact(self) -> Artifact:
@@ -130,9 +167,11 @@ class TorchModelRunner:
     def release_memory(self, pages: list[int], slots: list[int], reserved: dict | None = None) -> tuple[dict, int, int]:
         """Copy the live KV pages and state slots to host memory (into `reserved`, when given), then
         drop the weights and the pools. -> (snapshot, its bytes, weight bytes released)."""
+        if len(self.stages) > 1:
+            raise NInferError("suspend with --devices is not supported yet")
         snapshot = take_snapshot(self.suspend_caches(), pages, slots, self.device, reserved)
         weight_bytes = tensor_bytes((self.model, self.ops, self.mtp.head if self.mtp is not None else None))
-        self.model = self.ops = self.kv = self.states = self.mtp = None  # type: ignore[assignment]
+        self.model = self.ops = self.kv = self.states = self.mtp = self.stages = None  # type: ignore[assignment]
         self._verify_states = None
         release_device_memory(self.device)
         return snapshot, snapshot_bytes(snapshot), weight_bytes
@@ -147,7 +186,8 @@ class TorchModelRunner:
         ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=self._pack)
         reader = WeightReader(source, ops, self.device)
         model = architecture(c).model.load(reader, c)
-        kv = KVCache(self.spec, self.num_pages, self.page_size, self.kv_dtype, self.device, self.kv_storage)
+        self.stages = [Stage(whole_model(self.spec.kinds, str(self.device)), c, ops, model)]
+        kv = self._kv(self.num_pages)
         states = self._states(self.num_state_slots)
         mtp = MtpDrafts(architecture(c).mtp_head.load(reader, c), model, ops, self.spec, self.num_pages,
                         self.page_size, self.kv_dtype, self.device, self.mtp_draft_tokens) \
@@ -158,7 +198,12 @@ class TorchModelRunner:
         return state_bytes, weight_bytes, getattr(source, "payload_bytes", 0)
 
     def _states(self, slots: int) -> RecurrentStates | None:
-        return RecurrentStates(self.spec, slots, self.kv_dtype, self.device) if self.spec.recurrent else None
+        """A recurrent-state pool of `slots` slots (None for a pure-attention model)."""
+        if not self.spec.recurrent:
+            return None
+        parts = [RecurrentStates(stage_spec(self.spec, s.plan), slots, self.kv_dtype, torch.device(s.device))
+                 for s in self.stages]
+        return parts[0] if len(parts) == 1 else RecurrentStates.join(parts)
 
     @torch.inference_mode()
     def batch_logits(self, batch: ScheduledBatch, all_rows: bool = False) -> torch.Tensor:
@@ -226,7 +271,7 @@ class TorchModelRunner:
         """Logits [T, vocab] float32 for a fresh single sequence, on a private page set and state
         (the runner's own caches are untouched)."""
         num_pages = -(-len(token_ids) // self.page_size)
-        kv = KVCache(self.spec, num_pages, self.page_size, self.kv_dtype, self.device, self.kv_storage)
+        kv = self._kv(num_pages)
         seq = SequenceWork(seq_id=-1, token_ids=list(token_ids), start_pos=0, block_table=list(range(num_pages)),
                            sample=False, sampling=SamplingParams(), state_slot=0 if self.spec.recurrent else -1)
         return self._forward([seq], kv, self._states(1), all_rows=True)
@@ -273,12 +318,21 @@ class TorchModelRunner:
         num_tokens = sum(len(s.token_ids) for s in seqs)
         # the recurrent state after each token of a verify row (restored on rejection)
         self._verify_states = self._states(num_tokens) if states is not None and any(verify) else None
-        ctx = self.ops.context([(s.start_pos, len(s.token_ids), s.block_table, s.state_slot) for s in seqs], kv,
-                               states, verify, self._verify_states)
-        self._verify_rows = {s.seq_id: m.offset for m, s in zip(ctx.seqs, seqs)}
-        self.ops.begin(ctx)
+        spans = [(s.start_pos, len(s.token_ids), s.block_table, s.state_slot) for s in seqs]
+        vs = self._verify_states
+        offsets: list[int] = []
+
+        def begin(stage: Stage) -> None:  # the step on one stage: its layers' slice of the pools
+            a, r = stage.plan.attention, stage.plan.recurrent
+            ctx = stage.ops.context(spans, kv.layers(*a), states.layers(*r) if states is not None else None, verify,
+                                    vs.layers(*r) if vs is not None else None)
+            offsets[:] = [m.offset for m in ctx.seqs]
+            stage.ops.begin(ctx)
+
         input_ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=self.device)
-        return self.model.forward(self.ops, input_ids), [m.offset for m in ctx.seqs]  # [T, hidden]
+        hidden = forward_stages(self.stages, input_ids, begin)  # [T, hidden], on the last stage's device
+        self._verify_rows = {s.seq_id: off for off, s in zip(offsets, seqs)}
+        return hidden, offsets
 
     def _logits(self, hidden: torch.Tensor, offsets: list[int], seqs: list[SequenceWork],
                 all_rows: bool) -> torch.Tensor:

@@ -262,8 +262,35 @@ class KVCache:
 
     def copy_pages(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy pages src[i] -> dst[i] in every layer (int64 index tensors)."""
-        for cache in self.tensors():
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+        copy_rows(self.tensors(), src, dst)
+
+    @classmethod
+    def join(cls, parts: list[KVCache]) -> KVCache:
+        """One pool over pipeline stages' pools (each on its stage's device), in layer order."""
+        kv = cls.__new__(cls)
+        for name in ("k", "v", "k_scale", "v_scale"):
+            setattr(kv, name, [t for p in parts for t in getattr(p, name)])
+        kv.page_size, kv.num_pages, kv.storage = parts[0].page_size, parts[0].num_pages, parts[0].storage
+        return kv
+
+    def layers(self, start: int, stop: int) -> KVCache:
+        """The pool of attention layers [start, stop) (a pipeline stage's), sharing the tensors."""
+        kv = type(self).__new__(type(self))
+        for name in ("k", "v", "k_scale", "v_scale"):
+            setattr(kv, name, getattr(self, name)[start:stop])
+        kv.page_size, kv.num_pages, kv.storage = self.page_size, self.num_pages, self.storage
+        return kv
+
+
+def copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Rows src[i] -> dst[i] of every tensor; the index tensors follow each tensor's device (the
+    pools of pipeline stages live on several)."""
+    on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+    for t in tensors:
+        if t.device not in on:
+            on[t.device] = (src.to(t.device), dst.to(t.device))
+        s, d = on[t.device]
+        t.index_copy_(0, d, t.index_select(0, s))
 
 
 class RecurrentStates:
@@ -283,13 +310,27 @@ class RecurrentStates:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots src[i] -> dst[i] in every layer (int64 index tensors)."""
-        for t in (*self.conv, *self.ssm):
-            t.index_copy_(0, dst, t.index_select(0, src))
+        copy_rows([*self.conv, *self.ssm], src, dst)
 
     def zero(self, slots: torch.Tensor) -> None:
         """Reset slots to the state before any token (a sequence starting from position 0)."""
         for t in (*self.conv, *self.ssm):
-            t.index_fill_(0, slots, 0)
+            t.index_fill_(0, slots.to(t.device), 0)
+
+    @classmethod
+    def join(cls, parts: list[RecurrentStates]) -> RecurrentStates:
+        """One pool over pipeline stages' pools, in linear-attention layer order."""
+        states = cls.__new__(cls)
+        states.conv = [t for p in parts for t in p.conv]
+        states.ssm = [t for p in parts for t in p.ssm]
+        states.num_slots = parts[0].num_slots
+        return states
+
+    def layers(self, start: int, stop: int) -> RecurrentStates:
+        """The pool of linear-attention layers [start, stop) (a pipeline stage's), sharing the tensors."""
+        states = type(self).__new__(type(self))
+        states.conv, states.ssm, states.num_slots = self.conv[start:stop], self.ssm[start:stop], self.num_slots
+        return states
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
