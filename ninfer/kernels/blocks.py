@@ -13,8 +13,7 @@ import torch
 
 from ninfer.formats import BLOCK_FORMATS, TensorFormat
 from ninfer.kernels.compiler import I32, I64, KernelError, ptr
-from ninfer.kernels.launchers import (F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _glu_out, _out_stride, _rows,
-                                      norm_epilogue)
+from ninfer.kernels.launchers import F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _rows, gemv_epilogue
 
 if TYPE_CHECKING:
     from ninfer.kernels.compiler import KernelCompiler
@@ -82,16 +81,8 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use dequant_blocks + matmul for more")
     defines = {"BLK_FMT": code, **_act(x.dtype, "x")}
     _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
-    defines.update(_glu_out(out, x.dtype, M, N, glu, route, route in GLU_ROUTES, kc.device))
-    if not glu:
-        if out.dtype not in (x.dtype, F32_DT):
-            raise KernelError(f"out must be {x.dtype} or {F32_DT}, got {out.dtype}")
-        _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
-    out_stride = _out_stride(out, M)
-    if norm is not None and (route not in GLU_ROUTES or glu or out.dtype != x.dtype):
-        raise KernelError(f"a fused norm takes the {' / '.join(GLU_ROUTES)} routes, no glu, out in {x.dtype}")
-    norm_defines, norm_args = norm_epilogue(kc, out, M, N, norm)
-    defines.update(norm_defines)
+    epilogue, out_stride, norm_args = gemv_epilogue(kc, x, out, M, N, glu, route, GLU_ROUTES, norm)
+    defines.update(epilogue)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
             I32(1 if out.dtype == F32_DT else 0), *norm_args]
     if route == "mma":

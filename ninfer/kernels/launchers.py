@@ -684,16 +684,7 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use torch.matmul for more")
     _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
-    glu_defines = _glu_out(out, x.dtype, M, N, glu, route, route in GLU_ROUTES, kc.device)
-    if not glu:
-        if out.dtype not in (x.dtype, F32_DT):
-            raise KernelError(f"out must be {' or '.join(sorted({str(x.dtype), str(F32_DT)}))}, got {out.dtype}")
-        _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
-    out_stride = _out_stride(out, M)
-    if norm is not None and (route not in GLU_ROUTES or glu or out.dtype != x.dtype):
-        raise KernelError(f"a fused norm takes the {' / '.join(GLU_ROUTES)} routes, no glu, out in {x.dtype}")
-    norm_defines, norm_args = norm_epilogue(kc, out, M, N, norm)
-    glu_defines.update(norm_defines)
+    glu_defines, out_stride, norm_args = gemv_epilogue(kc, x, out, M, N, glu, route, GLU_ROUTES, norm)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0), *norm_args]
     if route == "tiled":
@@ -728,6 +719,23 @@ def _glu_out(out: torch.Tensor, act: torch.dtype, M: int, N: int, glu: str, rout
         raise KernelError(f"a fused gated activation takes gate and up rows in 8s (N = {N})")
     _check(out, "out", act, [M, N // 2], device, contiguous=False)
     return {"GEMV_GLU": GLU_ACTIVATIONS[glu]}
+
+
+def gemv_epilogue(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: int, N: int, glu: str, route: str,
+                  glu_routes: tuple[str, ...], norm: tuple | None) -> tuple[dict[str, int], int, list]:
+    """Checks a gemv's output for its epilogue: a fused gated activation, a fused residual norm (both
+    on `glu_routes` only), or plain rows in x's dtype or float32 -> (compile defines, out's row
+    stride, the norm's extra kernel arguments)."""
+    defines = _glu_out(out, x.dtype, M, N, glu, route, route in glu_routes, kc.device)
+    if not glu:
+        if out.dtype not in (x.dtype, F32_DT):
+            raise KernelError(f"out must be {' or '.join(sorted({str(x.dtype), str(F32_DT)}))}, got {out.dtype}")
+        _check(out, "out", out.dtype, [M, N], kc.device, contiguous=False)
+    out_stride = _out_stride(out, M)
+    if norm is not None and (route not in glu_routes or glu or out.dtype != x.dtype):
+        raise KernelError(f"a fused norm takes the {' / '.join(glu_routes)} routes, no glu, out in {x.dtype}")
+    norm_defines, norm_args = norm_epilogue(kc, out, M, N, norm)
+    return {**defines, **norm_defines}, out_stride, norm_args
 
 
 def _out_stride(out: torch.Tensor, M: int) -> int:
