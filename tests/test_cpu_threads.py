@@ -95,3 +95,32 @@ def test_adapter_follows_the_load_between_steps(monkeypatch: pytest.MonkeyPatch)
         adapter.tick()  # not due: the probe is not read again (the iterator is exhausted)
     finally:
         torch.set_num_threads(before)
+
+
+def test_bench_probes_run_on_the_engine_thread(monkeypatch) -> None:
+    """`ninfer bench`'s ceiling probes run where the model's torch calls run: a torch op on another
+    thread gives it a second OpenMP team, and libgomp then stops spinning at every barrier."""
+    import concurrent.futures
+    import threading
+
+    import torch
+
+    from ninfer.cli import bench
+
+    ran_on = []
+    monkeypatch.setattr("ninfer.kernels.probes.measure_ceilings",
+                        lambda device, dtype: ran_on.append(threading.current_thread()) or "ceilings")
+
+    class Worker:
+        thread: threading.Thread
+
+        def call_on_worker(self, fn):
+            future = concurrent.futures.Future()
+            self.thread = threading.Thread(target=lambda: future.set_result(fn()))
+            self.thread.start()
+            self.thread.join()
+            return future
+
+    worker = Worker()
+    assert bench._ceilings(worker, "cpu", torch.bfloat16) == "ceilings"
+    assert ran_on == [worker.thread]
