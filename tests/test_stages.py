@@ -7,15 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_qwen3_5 import greedy_lanes as lanes_of
 
 from ninfer.engine.artifact import Artifact
 from ninfer.engine.backends.torch_runner import TorchModelRunner
-from ninfer.engine.batch import ScheduledBatch, SequenceWork
-from ninfer.engine.request import SamplingParams
 from ninfer.engine.stages import balanced_split, check_split, parse_devices, parse_stage_layers, plan_stages
 from ninfer.errors import ConfigError
 
-GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [[1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 216, 11, 3012, 1183],
            [17, 923, 40211, 5, 5, 5, 880, 12, 31999, 7, 64, 1024, 2048, 4096, 77, 301, 19, 2, 48000, 3, 9, 10]]
 
@@ -83,19 +81,7 @@ def runner(artifact: Artifact, **kw) -> TorchModelRunner:
 
 def greedy_lanes(r: TorchModelRunner, steps: int) -> list[list[int]]:
     """Both prompts as lanes of one batch on interleaved pages: one prefill step, then decode."""
-    n = len(PROMPTS)
-    tables = [[i + n * j for j in range(4)][::-1] for i in range(n)]
-    outs: list[list[int]] = [[] for _ in PROMPTS]
-    pending, starts = [list(p) for p in PROMPTS], [0] * n
-    for _ in range(steps):
-        seqs = [SequenceWork(seq_id=i, token_ids=pending[i], start_pos=starts[i], block_table=tables[i], sample=True,
-                             sampling=GREEDY, output_token_ids=list(outs[i]), state_slot=3 - i) for i in range(n)]
-        sampled = r.run(ScheduledBatch(seqs)).sampled
-        for i in range(n):
-            outs[i].append(sampled[i])
-            starts[i] += len(pending[i])
-            pending[i] = [sampled[i]]
-    return outs
+    return lanes_of(r, [list(p) for p in PROMPTS], steps)
 
 
 @pytest.mark.parametrize("name,split", [("llama", [1, 1]), ("qwen3", [1, 1]), ("qwen3_5", [3, 5]),
