@@ -174,7 +174,11 @@ CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Tell me about
 def test_suspend_resume_routes_and_auto_resume(suspending: str) -> None:
     url = suspending
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    c.chat.completions.create(**CHAT)
+    # the same request again, its prompt from the prefix cache: what a resume must reproduce (a cold
+    # prefill and a prefix hit compute the last prompt row on different matmul routes)
     first = c.chat.completions.create(**CHAT)
+    assert first.usage.prompt_tokens_details.cached_tokens > 0
     r = httpx.get(url + "/v1/models/smol/residency").json()
     assert r["state"] == "resident" and r["releasable_device_bytes"] > 0 and r["suspend_count"] == 0
     assert r["host_reserved_bytes"] > 0  # --suspend-snapshot pinned: reserved at load
