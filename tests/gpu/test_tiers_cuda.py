@@ -80,10 +80,12 @@ def test_host_tier_slot_file_and_prefix_cache_file_on_the_cuda_backend(model: st
         resumed, final = _generate(engine, "c", turn, 16)
         assert final.usage.cached_tokens == len(a) + 3 and final.reuse_tier == "host"
         fresh, final = _generate(engine, "d", turn, 16, cache_prompt=False)
-        # a real model's margins: decode-written K/V sample as a fresh prefill does (not through fp8
-        # codes: their 3-bit mantissa turns the prefill's and the decode's bf16 rounding of the same
-        # K/V into different codes, and the default model is sensitive to them, see docs/PERF.md)
-        if model == "smollm2" and kv_dtype != "fp8":
+        # a real model's margins: decode-written K/V sample as a fresh prefill does, on the exact cache.
+        # Not through codes: decode attention splits a context into partitions where a prompt's reads
+        # it whole, and the two roundings of the same K/V can land in different int8 / fp8 codes; on
+        # this random-token prompt the first token's top two are 0.03-0.07 apart (docs/PERF.md). The
+        # tier itself is exact for every cache: the device-page resume below samples `resumed`.
+        if model == "smollm2" and kv_dtype == "auto":
             assert fresh == resumed
         snap = engine.snapshot()
         slot = next(c.slot for c in snap.continuations)
