@@ -56,13 +56,15 @@ def tile_warps(N: int) -> int:
 def tile_blocks(fmt: TensorFormat, K: int) -> int:
     """Format blocks per unit of gemv_blocks_tile (blocks.cu's TILE_BLOCKS) at input width K: 1 for the
     256-element formats; for the 32-element ones the most of 8, 4, 2, 1 that divides K / 32 and keeps
-    every unit 4-byte aligned (q5_0's 22-byte blocks: an even count). 0: the tile route does not take K."""
+    every unit 4-byte aligned (q5_0's 22-byte blocks: an even count); at most 4 with TILE_PREFETCH (two
+    units of 8 in registers spill). 0: the tile route does not take K."""
     elements, nbytes = BLOCK_FORMATS[fmt.format]
     if K % elements:
         return 0
     if elements != 32:
         return 1
-    return next((b for b in (8, 4, 2, 1) if (K // 32) % b == 0 and b * nbytes % 4 == 0), 0)
+    sizes = (4, 2, 1) if TILE_PREFETCH else (8, 4, 2, 1)
+    return next((b for b in sizes if (K // 32) % b == 0 and b * nbytes % 4 == 0), 0)
 
 
 def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype, K: int) -> bool:
