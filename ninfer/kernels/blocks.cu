@@ -470,8 +470,8 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 //         give 4 codes of each of two 32-element quarters; code bytes under exponent 2^6 are the bf16
 //         64 + q, and one bf16x2 fma takes 96 off (q - 32, exact). One mma per 16-element scale group.
 // In every mma a lane's four codes of a row are elements e, e + 1, e + 2, e + 3 (TILE_ELEM), paired
-// (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9, and the activations are
-// paired the same way (tile_b). The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also
+// (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9 (the 5-bit formats: (e, e + 1)
+// and (e + 2, e + 3), TILE_PAIRS), and the activations are paired the same way (tile_b). The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also
 // compile for the host, where tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
 #if BLK_FMT == 0 || BLK_FMT == 1 || BLK_FMT == 2 || BLK_FMT == 5 || BLK_FMT == 6
 #define TILE_FMT 1
@@ -517,6 +517,9 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 // A constant tile_a takes in a register: q4_k / q6_k a code pair's mantissa bits; the 5-bit formats
 // the byte 0x43 (the high byte of the bf16 128 + q) for the byte permute.
 #define TILE_MASK (BLK_FMT == 0 ? 0x00780078u : BLK_FMT == 2 ? 0x007E007Eu : 0x00000043u)
+// Whether a lane's k slots 2t, 2t + 1 (and 2t + 8, 2t + 9) hold elements e, e + 1 (e + 2, e + 3), as
+// the byte permute builds them, rather than e, e + 2 (e + 1, e + 3).
+#define TILE_PAIRS (BLK_FMT != 0 && BLK_FMT != 2)
 
 #ifndef BLOCKS_HOST  // the host stand-in (tests/kernels_host/common.cuh) has its own
 __device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
@@ -652,8 +655,9 @@ __device__ __forceinline__ int tile_elem(int i) {
 #endif
 }
 
-// A fragment of mma i: a0 / a2 row 0's codes (e, e + 2) / (e + 1, e + 3), a1 / a3 row 1's, as bf16
-// pairs (q4_k: 16 + q; q6_k: q - 32; the 5-bit formats: 128 + q).
+// A fragment of mma i: a0 / a2 row 0's codes (e, e + 2) / (e + 1, e + 3) (the 5-bit formats:
+// (e, e + 1) / (e + 2, e + 3), TILE_PAIRS), a1 / a3 row 1's, as bf16 pairs (q4_k: 16 + q; q6_k: q - 32;
+// the 5-bit formats: 128 + q).
 __device__ __forceinline__ void tile_a(const TileRows& d, int i, u32 mask, u32* a) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -685,16 +689,23 @@ __device__ __forceinline__ void tile_a(const TileRows& d, int i, u32 mask, u32* 
     const u32 hb = spread4(half ? (H >> 16) : H, 4);
 #endif
     const u32 v = (lo & 0x0F0F0F0Fu) | hb;  // four 5-bit codes, one per byte
-    a[r] = __byte_perm(v, mask, 0x4240);    // mask: 0x43; (128 + code 0, 128 + code 2)
-    a[r + 2] = __byte_perm(v, mask, 0x4341);
+    a[r] = __byte_perm(v, mask, 0x4140);    // mask: 0x43; (128 + code 0, 128 + code 1): TILE_PAIRS
+    a[r + 2] = __byte_perm(v, mask, 0x4342);
 #endif
   }
 }
 
-// B fragment from 4 consecutive activations (x e .. e + 3 as two words): pairs (e, e + 2), (e + 1, e + 3).
+// B fragment from 4 consecutive activations (x e .. e + 3 as two words): pairs (e, e + 2), (e + 1, e + 3)
+// where the A pairs are so (q4_k, q6_k: one shift places bytes 0 and 2 of a code word), else the words
+// as they are: (e, e + 1), (e + 2, e + 3).
 __device__ __forceinline__ void tile_b(uint2 xv, u32& b0, u32& b1) {
+#if TILE_PAIRS
+  b0 = xv.x;
+  b1 = xv.y;
+#else
   b0 = __byte_perm(xv.x, xv.y, 0x5410);
   b1 = __byte_perm(xv.x, xv.y, 0x7632);
+#endif
 }
 
 #if !ACT_F32 && !defined(BLOCKS_HOST)
