@@ -68,7 +68,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 # (N, K, M): N not a multiple of 16 (a partial last tile), more units than warps and fewer, rows 1..8 of
 # x; for the 256-element formats K / 256 odd and even (q6_k blocks 2 mod 4 bytes: the funnel-shift
 # loads), for the 32-element ones units of 8, 4, 2 and 1 blocks (blocks.tile_blocks; q5_0's 22-byte
-# blocks 2 mod 4 in every other block).
+# and iq4_nl's 18-byte blocks 2 mod 4 in every other block).
 TILE_SHAPES = {256: [(40, 768, 1), (37, 2560, 3), (16, 512, 8), (24, 1280, 5)],
                32: [(40, 768, 1), (37, 2560, 3), (21, 576, 8), (24, 1152, 5), (19, 96, 2), (16, 800, 4)]}
 TILE_CASES = [(name, *shape) for name in TILE_FORMATS for shape in TILE_SHAPES[BLOCK_FORMATS[name][0]]
@@ -104,6 +104,7 @@ def test_tile_blocks_keep_units_aligned() -> None:
     q5_0, q5_1, q4_k = TensorFormat("q5_0"), TensorFormat("q5_1"), TensorFormat("q4_k")
     assert [tile_blocks(q5_0, k) for k in (4096, 576, 1152, 800, 96)] == [8, 2, 4, 0, 0]
     assert [tile_blocks(q5_1, k) for k in (4096, 576, 1152, 800, 96)] == [8, 2, 4, 1, 1]
+    assert [tile_blocks(TensorFormat("iq4_nl"), k) for k in (4096, 576, 800)] == [8, 2, 0]
     assert tile_blocks(q4_k, 4096) == 1 and tile_blocks(q4_k, 576) == 0
     assert not route_ok("tile", q5_0, torch.bfloat16, 800) and route_ok("mma", q5_0, torch.bfloat16, 800)
     assert route_ok("tile", q5_1, torch.bfloat16, 800) and not route_ok("tile", q5_1, torch.float32, 800)

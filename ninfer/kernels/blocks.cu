@@ -445,14 +445,14 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 // ---- gemv_blocks_tile: the mma product over whole blocks, for the formats decode reads most -----------
 // (q4_k, q6_k: a Q4_K_M file's every weight at widths that are multiples of 256; q5_k: a Q5_K_M file's;
 // q5_0, q5_1: what llama.cpp's quantize puts where a width is not a multiple of 256, and Q5_0 / Q5_1
-// files). Same contract and outputs as gemv_blocks_mma (bf16 activations, M = 1..8, fp32 accumulation,
+// files; iq4_nl, iq4_xs: IQ4 files). Same contract and outputs as gemv_blocks_mma (bf16 activations, M = 1..8, fp32 accumulation,
 // batch invariant), built for bandwidth: one block of TILE_WARPS warps owns 16 output rows
 // n0 .. n0 + 15 and its warps split the row into units of TILE_QK elements (warp v takes units v,
 // v + TILE_WARPS, ...): one block of a 256-element format, TILE_BLOCKS blocks of a 32-element one (the
 // launcher's choice, from K). Per unit a lane loads its share of rows g and g + 8 once, with the widest
 // loads the format's alignment allows (q4_k / q5_k: the 16-byte header, then 8 code bytes from each
-// 32-byte group; q6_k: 4-byte words, two 2-byte-aligned halves where a block starts 2 mod 4; q5_0:
-// likewise, q5_1: 4-byte words), decodes the scales of both rows once per block, and then runs
+// 32-byte group; q6_k: 4-byte words, two 2-byte-aligned halves where a block starts 2 mod 4; q5_0,
+// iq4_nl: likewise; q5_1, iq4_xs: 4-byte words), decodes the scales of both rows once per block, and then runs
 // TILE_QK / 16 mma.m16n8k16 (A = 16 rows x 16 k of codes, B = those 16 k x 8 activation rows) in which
 // every k shares one scale, so the scale applies to the mma result in fp32:
 //   q4_k: lane t holds bytes 8t .. 8t + 7 of each 32-byte group; their low nibbles are elements
@@ -466,6 +466,9 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 //   q5_0, q5_1: lane t holds bytes 4t .. 4t + 3 of a block's 16 code bytes and qh >> 4t: low nibbles
 //         (and qh bits 0..3) are elements 4t .. 4t + 3, high nibbles (qh bits 16..19) 16 + 4t .. + 3:
 //         two mmas per block, one scale; codes as q5_k's, o = -16 d (q5_0) or m (q5_1).
+//   iq4_nl, iq4_xs: lanes and mmas as q5_0's (iq4_xs: per 32-element sub-block); byte permutes look
+//         the code book's bf16 values up in registers (low and high bytes apart: three permutes per
+//         four codes and table), so A is KVALUES[q] and no offset is needed.
 //   q6_k: lane t holds bytes 4t .. 4t + 3 of each 16-byte run of ql and qh; one ql word and one qh word
 //         give 4 codes of each of two 32-element quarters; code bytes under exponent 2^6 are the bf16
 //         64 + q, and one bf16x2 fma takes 96 off (q - 32, exact). One mma per 16-element scale group.
@@ -473,7 +476,7 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 // (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9 (the 5-bit formats: (e, e + 1)
 // and (e + 2, e + 3), TILE_PAIRS), and the activations are paired the same way (tile_b). The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also
 // compile for the host, where tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
-#if BLK_FMT == 0 || BLK_FMT == 1 || BLK_FMT == 2 || BLK_FMT == 5 || BLK_FMT == 6
+#if BLK_FMT == 0 || BLK_FMT == 1 || BLK_FMT == 2 || BLK_FMT == 5 || BLK_FMT == 6 || BLK_FMT == 7 || BLK_FMT == 8
 #define TILE_FMT 1
 #define TILE_WARPS 8       // warps per block that split K (host emulation; the kernel takes 8 or 16)
 #define TILE_MAX_WARPS 16
@@ -486,8 +489,8 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 #if QK == 256 && TILE_BLOCKS != 1
 #error "a 256-element format's unit is one block"
 #endif
-#if BLK_FMT == 5 && TILE_BLOCKS % 2
-#error "q5_0 units are an even number of blocks (4-byte aligned)"
+#if (BLK_FMT == 5 || BLK_FMT == 7) && TILE_BLOCKS % 2
+#error "q5_0 / iq4_nl units are an even number of blocks (4-byte aligned)"
 #endif
 #define TILE_QK (QK * TILE_BLOCKS)          // elements per unit
 #define TILE_BYTES (BLK_BYTES * TILE_BLOCKS)  // bytes per unit and row
@@ -504,22 +507,27 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 #define TILE_GROUP 1
 #define TILE_NW 12
 #define TILE_NH 5
+#elif BLK_FMT == 8
+#define TILE_GROUP 2
+#define TILE_NW 8  // the lane's word of each sub-block's 16 code bytes
+#define TILE_NH 2  // d and scales_h, scales_l
 #else
 #define TILE_GROUP 2
-#define TILE_NW (2 * TILE_BLOCKS)  // per block: the lane's qs word, qh >> 4t
-#define TILE_NH TILE_BLOCKS        // per block: d (q5_1: d, m)
+#define TILE_NW ((BLK_FMT == 7 ? 1 : 2) * TILE_BLOCKS)  // per block: the lane's qs word (q5: and qh >> 4t)
+#define TILE_NH TILE_BLOCKS                             // per block: d (q5_1: d, m)
 #endif
 #define TILE_NG (TILE_NM / TILE_GROUP)  // scale groups per unit
-// What an A element holds besides the code (q4_k 16 + q, the 5-bit formats 128 + q, q6_k q - 32), and
-// whether a scale group adds an offset (then sum(x) by the ones mma): all but q6_k.
-#define TILE_A0 (BLK_FMT == 0 ? 16 : BLK_FMT == 2 ? 0 : 128)
-#define TILE_OFFSET (BLK_FMT != 2)
-// A constant tile_a takes in a register: q4_k / q6_k a code pair's mantissa bits; the 5-bit formats
-// the byte 0x43 (the high byte of the bf16 128 + q) for the byte permute.
-#define TILE_MASK (BLK_FMT == 0 ? 0x00780078u : BLK_FMT == 2 ? 0x007E007Eu : 0x00000043u)
+// What an A element holds besides the code (q4_k 16 + q, the 5-bit formats 128 + q, q6_k q - 32, iq4
+// the code book's value), and whether a scale group adds an offset (then sum(x) by the ones mma).
+#define TILE_A0 (BLK_FMT == 0 ? 16 : BLK_FMT == 2 || IQ4 ? 0 : 128)
+#define TILE_OFFSET (BLK_FMT != 2 && !IQ4)
 // Whether a lane's k slots 2t, 2t + 1 (and 2t + 8, 2t + 9) hold elements e, e + 1 (e + 2, e + 3), as
-// the byte permute builds them, rather than e, e + 2 (e + 1, e + 3).
+// byte permutes build them, rather than e, e + 2 (e + 1, e + 3) as q4_k's and q6_k's shifts do.
 #define TILE_PAIRS (BLK_FMT != 0 && BLK_FMT != 2)
+// Constants tile_a takes in registers (tile_consts): q4_k / q6_k a code pair's mantissa bits; the
+// 5-bit formats the byte 0x43 (the high byte of the bf16 128 + q) for the byte permute; iq4 the code
+// book as bf16, low bytes (4 words) and high bytes (4 words), and the byte permute 0x32103210.
+#define TILE_NK (IQ4 ? 9 : 1)
 
 #ifndef BLOCKS_HOST  // the host stand-in (tests/kernels_host/common.cuh) has its own
 __device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
@@ -547,6 +555,27 @@ __device__ __forceinline__ u32 unit_word(const u32* u, int off) {
 // is not a constant to ptxas, which otherwise rebuilds a constant register before every use (an
 // and/or with two constants needs one of them in a register; so does the mma's A = ones).
 __device__ __forceinline__ u32 opaque(u32 v, u32 zero) { return v | zero; }
+
+// tile_a's register constants (TILE_NK), opaque through `zero`.
+__device__ __forceinline__ void tile_consts(u32 zero, u32* kc) {
+#if IQ4
+  // KVALUES as bf16: c2fe c2d0 c2a6 c282 c244 c20c c1b0 c120 3f80 4150 41c8 4218 4254 428a 42b2 42e2
+  constexpr u32 BOOK[9] = {0x82A6D0FEu, 0x20B00C44u, 0x18C85080u, 0xE2B28A54u,   // low bytes, entries 0..15
+                           0xC2C2C2C2u, 0xC1C1C2C2u, 0x4241413Fu, 0x42424242u,   // high bytes
+                           0x32103210u};
+#pragma unroll
+  for (int j = 0; j < 9; ++j) kc[j] = opaque(BOOK[j], zero);
+#else
+  kc[0] = opaque(BLK_FMT == 0 ? 0x00780078u : BLK_FMT == 2 ? 0x007E007Eu : 0x00000043u, zero);
+#endif
+}
+
+// The code-book bytes of the four codes in the nibbles of sel's low 16 bits, from the 16-byte table t
+// (entries 0..7 in t[0], t[1], 8..15 in t[2], t[3]): sel3 = sel & 0x7777 picks within each half, and
+// pick = 0x3210 with bit 2 of nibble n set where code n is 8 or more picks the half.
+__device__ __forceinline__ u32 book4(const u32* t, u32 sel3, u32 pick) {
+  return __byte_perm(__byte_perm(t[0], t[1], sel3), __byte_perm(t[2], t[3], sel3), pick);
+}
 
 // One unit of rows g (r = 0) and g + 8 (r = 1) as lane t reads it: code words and header words.
 struct TileRows {
@@ -587,15 +616,27 @@ __device__ __forceinline__ void tile_load(const u8* __restrict__ b0, const u8* _
 #pragma unroll
     for (int i = 0; i < 4; ++i) d.h[r][i] = ld32_at(base, sh, 192 + 4 * i);  // the 16 int8 scales
     d.h[r][4] = (u32)__ldg((const u16*)(b + 208));                        // d
+#elif BLK_FMT == 8
+    // iq4_xs: d@0 scales_h@2 scales_l@4, sub-block j's 16 code bytes at 8 + 16 j
+    const uint2 h = __ldg((const uint2*)b);
+    d.h[r][0] = h.x;
+    d.h[r][1] = h.y;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d.q[r][j] = __ldg((const u32*)(b + 8 + 16 * j) + t);
 #else
-    // q5_0: d@0 qh@2 qs@6; q5_1: d@0 m@2 qh@4 qs@8 (the unit is 4-byte aligned: blocks.py's TILE_BLOCKS)
-    constexpr int QH = BLK_FMT == 6 ? 4 : 2;
+    // q5_0: d@0 qh@2 qs@6; q5_1: d@0 m@2 qh@4 qs@8; iq4_nl: d@0 qs@2 (the unit is 4-byte aligned:
+    // blocks.py's TILE_BLOCKS)
+    constexpr int QS = BLK_FMT == 6 ? 8 : BLK_FMT == 5 ? 6 : 2;
     const u32* u = (const u32*)b;
 #pragma unroll
     for (int k = 0; k < TILE_BLOCKS; ++k) {
       d.h[r][k] = unit_word(u, BLK_BYTES * k);  // d in the low half (q5_1: m in the high one)
-      d.q[r][2 * k] = unit_word(u + t, BLK_BYTES * k + QH + 4);
-      d.q[r][2 * k + 1] = unit_word(u, BLK_BYTES * k + QH) >> (4 * t);
+#if IQ4
+      d.q[r][k] = unit_word(u + t, BLK_BYTES * k + QS);
+#else
+      d.q[r][2 * k] = unit_word(u + t, BLK_BYTES * k + QS);
+      d.q[r][2 * k + 1] = unit_word(u, BLK_BYTES * k + QS - 4) >> (4 * t);  // qh
+#endif
     }
 #endif
   }
@@ -631,6 +672,22 @@ __device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float 
       s[r][i] = dd * (float)(i8)byte_of(d.h[r][idx >> 2], idx & 3);
       o[r][i] = 0.0f;
     }
+#elif BLK_FMT == 8
+    (void)magic;
+    const float dd = f16_lo(d.h[r][0]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const u32 ls = ((byte_of(d.h[r][1], j >> 1) >> (4 * (j & 1))) & 15u) | (((d.h[r][0] >> (16 + 2 * j)) & 3u) << 4);
+      s[r][j] = dd * (small_u(ls) - 32.0f);
+      o[r][j] = 0.0f;
+    }
+#elif BLK_FMT == 7
+    (void)magic;
+#pragma unroll
+    for (int k = 0; k < TILE_BLOCKS; ++k) {
+      s[r][k] = f16_lo(d.h[r][k]);
+      o[r][k] = 0.0f;
+    }
 #else
     (void)magic;
 #pragma unroll
@@ -655,13 +712,24 @@ __device__ __forceinline__ int tile_elem(int i) {
 #endif
 }
 
-// A fragment of mma i: a0 / a2 row 0's codes (e, e + 2) / (e + 1, e + 3) (the 5-bit formats:
-// (e, e + 1) / (e + 2, e + 3), TILE_PAIRS), a1 / a3 row 1's, as bf16 pairs (q4_k: 16 + q; q6_k: q - 32;
-// the 5-bit formats: 128 + q).
-__device__ __forceinline__ void tile_a(const TileRows& d, int i, u32 mask, u32* a) {
+// A fragment of mma i: a0 / a2 row 0's codes (e, e + 2) / (e + 1, e + 3) (TILE_PAIRS: (e, e + 1) /
+// (e + 2, e + 3)), a1 / a3 row 1's, as bf16 pairs (q4_k: 16 + q; q6_k: q - 32; the 5-bit formats:
+// 128 + q; iq4: KVALUES[q]). kc: tile_consts.
+__device__ __forceinline__ void tile_a(const TileRows& d, int i, const u32* kc, u32* a) {
+  const u32 mask = kc[0];
+  (void)mask;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-#if BLK_FMT == 0
+#if IQ4
+    // the lane's word of block (iq4_xs: sub-block) i / 2; its low 16 bits' nibbles are the codes of
+    // elements (e, half 0), (e, half 1), (e + 1, half 0), (e + 1, half 1), the high bits' of e + 2, e + 3
+    const u32 w = d.q[r][i >> 1];
+    const u32 s3 = w & 0x77777777u, pick = ((w >> 1) & 0x44444444u) | kc[8];
+    const u32 lo01 = book4(kc, s3, pick), hi01 = book4(kc + 4, s3, pick);
+    const u32 lo23 = book4(kc, s3 >> 16, pick >> 16), hi23 = book4(kc + 4, s3 >> 16, pick >> 16);
+    a[r] = __byte_perm(lo01, hi01, (i & 1) ? 0x7351 : 0x6240);
+    a[r + 2] = __byte_perm(lo23, hi23, (i & 1) ? 0x7351 : 0x6240);
+#elif BLK_FMT == 0
     const int j = i >> 1;  // sub-block: group j / 2, low nibbles for even j
     const u32 w = d.q[r][2 * (j >> 1) + (i & 1)];
     const u32 lo = (j & 1) ? (w >> 1) : (w << 3), hi = (j & 1) ? (w >> 9) : (w >> 5);
@@ -676,7 +744,7 @@ __device__ __forceinline__ void tile_a(const TileRows& d, int i, u32 mask, u32* 
     constexpr u32 ONE2 = 0x3F803F80u, NEG96 = 0xC2C0C2C0u;
     a[r] = bf16x2_fma(((v << 1) & mask) | 0x42804280u, ONE2, NEG96);  // mask: 0x007E007E
     a[r + 2] = bf16x2_fma(((v >> 7) & mask) | 0x42804280u, ONE2, NEG96);
-#else
+#else  // the 5-bit formats
 #if BLK_FMT == 1
     const int j = i >> 1;  // sub-block j: nibble j % 2 of group j / 2, bit j of qh
     const u32 w = d.q[r][2 * (j >> 1) + (i & 1)], H = d.q[r][8 + (i & 1)];
@@ -710,7 +778,7 @@ __device__ __forceinline__ void tile_b(uint2 xv, u32& b0, u32& b1) {
 
 #if !ACT_F32 && !defined(BLOCKS_HOST)
 // One unit's products for the warp's 16 rows, added to acc (codes in d, activations from xb).
-__device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const act* __restrict__ xb, u32 mask,
+__device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const act* __restrict__ xb, const u32* kc,
                                            u32 magic, const u32* ones) {
   float s[2][TILE_NG], o[2][TILE_NG];
   tile_scales(d, magic, s, o);
@@ -724,7 +792,7 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
       const uint2 xv = __ldg((const uint2*)(xb + tile_elem(i)));
       u32 b0, b1, a[4];
       tile_b(xv, b0, b1);
-      tile_a(d, i, mask, a);
+      tile_a(d, i, kc, a);
       mma16816(c, a[0], a[1], a[2], a[3], b0, b1);
       if (TILE_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
     }
@@ -759,7 +827,9 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
   const act* xl = x + (g < M ? g : 0) * x_stride + tile_lane(t);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const u32 zero = (u32)M >> 31;  // 0 (M >= 1)
-  const u32 mask = opaque(TILE_MASK, zero), magic = opaque(0x4B000000u, zero);
+  const u32 magic = opaque(0x4B000000u, zero);
+  u32 kc[TILE_NK];
+  tile_consts(zero, kc);
   u32 ones[4];  // A = ones (bf16 1.0 pairs): the mma that sums activations
 #pragma unroll
   for (int j = 0; j < 4; ++j) ones[j] = opaque(0x3F803F80u, zero << j);  // four registers, not one copied
@@ -770,16 +840,16 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
   for (int b = warp; b < nb; b += 2 * nw) {
     const int b1 = b + nw, b2 = b + 2 * nw;
     if (b1 < nb) tile_load(w0 + (i64)b1 * TILE_BYTES, w1 + (i64)b1 * TILE_BYTES, t, d1);
-    tile_block(acc, d0, xl + (i64)b * TILE_QK, mask, magic, ones);
+    tile_block(acc, d0, xl + (i64)b * TILE_QK, kc, magic, ones);
     if (b1 >= nb) break;
     if (b2 < nb) tile_load(w0 + (i64)b2 * TILE_BYTES, w1 + (i64)b2 * TILE_BYTES, t, d0);
-    tile_block(acc, d1, xl + (i64)b1 * TILE_QK, mask, magic, ones);
+    tile_block(acc, d1, xl + (i64)b1 * TILE_QK, kc, magic, ones);
   }
 #else
   for (int b = warp; b < nb; b += nw) {
     TileRows d;
     tile_load(w0 + (i64)b * TILE_BYTES, w1 + (i64)b * TILE_BYTES, t, d);
-    tile_block(acc, d, xl + (i64)b * TILE_QK, mask, magic, ones);
+    tile_block(acc, d, xl + (i64)b * TILE_QK, kc, magic, ones);
   }
 #endif
   tile_epilogue<TILE_MAX_WARPS>(acc, nw, n0, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh

@@ -41,7 +41,7 @@ def _weight(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, K: int) -> t
 # gemv_blocks (fp32 math, any activation dtype), gemv_blocks_mma (bf16, tensor cores), gemv_blocks_tile
 # (bf16, tensor cores, whole blocks per lane: the formats in TILE_FORMATS)
 ROUTES = ("warp", "mma", "tile")
-TILE_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1")  # blocks.cu's TILE_FMT
+TILE_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs")  # blocks.cu's TILE_FMT
 GLU_ROUTES = ("mma", "tile")  # routes whose epilogue fuses a gated activation (common.cuh tile_epilogue)
 MMA_WARPS = 8  # blocks.cu
 TILE_PREFETCH = False  # blocks.cu's TILE_PREFETCH: each warp loads its next block while computing one
@@ -56,7 +56,7 @@ def tile_warps(N: int) -> int:
 def tile_blocks(fmt: TensorFormat, K: int) -> int:
     """Format blocks per unit of gemv_blocks_tile (blocks.cu's TILE_BLOCKS) at input width K: 1 for the
     256-element formats; for the 32-element ones the most of 8, 4, 2, 1 that divides K / 32 and keeps
-    every unit 4-byte aligned (q5_0's 22-byte blocks: an even count); at most 4 with TILE_PREFETCH (two
+    every unit 4-byte aligned (q5_0's 22-byte and iq4_nl's 18-byte blocks: an even count); at most 4 with TILE_PREFETCH (two
     units of 8 in registers spill). 0: the tile route does not take K."""
     elements, nbytes = BLOCK_FORMATS[fmt.format]
     if K % elements:

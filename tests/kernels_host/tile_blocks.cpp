@@ -2,7 +2,7 @@
 // tile_scales, tile_a and tile_b as the kernel calls them, the mma.m16n8k16 emulated from the lanes'
 // fragments (PTX's fragment layout), the scales applied and the warps' sums added as the kernel does.
 // stdin: int32 N, K, M, then the weight rows (N * K / QK * BLK_BYTES bytes), then x as bf16 bits
-// [M, K]; stdout: y [M, N] float32. Compile with -DBLK_FMT=0|1|2|5|6 (and -DTILE_BLOCKS=B for q5_0 / q5_1).
+// [M, K]; stdout: y [M, N] float32. Compile with -DBLK_FMT=<a TILE_FMT format> (and -DTILE_BLOCKS=B for the 32-element formats).
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -50,6 +50,8 @@ int main() {
   std::vector<float> y((size_t)M * N);
   const int nb = K / TILE_QK;
   static u32 a[32][4], b[32][2], ones[32][4];
+  u32 kc[TILE_NK];
+  tile_consts(0u, kc);
   for (int lane = 0; lane < 32; ++lane)
     for (int j = 0; j < 4; ++j) ones[lane][j] = 0x3F803F80u;
   for (int n0 = 0; n0 < N; n0 += 16) {
@@ -76,7 +78,7 @@ int main() {
               xv.x = (u32)xl[0] | ((u32)xl[1] << 16);
               xv.y = (u32)xl[2] | ((u32)xl[3] << 16);
               tile_b(xv, b[lane][0], b[lane][1]);
-              tile_a(d[lane], i, TILE_MASK, a[lane]);
+              tile_a(d[lane], i, kc, a[lane]);
             }
             mma(c, a, b);
             if (TILE_OFFSET) mma(cx, ones, b);
