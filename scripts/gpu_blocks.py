@@ -5,10 +5,10 @@ that the small ones do not sit in L2; median of 20 replays) and weight GB/s
 of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH); then one decode step's gemv time per route summed over the model (32 layers of
 q/k (q4_k) + v, o (q4_k), gate/up (q4_k), down, with v and down q6_k in the 16 `use_more_bits`
 layers, and the q6_k lm_head) and the tok/s that time alone would allow. --mix q5_k_m: the same step
-of a Q5_K_M file (q5_k where Q4_K_M has q4_k); --also q5_0,q5_1: those formats timed at a few llama-8b
-and SmolLM2 shapes too (not part of the step).
+of a Q5_K_M file (q5_k where Q4_K_M has q4_k); --also q5_0,q5_1,iq4_nl,iq4_xs: those formats timed at
+a few llama-8b and SmolLM2 shapes too (where the tile route takes them; not part of the step).
 
-    python scripts/gpu_blocks.py [--quick] [--mix q4_k_m|q5_k_m] [--also q5_0,q5_1]   (about a minute on an H200)
+    python scripts/gpu_blocks.py [--quick] [--mix q4_k_m|q5_k_m] [--also q5_0,q5_1,...]   (about a minute on an H200)
 """
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--mix", choices=list(MIXES), default="q4_k_m", help="the file whose decode step is modelled")
     ap.add_argument("--also", default="", help="comma-separated formats also timed at the ALSO shapes")
     args = ap.parse_args()
-    also = [(label, N, K, name, 0) for name in filter(None, args.also.split(",")) for label, N, K in ALSO]
+    also = [(label, N, K, name, 0) for name in filter(None, args.also.split(",")) for label, N, K in ALSO
+            if BK.route_ok("tile", TensorFormat(name), torch.bfloat16, K)]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     default_prefetch = BK.TILE_PREFETCH
     print(f"{torch.cuda.get_device_name()}: gemv_blocks, time per call and weight bytes / time")
