@@ -4,8 +4,8 @@ kernels/gdn.py), cuBLAS through torch.mm for prompt-sized matmuls.
 Two routes, chosen by the step context, not by row count:
 - decode (one new token per sequence, at most 8 rows, replayed from a CUDA graph): gemv over the
   stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: on tensor
-  cores with bf16 activations, route "blocks_tile" for q4_k / q6_k and "blocks_mma" for the others,
-  else "blocks"), split-K paged decode attention,
+  cores with bf16 activations, route "blocks_tile" for blocks.TILE_FORMATS (q2_k / q3_k, and q5_0 /
+  iq4_nl at K not in 64s: "blocks_mma"), else "blocks"), split-K paged decode attention,
   one delta-rule step per sequence. Fewer launches per layer: a gated MLP's activation runs in the
   gate_up gemv's epilogue (gated_linear over a glu weight, on the routes whose epilogue is
   common.cuh's tile_epilogue), and RoPE + the K/V write run inside the decode attention kernel
