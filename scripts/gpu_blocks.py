@@ -39,7 +39,8 @@ STEP = [("qkv", 6144, 4096, "q4_k", LAYERS - MORE_BITS), ("qk", 5120, 4096, "q4_
         ("v", 1024, 4096, "q6_k", MORE_BITS), ("o", 4096, 4096, "q4_k", LAYERS),
         ("gate_up", 28672, 4096, "q4_k", LAYERS), ("down", 4096, 14336, "q4_k", LAYERS - MORE_BITS),
         ("down", 4096, 14336, "q6_k", MORE_BITS), ("lm_head", 128256, 4096, "q6_k", 1)]
-MIXES = {"q4_k_m": STEP, "q5_k_m": [(label, N, K, "q5_k" if f == "q4_k" else f, calls) for label, N, K, f, calls in STEP]}
+MIXES = {"q4_k_m": STEP,
+         "q5_k_m": [(label, N, K, "q5_k" if f == "q4_k" else f, calls) for label, N, K, f, calls in STEP]}
 # --also: llama-8b o and down, SmolLM2-135M q/o and gate/up (K = 576: not a multiple of 256, where
 # llama.cpp's quantize falls back to q5_0)
 ALSO = [("o", 4096, 4096), ("down", 4096, 14336), ("smol_o", 576, 576), ("smol_gate_up", 3072, 576)]

@@ -445,15 +445,15 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 // ---- gemv_blocks_tile: the mma product over whole blocks, for the formats decode reads most -----------
 // (q4_k, q6_k: a Q4_K_M file's every weight at widths that are multiples of 256; q5_k: a Q5_K_M file's;
 // q5_0, q5_1: what llama.cpp's quantize puts where a width is not a multiple of 256, and Q5_0 / Q5_1
-// files; iq4_nl, iq4_xs: IQ4 files). Same contract and outputs as gemv_blocks_mma (bf16 activations, M = 1..8, fp32 accumulation,
-// batch invariant), built for bandwidth: one block of TILE_WARPS warps owns 16 output rows
-// n0 .. n0 + 15 and its warps split the row into units of TILE_QK elements (warp v takes units v,
-// v + TILE_WARPS, ...): one block of a 256-element format, TILE_BLOCKS blocks of a 32-element one (the
-// launcher's choice, from K). Per unit a lane loads its share of rows g and g + 8 once, with the widest
-// loads the format's alignment allows (q4_k / q5_k: the 16-byte header, then 8 code bytes from each
-// 32-byte group; q6_k: 4-byte words, two 2-byte-aligned halves where a block starts 2 mod 4; q5_0,
-// iq4_nl: likewise; q5_1, iq4_xs: 4-byte words), decodes the scales of both rows once per block, and then runs
-// TILE_QK / 16 mma.m16n8k16 (A = 16 rows x 16 k of codes, B = those 16 k x 8 activation rows) in which
+// files; iq4_nl, iq4_xs: IQ4 files). Same contract and outputs as gemv_blocks_mma (bf16 activations,
+// M = 1..8, fp32 accumulation, batch invariant), built for bandwidth: one block of TILE_WARPS warps owns
+// 16 output rows n0 .. n0 + 15 and its warps split the row into units of TILE_QK elements (warp v takes
+// units v, v + TILE_WARPS, ...): one block of a 256-element format, TILE_BLOCKS blocks of a 32-element
+// one (the launcher's choice, from K). Per unit a lane loads its share of rows g and g + 8 once, with
+// the widest loads the format's alignment allows (q4_k / q5_k: the 16-byte header, then 8 code bytes
+// from each 32-byte group; q6_k: 4-byte words, two 2-byte-aligned halves where a block starts 2 mod 4;
+// q5_0, iq4_nl: likewise; q5_1, iq4_xs: 4-byte words), decodes the scales of both rows once per block,
+// and then runs TILE_QK / 16 mma.m16n8k16 (A = 16 rows x 16 k of codes, B = those 16 k x 8 activation rows) in which
 // every k shares one scale, so the scale applies to the mma result in fp32:
 //   q4_k: lane t holds bytes 8t .. 8t + 7 of each 32-byte group; their low nibbles are elements
 //         8t .. 8t + 7 of sub-block 2G, the high ones of 2G + 1: two mmas per sub-block. A nibble
@@ -472,10 +472,11 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 //   q6_k: lane t holds bytes 4t .. 4t + 3 of each 16-byte run of ql and qh; one ql word and one qh word
 //         give 4 codes of each of two 32-element quarters; code bytes under exponent 2^6 are the bf16
 //         64 + q, and one bf16x2 fma takes 96 off (q - 32, exact). One mma per 16-element scale group.
-// In every mma a lane's four codes of a row are elements e, e + 1, e + 2, e + 3 (TILE_ELEM), paired
-// (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9 (the 5-bit formats: (e, e + 1)
-// and (e + 2, e + 3), TILE_PAIRS), and the activations are paired the same way (tile_b). The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also
-// compile for the host, where tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
+// In every mma a lane's four codes of a row are elements e, e + 1, e + 2, e + 3 (tile_elem), paired
+// (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9 (all but q4_k and q6_k:
+// (e, e + 1) and (e + 2, e + 3), TILE_PAIRS), and the activations are paired the same way (tile_b).
+// The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also compile for the host, where
+// tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
 #if BLK_FMT == 0 || BLK_FMT == 1 || BLK_FMT == 2 || BLK_FMT == 5 || BLK_FMT == 6 || BLK_FMT == 7 || BLK_FMT == 8
 #define TILE_FMT 1
 #define TILE_WARPS 8       // warps per block that split K (host emulation; the kernel takes 8 or 16)
@@ -484,7 +485,7 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 #define TILE_PREFETCH 0
 #endif
 #ifndef TILE_BLOCKS
-#define TILE_BLOCKS (QK == 256 ? 1 : 8)  // format blocks per unit (32-element formats: the launcher's, dividing K / 32)
+#define TILE_BLOCKS (QK == 256 ? 1 : 8)  // format blocks per unit (32-element formats: blocks.tile_blocks)
 #endif
 #if QK == 256 && TILE_BLOCKS != 1
 #error "a 256-element format's unit is one block"

@@ -56,8 +56,8 @@ def tile_warps(N: int) -> int:
 def tile_blocks(fmt: TensorFormat, K: int) -> int:
     """Format blocks per unit of gemv_blocks_tile (blocks.cu's TILE_BLOCKS) at input width K: 1 for the
     256-element formats; for the 32-element ones the most of 8, 4, 2, 1 that divides K / 32 and keeps
-    every unit 4-byte aligned (q5_0's 22-byte and iq4_nl's 18-byte blocks: an even count); at most 4 with TILE_PREFETCH (two
-    units of 8 in registers spill). 0: the tile route does not take K."""
+    every unit 4-byte aligned (q5_0's 22-byte and iq4_nl's 18-byte blocks: an even count); at most 4 with
+    TILE_PREFETCH (two units of 8 in registers spill). 0: the tile route does not take K."""
     elements, nbytes = BLOCK_FORMATS[fmt.format]
     if K % elements:
         return 0

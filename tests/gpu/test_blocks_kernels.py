@@ -1,7 +1,8 @@
 """blocks.cu (llama.cpp block formats read in place) against the torch dequantize reference on fresh
 random blocks: gemv for 1..8 rows on every route (warp: fp32 math, bf16 and fp32 activations; mma:
 tensor cores, bf16; tile: tensor cores over whole blocks of the TILE_FORMATS (q4_k, q5_k, q6_k, q5_0,
-q5_1, iq4_nl, iq4_xs), bf16, also at the llama-8b and SmolLM2 decode shapes), bf16 and fp32 outputs, batch invariance, dequant_blocks (prefill expansion and
+q5_1, iq4_nl, iq4_xs), bf16, also at the llama-8b and SmolLM2 decode shapes), bf16 and fp32 outputs,
+batch invariance, dequant_blocks (prefill expansion and
 the embedding gather), and the cuda runner against the torch runner on a tiny GGUF of every block
 type and on synthetic llama-8b Q4_K / Q4_K_M weights."""
 from __future__ import annotations
@@ -162,7 +163,8 @@ def test_block_launchers_check_arguments(kc: KernelCompiler) -> None:
         B.gemv_blocks(kc, x, TensorFormat("q2_k"), w2, poisoned((1, 64), BF), "tile")
     w5 = blocks("q5_0", 64, 800, seed=0)  # 25 blocks a row: 22-byte blocks leave odd rows 2 mod 4
     with pytest.raises(KernelError, match="K in 64s"):
-        B.gemv_blocks(kc, torch.randn(1, 800, device=DEV).to(BF), TensorFormat("q5_0"), w5, poisoned((1, 64), BF), "tile")
+        B.gemv_blocks(kc, torch.randn(1, 800, device=DEV).to(BF), TensorFormat("q5_0"), w5, poisoned((1, 64), BF),
+                      "tile")
 
 
 # ---- whole models: the cuda runner against the torch runner -----------------------------------------
