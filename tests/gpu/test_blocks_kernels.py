@@ -2,9 +2,9 @@
 random blocks: gemv for 1..8 rows on every route (warp: fp32 math, bf16 and fp32 activations; mma:
 tensor cores, bf16; tile: tensor cores over whole blocks of the TILE_FORMATS (q4_k, q5_k, q6_k, q5_0,
 q5_1, iq4_nl, iq4_xs), bf16, also at the llama-8b and SmolLM2 decode shapes), bf16 and fp32 outputs,
-batch invariance, dequant_blocks (prefill expansion and
-the embedding gather), and the cuda runner against the torch runner on a tiny GGUF of every block
-type and on synthetic llama-8b Q4_K / Q4_K_M weights."""
+batch invariance, dequant_blocks (prefill expansion and the embedding gather), and the cuda runner
+against the torch runner on a tiny GGUF of every block type and on synthetic llama-8b Q4_K / Q4_K_M
+weights."""
 from __future__ import annotations
 
 import gc
