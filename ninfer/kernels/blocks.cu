@@ -465,7 +465,8 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 //         under 0x43: the bf16 128 + q (exact), so acc += s * mma + (o - 128 s) * sum(x).
 //   q5_0, q5_1: lane t holds bytes 4t .. 4t + 3 of a block's 16 code bytes and qh >> 4t: low nibbles
 //         (and qh bits 0..3) are elements 4t .. 4t + 3, high nibbles (qh bits 16..19) 16 + 4t .. + 3:
-//         two mmas per block, one scale; codes as q5_k's, o = -16 d (q5_0) or m (q5_1).
+//         two mmas per block, one scale; codes as q5_k's; q5_1's offset m as q5_k's, q5_0's -16 d
+//         folded into the second mma (A = -144 in place of ones: TILE_FOLD).
 //   iq4_nl, iq4_xs: lanes and mmas as q5_0's (iq4_xs: per 32-element sub-block); byte permutes look
 //         the code book's bf16 values up in registers (low and high bytes apart: three permutes per
 //         four codes and table), so A is KVALUES[q] and no offset is needed.
@@ -519,9 +520,13 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 #endif
 #define TILE_NG (TILE_NM / TILE_GROUP)  // scale groups per unit
 // What an A element holds besides the code (q4_k 16 + q, the 5-bit formats 128 + q, q6_k q - 32, iq4
-// the code book's value), and whether a scale group adds an offset (then sum(x) by the ones mma).
+// the code book's value), and whether a scale group adds an offset (then sum(x) by the ones mma). q5_0's
+// offset is the same multiple of d in every block (w = d (128 + q - 144)), so its second mma adds
+// -144 x into the codes' own sums instead (TILE_FOLD; A = TILE_ONES).
 #define TILE_A0 (BLK_FMT == 0 ? 16 : BLK_FMT == 2 || IQ4 ? 0 : 128)
-#define TILE_OFFSET (BLK_FMT != 2 && !IQ4)
+#define TILE_FOLD (BLK_FMT == 5)
+#define TILE_OFFSET (BLK_FMT != 2 && !IQ4 && !TILE_FOLD)
+#define TILE_ONES (TILE_FOLD ? 0xC310C310u : 0x3F803F80u)  // bf16 pairs (-144, -144) or (1, 1)
 // Whether a lane's k slots 2t, 2t + 1 (and 2t + 8, 2t + 9) hold elements e, e + 1 (e + 2, e + 3), as
 // byte permutes build them, rather than e, e + 2 (e + 1, e + 3) as q4_k's and q6_k's shifts do.
 #define TILE_PAIRS (BLK_FMT != 0 && BLK_FMT != 2)
@@ -694,8 +699,8 @@ __device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float 
 #pragma unroll
     for (int k = 0; k < TILE_BLOCKS; ++k) {
       s[r][k] = f16_lo(d.h[r][k]);
-      // w = d (q - 16) = d (128 + q) - 144 d (q5_0); w = d q + m = d (128 + q) + m - 128 d (q5_1)
-      o[r][k] = BLK_FMT == 5 ? -144.0f * s[r][k] : fmaf(-128.0f, s[r][k], f16_hi(d.h[r][k]));
+      // w = d q + m = d (128 + q) + m - 128 d (q5_1); q5_0's -16 d: TILE_FOLD
+      o[r][k] = BLK_FMT == 5 ? 0.0f : fmaf(-128.0f, s[r][k], f16_hi(d.h[r][k]));
     }
 #endif
   }
@@ -796,6 +801,7 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
       tile_a(d, i, kc, a);
       mma16816(c, a[0], a[1], a[2], a[3], b0, b1);
       if (TILE_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
+      if (TILE_FOLD) mma16816(c, ones[0], ones[1], ones[2], ones[3], b0, b1);
     }
     acc[0] = fmaf(c[0], s[0][grp], acc[0]);
     acc[1] = fmaf(c[1], s[0][grp], acc[1]);
@@ -831,9 +837,9 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
   const u32 magic = opaque(0x4B000000u, zero);
   u32 kc[TILE_NK];
   tile_consts(zero, kc);
-  u32 ones[4];  // A = ones (bf16 1.0 pairs): the mma that sums activations
+  u32 ones[4];  // A = ones (bf16 1.0 pairs): the mma that sums activations (TILE_FOLD: -144)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) ones[j] = opaque(0x3F803F80u, zero << j);  // four registers, not one copied
+  for (int j = 0; j < 4; ++j) ones[j] = opaque(TILE_ONES, zero << j);  // four registers, not one copied
   const int nb = K / TILE_QK;
 #if TILE_PREFETCH
   TileRows d0, d1;

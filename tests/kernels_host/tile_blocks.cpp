@@ -53,7 +53,7 @@ int main() {
   u32 kc[TILE_NK];
   tile_consts(0u, kc);
   for (int lane = 0; lane < 32; ++lane)
-    for (int j = 0; j < 4; ++j) ones[lane][j] = 0x3F803F80u;
+    for (int j = 0; j < 4; ++j) ones[lane][j] = TILE_ONES;
   for (int n0 = 0; n0 < N; n0 += 16) {
     float part[TILE_WARPS][32][4] = {};
     for (int warp = 0; warp < TILE_WARPS; ++warp) {
@@ -82,6 +82,7 @@ int main() {
             }
             mma(c, a, b);
             if (TILE_OFFSET) mma(cx, ones, b);
+            if (TILE_FOLD) mma(c, ones, b);
           }
           for (int lane = 0; lane < 32; ++lane) {
             float* acc = part[warp][lane];
