@@ -679,12 +679,19 @@ __device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float 
       o[r][i] = 0.0f;
     }
 #elif BLK_FMT == 8
-    (void)magic;
+    // 6-bit scales ls of the even and the odd sub-blocks, one per byte: low 4 bits from scales_l's
+    // nibbles, high 2 from scales_h (bits 2j, 2j + 1), whose nibbles are first spread to bytes
+    const u32 sl = d.h[r][1], sh = d.h[r][0] >> 16;
+    u32 hb = (sh | (sh << 8)) & 0x00FF00FFu;
+    hb = (hb | (hb << 4)) & 0x0F0F0F0Fu;  // byte m: scales_h bits 4m .. 4m + 3 (sub-blocks 2m, 2m + 1)
+    const u32 ls[2] = {(sl & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u),
+                       ((sl >> 4) & 0x0F0F0F0Fu) | ((hb << 2) & 0x30303030u)};
     const float dd = f16_lo(d.h[r][0]);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const u32 ls = ((byte_of(d.h[r][1], j >> 1) >> (4 * (j & 1))) & 15u) | (((d.h[r][0] >> (16 + 2 * j)) & 3u) << 4);
-      s[r][j] = dd * (small_u(ls) - 32.0f);
+      // 2^23 + ls as a float, less 2^23 + 32: ls - 32 (exact)
+      const float fl = __uint_as_float(__byte_perm(ls[j & 1], magic, 0x7540u | (u32)(j >> 1))) - 8388640.0f;
+      s[r][j] = dd * fl;
       o[r][j] = 0.0f;
     }
 #elif BLK_FMT == 7
