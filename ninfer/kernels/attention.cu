@@ -153,6 +153,7 @@ paged_attention(const act* __restrict__ q, i64 q_stride, kv_ptr k_cache, kv_ptr 
                 const i32* __restrict__ slots
 #endif
 ) {
+  PDL_ENTRY();
   __shared__ float sm_acc[NWARPS][GQA][HEAD_DIM];
   __shared__ float sm_m[NWARPS][GQA];
   __shared__ float sm_l[NWARPS][GQA];
@@ -334,6 +335,7 @@ extern "C" __global__ void paged_attention_combine(const float* __restrict__ par
                                                    const i32* __restrict__ cu_seqlens, const i32* __restrict__ lens,
                                                    int num_seqs, act* __restrict__ out, i64 out_stride,
                                                    int max_parts, int partition, int window) {
+  PDL_ENTRY();
   const int head = blockIdx.x, t = blockIdx.y, Hq = gridDim.x;
   int b;
   const int n_keys = token_keys(t, cu_seqlens, lens, num_seqs, &b);

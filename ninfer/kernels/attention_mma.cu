@@ -38,6 +38,7 @@ attention_prefill_mma(const act* __restrict__ q, i64 q_stride, const act* __rest
                       const act* __restrict__ v_cache, const i32* __restrict__ block_tables, int max_pages,
                       const i32* __restrict__ cu_seqlens, const i32* __restrict__ start, act* __restrict__ out,
                       i64 out_stride, int Hkv, int page_size, float scale) {
+  PDL_ENTRY();
   __shared__ __align__(16) u16 ks[KT * KS];
   __shared__ __align__(16) u16 vts[D * VS];
   const int b = blockIdx.y, h = blockIdx.z, hk = h / GQA;

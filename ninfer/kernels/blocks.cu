@@ -325,6 +325,7 @@ __device__ __forceinline__ void gemv_blocks_impl(const act* __restrict__ x, i64 
 extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv_blocks(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y, i64 y_stride,
             int M, int N, int K, int y_f32) {
+  PDL_ENTRY();
   extern __shared__ __align__(16) float smem[];
   float* xs = smem;
   float* xsum = xs + M * TILE * XPAD;
@@ -345,6 +346,7 @@ gemv_blocks(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, v
 extern "C" __global__ void __launch_bounds__(256)
 dequant_blocks(const u8* __restrict__ w, const i32* __restrict__ rows, act* __restrict__ out, i64 out_stride,
                int R, int N, int K) {
+  PDL_ENTRY();
   __shared__ float kv[16];
   init_code_book(kv);
   if (IQ4) __syncthreads();
@@ -398,6 +400,7 @@ __device__ __forceinline__ void quad_bf16(u32 v, const u16* kv16, u32 off2, u32&
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
                 i64 y_stride, int M, int N, int K, int y_f32 NORM_PARAMS) {
+  PDL_ENTRY();
   __shared__ u16 kv16[16];
   if (IQ4 && threadIdx.x < 16) kv16[threadIdx.x] = f32_to_bf16(KVALUES[threadIdx.x]);
   if (IQ4) __syncthreads();
@@ -830,6 +833,7 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
 extern "C" __global__ void __launch_bounds__(TILE_MAX_WARPS * 32)
 gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
                  i64 y_stride, int M, int N, int K, int y_f32 NORM_PARAMS) {
+  PDL_ENTRY();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int nw = blockDim.x >> 5;
   const int n0 = blockIdx.x * 16;

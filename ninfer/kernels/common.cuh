@@ -11,6 +11,18 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define WARP 32
+
+// Programmatic dependent launch (sm_90+). Every kernel's first statement is PDL_ENTRY(). Launched
+// with the programmatic-serialization attribute (compiler.Kernel.launch), a kernel's blocks may be
+// scheduled while the kernel before it on the stream still runs: here they let the next kernel's
+// blocks be scheduled the same way, then wait until the previous kernel has completed and its
+// writes are visible, so nothing a kernel reads or writes is touched before that. Launched
+// without the attribute, both instructions do nothing.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY() asm volatile("griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_ENTRY()
+#endif
 #define NEG_INF (__int_as_float(0xff800000))
 #define NAN_F (__int_as_float(0x7fc00000))
 

@@ -5,7 +5,10 @@ with `-D` defines for per-shape specializations (attention's HEAD_DIM and GQA). 
 cached as `<cache_dir>/<sha256>.cubin`, the key covering the source and its headers, the
 options, the GPU name and arch, and the NVRTC version, so a driver or toolkit change
 recompiles. Modules load through the driver API into the context torch uses, and kernels
-launch with cuLaunchKernel on the current torch CUDA stream.
+launch with cuLaunchKernelEx on the current torch CUDA stream; on sm_90+ with programmatic
+dependent launch (every kernel starts with common.cuh's PDL_ENTRY, which waits for the kernel
+before it), so a kernel's blocks are scheduled while the one before it finishes. `NINFER_PDL=0`
+launches them plainly (for A/B measurements).
 
 cuda-python (`cuda.bindings`) and a CUDA device are needed only when a kernel is built or
 launched; importing this module needs neither.
@@ -73,6 +76,7 @@ class Kernel:
     name: str
     handle: Any  # CUfunction
     device: int
+    config: Any  # CUlaunchConfig, its attributes set once (programmatic serialization or none)
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[ctypes._SimpleCData],
                shared_mem: int = 0) -> None:
@@ -80,12 +84,29 @@ class Kernel:
         from cuda.bindings import driver
 
         # kernelParams is a void*[] of addresses of the argument values; `args` stays alive
-        # across the call, which is all cuLaunchKernel needs (it copies the values).
+        # across the call, which is all the launch needs (it copies the values).
         addrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-        stream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        _check_driver(driver.cuLaunchKernel(self.handle, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                            shared_mem, stream, ctypes.addressof(addrs), 0),
-                      f"cuLaunchKernel({self.name})")
+        c = self.config
+        c.gridDimX, c.gridDimY, c.gridDimZ = grid
+        c.blockDimX, c.blockDimY, c.blockDimZ = block
+        c.sharedMemBytes = shared_mem
+        c.hStream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        _check_driver(driver.cuLaunchKernelEx(c, self.handle, ctypes.addressof(addrs), 0),
+                      f"cuLaunchKernelEx({self.name})")
+
+
+def launch_config(pdl: bool) -> Any:
+    """A CUlaunchConfig for Kernel.launch: with programmatic stream serialization when `pdl`."""
+    from cuda.bindings import driver
+
+    config = driver.CUlaunchConfig()
+    if pdl:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attr]
+        config.numAttrs = 1
+    return config
 
 
 class KernelCompiler:
@@ -94,7 +115,8 @@ class KernelCompiler:
     cache_dir: where cubins are kept (see `default_cache_dir`); None disables the disk cache.
     """
 
-    def __init__(self, cache_dir: Path | None, device: int = 0, kernel_dir: Path = KERNEL_DIR) -> None:
+    def __init__(self, cache_dir: Path | None, device: int = 0, kernel_dir: Path = KERNEL_DIR,
+                 pdl: bool | None = None) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("the cuda backend needs a CUDA device, and torch sees none")
         self.cache_dir = cache_dir
@@ -103,6 +125,8 @@ class KernelCompiler:
         props = torch.cuda.get_device_properties(device)
         self.gpu_name = props.name
         self.arch = f"sm_{props.major}{props.minor}"
+        # programmatic dependent launch: sm_90+ (griddepcontrol), unless NINFER_PDL=0
+        self.pdl = (props.major >= 9 and os.environ.get("NINFER_PDL", "1") != "0") if pdl is None else pdl
         self._modules: dict[tuple[str, tuple[tuple[str, int], ...]], tuple[Any, dict[str, Kernel]]] = {}
         self._context: Any = None  # CUcontext, the device's primary context
         self.compiled = 0  # NVRTC compiles done (cache misses), for tests and logs
@@ -191,7 +215,7 @@ class KernelCompiler:
 
             handle = _check_driver(driver.cuModuleGetFunction(module, name.encode()),
                                    f"cuModuleGetFunction({source}:{name})")
-            fn = functions[name] = Kernel(name, handle, self.device)
+            fn = functions[name] = Kernel(name, handle, self.device, launch_config(self.pdl))
         return fn
 
 

@@ -18,6 +18,7 @@
 extern "C" __global__ void __launch_bounds__(256)
 dequantize_rows(const u8* __restrict__ w, const u16* __restrict__ scales, const u16* __restrict__ mins,
                 act* __restrict__ out, int N, int K, int group_size) {
+  PDL_ENTRY();
   const int per_row = K / 32;
   const i64 chunk = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   if (chunk >= (i64)N * per_row) return;

@@ -14,6 +14,7 @@ __device__ __forceinline__ bool bad_id(int id, int V, act* row, int H) {
 // out[t, :] = table[ids[t], :]; table [V, H] and out [T, H] act. Grid: T blocks.
 extern "C" __global__ void embedding(const i32* __restrict__ ids, const act* __restrict__ table,
                                      act* __restrict__ out, int V, int H) {
+  PDL_ENTRY();
   const int t = blockIdx.x;
   const int id = ids[t];
   act* dst = out + (i64)t * H;
@@ -34,6 +35,7 @@ extern "C" __global__ void embedding(const i32* __restrict__ ids, const act* __r
 extern "C" __global__ void embedding_quant(const i32* __restrict__ ids, const u8* __restrict__ q,
                                            const u16* __restrict__ scales, const u16* __restrict__ mins,
                                            act* __restrict__ out, int V, int H, int group_size, int kind) {
+  PDL_ENTRY();
   const int t = blockIdx.x;
   const int id = ids[t];
   const int nvec = H / 8;
@@ -70,6 +72,7 @@ extern "C" __global__ void embedding_quant(const i32* __restrict__ ids, const u8
 extern "C" __global__ void rmsnorm_residual(const act* __restrict__ x, act* residual, const act* __restrict__ weight,
                                             act* __restrict__ out, int H, i64 x_stride, i64 res_stride,
                                             i64 out_stride, float eps) {
+  PDL_ENTRY();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
   rmsnorm_row<false>(x + t * x_stride, residual ? residual + t * res_stride : nullptr, weight, out + t * out_stride, H,
@@ -101,10 +104,12 @@ __device__ __forceinline__ void gated(const act* __restrict__ gate_up, act* __re
 
 extern "C" __global__ void swiglu(const act* __restrict__ gate_up, act* __restrict__ out, int T, int I,
                                   i64 in_stride, i64 out_stride, int interleaved) {
+  PDL_ENTRY();
   gated<false>(gate_up, out, T, I, in_stride, out_stride, interleaved);
 }
 
 extern "C" __global__ void geglu(const act* __restrict__ gate_up, act* __restrict__ out, int T, int I,
                                  i64 in_stride, i64 out_stride, int interleaved) {
+  PDL_ENTRY();
   gated<true>(gate_up, out, T, I, in_stride, out_stride, interleaved);
 }

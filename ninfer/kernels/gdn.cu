@@ -27,6 +27,7 @@ extern "C" __global__ void short_conv(const act* __restrict__ x, const act* __re
                                       act* __restrict__ conv_state, const i32* __restrict__ cu_seqlens,
                                       const i32* __restrict__ slots, act* __restrict__ out, int C, int S,
                                       i64 x_stride, i64 out_stride) {
+  PDL_ENTRY();
   constexpr int K = CONV_K, KS = CONV_K - 1;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
@@ -129,6 +130,7 @@ gated_delta_rule(const act* __restrict__ q, const act* __restrict__ k, const act
                  const float* __restrict__ dt_bias, float* __restrict__ state, const i32* __restrict__ cu_seqlens,
                  const i32* __restrict__ slots, act* __restrict__ out, int Hk, int Hv, int S, i64 q_stride,
                  i64 k_stride, i64 v_stride, i64 a_stride, i64 b_stride, i64 out_stride) {
+  PDL_ENTRY();
   __shared__ __align__(16) float sq[DK], sk[DK];
   const int lane = threadIdx.x;
   const int part = lane / GDN_COLS, row0 = part * GDN_ROWS;
@@ -213,6 +215,7 @@ extern "C" __global__ void gated_rms_norm(const act* __restrict__ x, const act* 
                                           const act* __restrict__ weight, act* __restrict__ out, int T, int H,
                                           int D, i64 x_s0, i64 x_s1, i64 z_s0, i64 z_s1, i64 out_s0, i64 out_s1,
                                           float eps) {
+  PDL_ENTRY();
   const int lane = threadIdx.x & 31;
   const i64 row = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (row >= (i64)T * H) return;
@@ -241,6 +244,7 @@ extern "C" __global__ void gated_rms_norm(const act* __restrict__ x, const act* 
 // out = x * sigmoid(gate), elementwise over [T, H, D] views; out may be x. Grid-stride, 4 a thread.
 extern "C" __global__ void sigmoid_gate(const act* x, const act* __restrict__ gate, act* out, int T, int H, int D,
                                         i64 x_s0, i64 x_s1, i64 g_s0, i64 g_s1, i64 out_s0, i64 out_s1) {
+  PDL_ENTRY();
   const int nvec = D / 4;
   const i64 total = (i64)T * H * nvec;
   for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {

@@ -117,5 +117,6 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
 gemv(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
      const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
      int y_f32) {
+  PDL_ENTRY();
   gemv_dispatch<GEMV_FMT>(M, x, x_stride, w, scales, mins, y, y_stride, N, K, group_size, y_f32);
 }

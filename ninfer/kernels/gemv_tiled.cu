@@ -128,6 +128,7 @@ extern "C" __global__ void __launch_bounds__(T4_WARPS * 32)
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
            int y_f32 NORM_PARAMS) {
+  PDL_ENTRY();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, S = K >> 6;
   // this lane's bytes of the warp's first slab (j = warp), its scales, its activations (row g, k 8 t of

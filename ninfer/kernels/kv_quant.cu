@@ -13,6 +13,7 @@ extern "C" __global__ void kv_quantize_write(const act* __restrict__ k_rows, con
                                              const i32* __restrict__ slot_mapping, u8* __restrict__ k_cache,
                                              u8* __restrict__ v_cache, u16* __restrict__ k_scale,
                                              u16* __restrict__ v_scale, int Hkv, int D) {
+  PDL_ENTRY();
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
   const i32 slot = slot_mapping[t];
   if (slot < 0) return;

@@ -18,6 +18,7 @@ extern "C" __global__ void rope_kv_write(act* q, const act* __restrict__ k, cons
                                          const act* __restrict__ q_norm, const act* __restrict__ k_norm,
                                          int Hq, int Hkv, int D, int R, i64 q_stride, i64 k_stride,
                                          i64 v_stride, float eps) {
+  PDL_ENTRY();
   const int t = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int half = R / 2;

@@ -44,6 +44,7 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
               const float* __restrict__ temperature, const i32* __restrict__ top_k,
               const float* __restrict__ top_p, const float* __restrict__ min_p, const i64* __restrict__ seeds,
               const i64* __restrict__ steps, i32* __restrict__ tokens) {
+  PDL_ENTRY();
   __shared__ float red_v[SAMPLE_THREADS / 32];
   __shared__ int red_i[SAMPLE_THREADS / 32];
   __shared__ float cand_v[TOPK_MAX];

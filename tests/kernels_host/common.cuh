@@ -12,6 +12,7 @@
 #define __launch_bounds__(x)
 #define __shared__
 #define __align__(x)
+#define PDL_ENTRY()  // programmatic dependent launch: nothing on the host
 static inline void __syncthreads() {}
 typedef unsigned char u8; typedef signed char i8; typedef unsigned short u16; typedef unsigned int u32;
 typedef int i32; typedef long long i64;
