@@ -4,9 +4,11 @@ dequantization and the time per call (CUDA graph of 20 calls, each on its own co
 that the small ones do not sit in L2; median of 20 replays) and weight GB/s
 of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH); then one decode step's gemv time per route summed over the model (32 layers of
 q/k (q4_k) + v, o (q4_k), gate/up (q4_k), down, with v and down q6_k in the 16 `use_more_bits`
-layers, and the q6_k lm_head) and the tok/s that time alone would allow.
+layers, and the q6_k lm_head) and the tok/s that time alone would allow. --mix q5_k_m: the same step
+of a Q5_K_M file (q5_k where Q4_K_M has q4_k); --also q5_0,q5_1,iq4_nl,iq4_xs: those formats timed at
+a few llama-8b and SmolLM2 shapes too (where the tile route takes them; not part of the step).
 
-    python scripts/gpu_blocks.py [--quick]     (about a minute on an H200)
+    python scripts/gpu_blocks.py [--quick] [--mix q4_k_m|q5_k_m] [--also q5_0,q5_1,...]   (about a minute on an H200)
 """
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ STEP = [("qkv", 6144, 4096, "q4_k", LAYERS - MORE_BITS), ("qk", 5120, 4096, "q4_
         ("v", 1024, 4096, "q6_k", MORE_BITS), ("o", 4096, 4096, "q4_k", LAYERS),
         ("gate_up", 28672, 4096, "q4_k", LAYERS), ("down", 4096, 14336, "q4_k", LAYERS - MORE_BITS),
         ("down", 4096, 14336, "q6_k", MORE_BITS), ("lm_head", 128256, 4096, "q6_k", 1)]
+MIXES = {"q4_k_m": STEP,
+         "q5_k_m": [(label, N, K, "q5_k" if f == "q4_k" else f, calls) for label, N, K, f, calls in STEP]}
+# --also: llama-8b o and down, SmolLM2-135M q/o and gate/up (K = 576: not a multiple of 256, where
+# llama.cpp's quantize falls back to q5_0)
+ALSO = [("o", 4096, 4096), ("down", 4096, 14336), ("smol_o", 576, 576), ("smol_gate_up", 3072, 576)]
 
 
 def weights(name: str, N: int, K: int, seed: int) -> torch.Tensor:
@@ -50,14 +57,18 @@ def weights(name: str, N: int, K: int, seed: int) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="rows 1 and 8 only")
+    ap.add_argument("--mix", choices=list(MIXES), default="q4_k_m", help="the file whose decode step is modelled")
+    ap.add_argument("--also", default="", help="comma-separated formats also timed at the ALSO shapes")
     args = ap.parse_args()
+    also = [(label, N, K, name, 0) for name in filter(None, args.also.split(",")) for label, N, K in ALSO
+            if BK.route_ok("tile", TensorFormat(name), torch.bfloat16, K)]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     default_prefetch = BK.TILE_PREFETCH
     print(f"{torch.cuda.get_device_name()}: gemv_blocks, time per call and weight bytes / time")
     rows = (1, 8) if args.quick else (1, 2, 4, 8)
     step: dict[tuple[str, int], float] = {}
     seen: dict[tuple[int, int, str], dict[tuple[str, int], float]] = {}
-    for label, N, K, name, calls in STEP:
+    for label, N, K, name, calls in MIXES[args.mix] + also:
         key = (N, K, name)
         if key not in seen:
             fmt = TensorFormat(name)
@@ -85,7 +96,7 @@ def main() -> None:
             del ref_w, copies
         for (route, M), ms in seen[key].items():
             step[(route, M)] = step.get((route, M), 0.0) + calls * ms
-    print("one llama-8b Q4_K_M decode step, gemv only (32 layers + lm_head):")
+    print(f"one llama-8b {args.mix.upper()} decode step, gemv only (32 layers + lm_head):")
     for M in rows:
         print(f"  M={M}: " + "   ".join(f"{v} {step[(v, M)]:5.2f} ms ({M * 1e3 / step[(v, M)]:6.1f} tok/s bound)"
                                        for v in VARIANTS))

@@ -81,7 +81,7 @@ def main() -> None:
                 x = torch.randn(M, K, device=DEV).bfloat16()
                 out = torch.empty(M, N, device=DEV, dtype=torch.bfloat16)
                 for route in BK.ROUTES:
-                    if not BK.route_ok(route, fmt, x.dtype):
+                    if not BK.route_ok(route, fmt, x.dtype, K):
                         continue
                     ms = bench(lambda: BK.gemv_blocks(kc, x, fmt, w, out, route))
                     print(f"gemv_blocks {route:4s} {name:6s} M={M} N={N:6d} K={K:6d}: {ms * 1e3:7.1f} us "

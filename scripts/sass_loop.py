@@ -5,11 +5,13 @@ for a decode gemv: instructions per weight byte of one loop iteration.
 
     python scripts/sass_loop.py blocks.cu gemv_blocks_tile -D BLK_FMT=0 [--bytes 4608]
 
-cuobjdump comes from the nvidia-cuda-cuobjdump wheel (site-packages/nvidia/cu13/bin)."""
+cuobjdump comes from the nvidia-cuda-cuobjdump wheel and the nvdisasm it runs from nvidia-cuda-nvdisasm
+(both in site-packages/nvidia/cu13/bin, put on PATH for it here)."""
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import subprocess
 import sys
@@ -43,12 +45,14 @@ def main() -> None:
     opts = [f"--gpu-architecture={args.arch}", "--std=c++17", "-default-device", *(f"-D{d}" for d in args.D)]
     cubin = nvrtc_compile((KERNEL_DIR / args.source).read_text(), args.source, opts,
                           {h: (KERNEL_DIR / h).read_text() for h in HEADERS})
+    tool = cuobjdump()
+    env = {**os.environ, "PATH": f"{Path(tool).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # its nvdisasm
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([cuobjdump(), "-sass", "-fun", args.kernel, f.name], capture_output=True,
-                              text=True, check=True).stdout
-        res = subprocess.run([cuobjdump(), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", "-fun", args.kernel, f.name], capture_output=True,
+                              text=True, check=True, env=env).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(rf"Function {re.escape(args.kernel)}:\s*\n\s*(REG:\d+)", res)
     instrs = [(int(a, 16), op, rest) for a, _, op, rest in LINE.findall(sass)]
     print(f"{args.kernel} {' '.join(args.D)} {args.arch}: {len(instrs)} instructions, {m.group(1) if m else '?'}")

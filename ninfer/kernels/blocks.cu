@@ -446,46 +446,97 @@ gemv_blocks_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ 
 #endif
 
 // ---- gemv_blocks_tile: the mma product over whole blocks, for the formats decode reads most -----------
-// (q4_k, q6_k: a Q4_K_M file's every weight at widths that are multiples of 256). Same contract and
-// outputs as gemv_blocks_mma (bf16 activations, M = 1..8, fp32 accumulation, batch invariant), built
-// for bandwidth: one block of TILE_WARPS warps owns 16 output rows n0 .. n0 + 15 and its warps split
-// the row's QK-element blocks (warp v takes blocks v, v + TILE_WARPS, ...). Per block a lane loads its
-// share of rows g and g + 8 once, with the widest loads the format's alignment allows (q4_k: the
-// 16-byte header, then 8 code bytes from each 32-byte group; q6_k: 4-byte words, two 2-byte-aligned
-// halves where a block starts 2 mod 4), decodes the scales of both rows once per block, and then runs
-// QK / 16 mma.m16n8k16 (A = 16 rows x 16 k of codes, B = those 16 k x 8 activation rows) in which
+// (q4_k, q6_k: a Q4_K_M file's every weight at widths that are multiples of 256; q5_k: a Q5_K_M file's;
+// q5_0, q5_1: what llama.cpp's quantize puts where a width is not a multiple of 256, and Q5_0 / Q5_1
+// files; iq4_nl, iq4_xs: IQ4 files). Same contract and outputs as gemv_blocks_mma (bf16 activations,
+// M = 1..8, fp32 accumulation, batch invariant), built for bandwidth: one block of TILE_WARPS warps owns
+// 16 output rows n0 .. n0 + 15 and its warps split the row into units of TILE_QK elements (warp v takes
+// units v, v + TILE_WARPS, ...): one block of a 256-element format, TILE_BLOCKS blocks of a 32-element
+// one (the launcher's choice, from K). Per unit a lane loads its share of rows g and g + 8 once, with
+// the widest loads the format's alignment allows (q4_k / q5_k: the 16-byte header, then 8 code bytes
+// from each 32-byte group; q6_k: 4-byte words, two 2-byte-aligned halves where a block starts 2 mod 4;
+// q5_0, iq4_nl: likewise; q5_1, iq4_xs: 4-byte words), decodes the scales of both rows once per block,
+// and then runs TILE_QK / 16 mma.m16n8k16 (A = 16 rows x 16 k of codes, B = those 16 k x 8 activation rows) in which
 // every k shares one scale, so the scale applies to the mma result in fp32:
 //   q4_k: lane t holds bytes 8t .. 8t + 7 of each 32-byte group; their low nibbles are elements
 //         8t .. 8t + 7 of sub-block 2G, the high ones of 2G + 1: two mmas per sub-block. A nibble
 //         placed at mantissa bits 3..6 under exponent 2^4 is the bf16 16 + q (exact; one shift and one
 //         and/or per pair of codes), so the mma sums (16 + q) x, and acc += s * mma + (o - 16 s) * sum(x),
 //         sum(x) per sub-block by an mma with A = ones (o = -dmin m, the sub-block's offset).
+//   q5_k: q4_k's lanes and mmas, and the lane's 8 bytes of qh (bit j: sub-block j's fifth bit); a
+//         code's 5 bits are made a byte (nibble | qh bit << 4), and a byte permute puts a code byte
+//         under 0x43: the bf16 128 + q (exact), so acc += s * mma + (o - 128 s) * sum(x).
+//   q5_0, q5_1: lane t holds bytes 4t .. 4t + 3 of a block's 16 code bytes and qh >> 4t: low nibbles
+//         (and qh bits 0..3) are elements 4t .. 4t + 3, high nibbles (qh bits 16..19) 16 + 4t .. + 3:
+//         two mmas per block, one scale; codes as q5_k's; q5_1's offset m as q5_k's, q5_0's -16 d
+//         folded into the second mma (A = -144 in place of ones: TILE_FOLD).
+//   iq4_nl, iq4_xs: lanes and mmas as q5_0's (iq4_xs: per 32-element sub-block); byte permutes look
+//         the code book's bf16 values up in registers (low and high bytes apart: three permutes per
+//         four codes and table), so A is KVALUES[q] and no offset is needed.
 //   q6_k: lane t holds bytes 4t .. 4t + 3 of each 16-byte run of ql and qh; one ql word and one qh word
 //         give 4 codes of each of two 32-element quarters; code bytes under exponent 2^6 are the bf16
 //         64 + q, and one bf16x2 fma takes 96 off (q - 32, exact). One mma per 16-element scale group.
-// In every mma a lane's four codes of a row are elements e, e + 1, e + 2, e + 3 (TILE_ELEM), paired
-// (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9, and the activations are
-// paired the same way (tile_b). The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also
-// compile for the host, where tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
-#if BLK_FMT == 0 || BLK_FMT == 2
+// In every mma a lane's four codes of a row are elements e, e + 1, e + 2, e + 3 (tile_elem), paired
+// (e, e + 2) for k slots 2t, 2t + 1 and (e + 1, e + 3) for 2t + 8, 2t + 9 (all but q4_k and q6_k:
+// (e, e + 1) and (e + 2, e + 3), TILE_PAIRS), and the activations are paired the same way (tile_b).
+// The per-lane pieces (tile_load, tile_scales, tile_a, tile_b) also compile for the host, where
+// tests/test_blocks_host.py runs them for all 32 lanes against gguf-py.
+#if BLK_FMT == 0 || BLK_FMT == 1 || BLK_FMT == 2 || BLK_FMT == 5 || BLK_FMT == 6 || BLK_FMT == 7 || BLK_FMT == 8
 #define TILE_FMT 1
 #define TILE_WARPS 8       // warps per block that split K (host emulation; the kernel takes 8 or 16)
 #define TILE_MAX_WARPS 16
 #ifndef TILE_PREFETCH
 #define TILE_PREFETCH 0
 #endif
-#define TILE_NM (QK / 16)  // mmas per block
+#ifndef TILE_BLOCKS
+#define TILE_BLOCKS (QK == 256 ? 1 : 8)  // format blocks per unit (32-element formats: blocks.tile_blocks)
+#endif
+#if QK == 256 && TILE_BLOCKS != 1
+#error "a 256-element format's unit is one block"
+#endif
+#if (BLK_FMT == 5 || BLK_FMT == 7) && TILE_BLOCKS % 2
+#error "q5_0 / iq4_nl units are an even number of blocks (4-byte aligned)"
+#endif
+#define TILE_QK (QK * TILE_BLOCKS)          // elements per unit
+#define TILE_BYTES (BLK_BYTES * TILE_BLOCKS)  // bytes per unit and row
+#define TILE_NM (TILE_QK / 16)              // mmas per unit
 #if BLK_FMT == 0
 #define TILE_GROUP 2  // consecutive mmas that share a scale
 #define TILE_NW 8     // code words per row and lane
 #define TILE_NH 4     // header words per row
-#else
+#elif BLK_FMT == 1
+#define TILE_GROUP 2
+#define TILE_NW 10  // 8 of qs, 2 of qh
+#define TILE_NH 4
+#elif BLK_FMT == 2
 #define TILE_GROUP 1
 #define TILE_NW 12
 #define TILE_NH 5
+#elif BLK_FMT == 8
+#define TILE_GROUP 2
+#define TILE_NW 8  // the lane's word of each sub-block's 16 code bytes
+#define TILE_NH 2  // d and scales_h, scales_l
+#else
+#define TILE_GROUP 2
+#define TILE_NW ((BLK_FMT == 7 ? 1 : 2) * TILE_BLOCKS)  // per block: the lane's qs word (q5: and qh >> 4t)
+#define TILE_NH TILE_BLOCKS                             // per block: d (q5_1: d, m)
 #endif
-#define TILE_NG (TILE_NM / TILE_GROUP)  // scale groups per block
-#define TILE_MASK (BLK_FMT == 0 ? 0x00780078u : 0x007E007Eu)  // a code pair's mantissa bits
+#define TILE_NG (TILE_NM / TILE_GROUP)  // scale groups per unit
+// What an A element holds besides the code (q4_k 16 + q, the 5-bit formats 128 + q, q6_k q - 32, iq4
+// the code book's value), and whether a scale group adds an offset (then sum(x) by the ones mma). q5_0's
+// offset is the same multiple of d in every block (w = d (128 + q - 144)), so its second mma adds
+// -144 x into the codes' own sums instead (TILE_FOLD; A = TILE_ONES).
+#define TILE_A0 (BLK_FMT == 0 ? 16 : BLK_FMT == 2 || IQ4 ? 0 : 128)
+#define TILE_FOLD (BLK_FMT == 5)
+#define TILE_OFFSET (BLK_FMT != 2 && !IQ4 && !TILE_FOLD)
+#define TILE_ONES (TILE_FOLD ? 0xC310C310u : 0x3F803F80u)  // bf16 pairs (-144, -144) or (1, 1)
+// Whether a lane's k slots 2t, 2t + 1 (and 2t + 8, 2t + 9) hold elements e, e + 1 (e + 2, e + 3), as
+// byte permutes build them, rather than e, e + 2 (e + 1, e + 3) as q4_k's and q6_k's shifts do.
+#define TILE_PAIRS (BLK_FMT != 0 && BLK_FMT != 2)
+// Constants tile_a takes in registers (tile_consts): q4_k / q6_k a code pair's mantissa bits; the
+// 5-bit formats the byte 0x43 (the high byte of the bf16 128 + q) for the byte permute; iq4 the code
+// book as bf16, low bytes (4 words) and high bytes (4 words), and the byte permute 0x32103210.
+#define TILE_NK (IQ4 ? 9 : 1)
 
 #ifndef BLOCKS_HOST  // the host stand-in (tests/kernels_host/common.cuh) has its own
 __device__ __forceinline__ u32 bf16x2_fma(u32 a, u32 b, u32 c) {
@@ -503,12 +554,39 @@ __device__ __forceinline__ u32 ld32_at(const u32* base, int sh, int off) {
   return sh ? __funnelshift_r(lo, __ldg(base + off / 4 + 1), 16) : lo;
 }
 
+// The 4 bytes at byte `off` (even, a constant after unrolling) of a 4-byte aligned unit: one load, or
+// two and a funnel shift where off is 2 mod 4 (q5_0's 22-byte blocks).
+__device__ __forceinline__ u32 unit_word(const u32* u, int off) {
+  return (off & 2) ? __funnelshift_r(__ldg(u + off / 4), __ldg(u + off / 4 + 1), 16) : __ldg(u + off / 4);
+}
+
 // v in a register the compiler keeps: `zero` is 0 at run time (derived from a kernel argument), so v
 // is not a constant to ptxas, which otherwise rebuilds a constant register before every use (an
 // and/or with two constants needs one of them in a register; so does the mma's A = ones).
 __device__ __forceinline__ u32 opaque(u32 v, u32 zero) { return v | zero; }
 
-// One block of rows g (r = 0) and g + 8 (r = 1) as lane t reads it: code words and header words.
+// tile_a's register constants (TILE_NK), opaque through `zero`.
+__device__ __forceinline__ void tile_consts(u32 zero, u32* kc) {
+#if IQ4
+  // KVALUES as bf16: c2fe c2d0 c2a6 c282 c244 c20c c1b0 c120 3f80 4150 41c8 4218 4254 428a 42b2 42e2
+  constexpr u32 BOOK[9] = {0x82A6D0FEu, 0x20B00C44u, 0x18C85080u, 0xE2B28A54u,   // low bytes, entries 0..15
+                           0xC2C2C2C2u, 0xC1C1C2C2u, 0x4241413Fu, 0x42424242u,   // high bytes
+                           0x32103210u};
+#pragma unroll
+  for (int j = 0; j < 9; ++j) kc[j] = opaque(BOOK[j], zero);
+#else
+  kc[0] = opaque(BLK_FMT == 0 ? 0x00780078u : BLK_FMT == 2 ? 0x007E007Eu : 0x00000043u, zero);
+#endif
+}
+
+// The code-book bytes of the four codes in the nibbles of sel's low 16 bits, from the 16-byte table t
+// (entries 0..7 in t[0], t[1], 8..15 in t[2], t[3]): sel3 = sel & 0x7777 picks within each half, and
+// pick = 0x3210 with bit 2 of nibble n set where code n is 8 or more picks the half.
+__device__ __forceinline__ u32 book4(const u32* t, u32 sel3, u32 pick) {
+  return __byte_perm(__byte_perm(t[0], t[1], sel3), __byte_perm(t[2], t[3], sel3), pick);
+}
+
+// One unit of rows g (r = 0) and g + 8 (r = 1) as lane t reads it: code words and header words.
 struct TileRows {
   u32 q[2][TILE_NW];
   u32 h[2][TILE_NH];
@@ -518,16 +596,22 @@ __device__ __forceinline__ void tile_load(const u8* __restrict__ b0, const u8* _
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const u8* b = r ? b1 : b0;
-#if BLK_FMT == 0
+#if BLK_FMT == 0 || BLK_FMT == 1
+    constexpr int QS = BLK_FMT == 1 ? 48 : 16;  // q5_k: qh[32] at 16, then qs
     const uint4 h = __ldg((const uint4*)b);
     d.h[r][0] = h.x; d.h[r][1] = h.y; d.h[r][2] = h.z; d.h[r][3] = h.w;
 #pragma unroll
     for (int G = 0; G < 4; ++G) {
-      const uint2 v = __ldg((const uint2*)(b + 16 + 32 * G + 8 * t));
+      const uint2 v = __ldg((const uint2*)(b + QS + 32 * G + 8 * t));
       d.q[r][2 * G] = v.x;
       d.q[r][2 * G + 1] = v.y;
     }
-#else
+#if BLK_FMT == 1
+    const uint2 v = __ldg((const uint2*)(b + 16 + 8 * t));
+    d.q[r][8] = v.x;
+    d.q[r][9] = v.y;
+#endif
+#elif BLK_FMT == 2
     const u32* base = (const u32*)((size_t)b & ~(size_t)3);
     const int sh = (int)((size_t)b & 2) * 8;
     // words 3 i + 0, 1, 2 of run i = 2 h + hh: ql at 64 h + 16 hh (+ 32), qh at 128 + 32 h + 16 hh; lane's bytes 4t..
@@ -541,16 +625,38 @@ __device__ __forceinline__ void tile_load(const u8* __restrict__ b0, const u8* _
 #pragma unroll
     for (int i = 0; i < 4; ++i) d.h[r][i] = ld32_at(base, sh, 192 + 4 * i);  // the 16 int8 scales
     d.h[r][4] = (u32)__ldg((const u16*)(b + 208));                        // d
+#elif BLK_FMT == 8
+    // iq4_xs: d@0 scales_h@2 scales_l@4, sub-block j's 16 code bytes at 8 + 16 j
+    const uint2 h = __ldg((const uint2*)b);
+    d.h[r][0] = h.x;
+    d.h[r][1] = h.y;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d.q[r][j] = __ldg((const u32*)(b + 8 + 16 * j) + t);
+#else
+    // q5_0: d@0 qh@2 qs@6; q5_1: d@0 m@2 qh@4 qs@8; iq4_nl: d@0 qs@2 (the unit is 4-byte aligned:
+    // blocks.py's TILE_BLOCKS)
+    constexpr int QS = BLK_FMT == 6 ? 8 : BLK_FMT == 5 ? 6 : 2;
+    const u32* u = (const u32*)b;
+#pragma unroll
+    for (int k = 0; k < TILE_BLOCKS; ++k) {
+      d.h[r][k] = unit_word(u, BLK_BYTES * k);  // d in the low half (q5_1: m in the high one)
+#if IQ4
+      d.q[r][k] = unit_word(u + t, BLK_BYTES * k + QS);
+#else
+      d.q[r][2 * k] = unit_word(u + t, BLK_BYTES * k + QS);
+      d.q[r][2 * k + 1] = unit_word(u, BLK_BYTES * k + QS - 4) >> (4 * t);  // qh
+#endif
+    }
 #endif
   }
 }
 
-// The scale s and offset o (0 where the format has none; q4_k: o - 16 s, see above) of each of the
-// block's TILE_NG scale groups, rows 0 and 1.
+// The scale s and offset o (0 where the format has none; see TILE_A0: o - TILE_A0 s) of each of the
+// unit's TILE_NG scale groups, rows 0 and 1.
 __device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float s[2][TILE_NG], float o[2][TILE_NG]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-#if BLK_FMT == 0
+#if BLK_FMT == 0 || BLK_FMT == 1
     const u32 s0 = d.h[r][1], s1 = d.h[r][2], s2 = d.h[r][3];
     const float dd = f16_lo(d.h[r][0]), dm = f16_hi(d.h[r][0]);
     // 6-bit scales and mins of sub-blocks 0..3 and 4..7, one per byte
@@ -563,9 +669,9 @@ __device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float 
       const float fs = __uint_as_float(__byte_perm(sc[j >> 2], magic, 0x7540u | (u32)(j & 3)));  // magic: 0x4B000000
       const float fm = __uint_as_float(__byte_perm(mn[j >> 2], magic, 0x7540u | (u32)(j & 3)));
       s[r][j] = fmaf(fs, dd, dd_off);
-      o[r][j] = fmaf(-16.0f, s[r][j], fmaf(fm, -dm, dm_off));
+      o[r][j] = fmaf(-(float)TILE_A0, s[r][j], fmaf(fm, -dm, dm_off));
     }
-#else
+#elif BLK_FMT == 2
     (void)magic;
     const float dd = f16_lo(d.h[r][4]);
 #pragma unroll
@@ -575,32 +681,77 @@ __device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float 
       s[r][i] = dd * (float)(i8)byte_of(d.h[r][idx >> 2], idx & 3);
       o[r][i] = 0.0f;
     }
+#elif BLK_FMT == 8
+    // 6-bit scales ls of the even and the odd sub-blocks, one per byte: low 4 bits from scales_l's
+    // nibbles, high 2 from scales_h (bits 2j, 2j + 1), whose nibbles are first spread to bytes
+    const u32 sl = d.h[r][1], sh = d.h[r][0] >> 16;
+    u32 hb = (sh | (sh << 8)) & 0x00FF00FFu;
+    hb = (hb | (hb << 4)) & 0x0F0F0F0Fu;  // byte m: scales_h bits 4m .. 4m + 3 (sub-blocks 2m, 2m + 1)
+    const u32 ls[2] = {(sl & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u),
+                       ((sl >> 4) & 0x0F0F0F0Fu) | ((hb << 2) & 0x30303030u)};
+    const float dd = f16_lo(d.h[r][0]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      // 2^23 + ls as a float, less 2^23 + 32: ls - 32 (exact)
+      const float fl = __uint_as_float(__byte_perm(ls[j & 1], magic, 0x7540u | (u32)(j >> 1))) - 8388640.0f;
+      s[r][j] = dd * fl;
+      o[r][j] = 0.0f;
+    }
+#elif BLK_FMT == 7
+    (void)magic;
+#pragma unroll
+    for (int k = 0; k < TILE_BLOCKS; ++k) {
+      s[r][k] = f16_lo(d.h[r][k]);
+      o[r][k] = 0.0f;
+    }
+#else
+    (void)magic;
+#pragma unroll
+    for (int k = 0; k < TILE_BLOCKS; ++k) {
+      s[r][k] = f16_lo(d.h[r][k]);
+      // w = d q + m = d (128 + q) + m - 128 d (q5_1); q5_0's -16 d: TILE_FOLD
+      o[r][k] = BLK_FMT == 5 ? 0.0f : fmaf(-128.0f, s[r][k], f16_hi(d.h[r][k]));
+    }
 #endif
   }
 }
 
-// The first of lane t's four elements (of the block) in mma i: tile_lane(t) + tile_elem(i).
-__device__ __forceinline__ int tile_lane(int t) { return (BLK_FMT == 0 ? 8 : 4) * t; }
+// The first of lane t's four elements (of the unit) in mma i: tile_lane(t) + tile_elem(i).
+__device__ __forceinline__ int tile_lane(int t) { return (BLK_FMT == 0 || BLK_FMT == 1 ? 8 : 4) * t; }
 __device__ __forceinline__ int tile_elem(int i) {
-#if BLK_FMT == 0
+#if BLK_FMT == 0 || BLK_FMT == 1
   return 32 * (i >> 1) + 4 * (i & 1);
-#else
+#elif BLK_FMT == 2
   return 128 * (i >> 3) + 32 * (i & 3) + 16 * ((i >> 2) & 1);
+#else
+  return 32 * (i >> 1) + 16 * (i & 1);
 #endif
 }
 
-// A fragment of mma i: a0 / a2 row 0's codes (e, e + 2) / (e + 1, e + 3), a1 / a3 row 1's, as bf16
-// pairs (q4_k: 16 + q; q6_k: q - 32).
-__device__ __forceinline__ void tile_a(const TileRows& d, int i, u32 mask, u32* a) {
+// A fragment of mma i: a0 / a2 row 0's codes (e, e + 2) / (e + 1, e + 3) (TILE_PAIRS: (e, e + 1) /
+// (e + 2, e + 3)), a1 / a3 row 1's, as bf16 pairs (q4_k: 16 + q; q6_k: q - 32; the 5-bit formats:
+// 128 + q; iq4: KVALUES[q]). kc: tile_consts.
+__device__ __forceinline__ void tile_a(const TileRows& d, int i, const u32* kc, u32* a) {
+  const u32 mask = kc[0];
+  (void)mask;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-#if BLK_FMT == 0
+#if IQ4
+    // the lane's word of block (iq4_xs: sub-block) i / 2; its low 16 bits' nibbles are the codes of
+    // elements (e, half 0), (e, half 1), (e + 1, half 0), (e + 1, half 1), the high bits' of e + 2, e + 3
+    const u32 w = d.q[r][i >> 1];
+    const u32 s3 = w & 0x77777777u, pick = ((w >> 1) & 0x44444444u) | kc[8];
+    const u32 lo01 = book4(kc, s3, pick), hi01 = book4(kc + 4, s3, pick);
+    const u32 lo23 = book4(kc, s3 >> 16, pick >> 16), hi23 = book4(kc + 4, s3 >> 16, pick >> 16);
+    a[r] = __byte_perm(lo01, hi01, (i & 1) ? 0x7351 : 0x6240);
+    a[r + 2] = __byte_perm(lo23, hi23, (i & 1) ? 0x7351 : 0x6240);
+#elif BLK_FMT == 0
     const int j = i >> 1;  // sub-block: group j / 2, low nibbles for even j
     const u32 w = d.q[r][2 * (j >> 1) + (i & 1)];
     const u32 lo = (j & 1) ? (w >> 1) : (w << 3), hi = (j & 1) ? (w >> 9) : (w >> 5);
     a[r] = (lo & mask) | 0x41804180u;  // mask: 0x00780078
     a[r + 2] = (hi & mask) | 0x41804180u;
-#else
+#elif BLK_FMT == 2
     const int run = i >> 2, q = i & 3;
     const u32 L = d.q[r][3 * run + (q & 1)], H = d.q[r][3 * run + 2];
     const u32 lo = (q & 2) ? (L >> 4) : L;
@@ -609,19 +760,41 @@ __device__ __forceinline__ void tile_a(const TileRows& d, int i, u32 mask, u32* 
     constexpr u32 ONE2 = 0x3F803F80u, NEG96 = 0xC2C0C2C0u;
     a[r] = bf16x2_fma(((v << 1) & mask) | 0x42804280u, ONE2, NEG96);  // mask: 0x007E007E
     a[r + 2] = bf16x2_fma(((v >> 7) & mask) | 0x42804280u, ONE2, NEG96);
+#else  // the 5-bit formats
+#if BLK_FMT == 1
+    const int j = i >> 1;  // sub-block j: nibble j % 2 of group j / 2, bit j of qh
+    const u32 w = d.q[r][2 * (j >> 1) + (i & 1)], H = d.q[r][8 + (i & 1)];
+    const u32 lo = (j & 1) ? (w >> 4) : w;
+    const u32 hb = j <= 4 ? (H << (4 - j)) & 0x10101010u : (H >> (j - 4)) & 0x10101010u;
+#else
+    const int k = i >> 1, half = i & 1;  // block k: low nibbles and qh bits 0..3, or high and 16..19
+    const u32 w = d.q[r][2 * k], H = d.q[r][2 * k + 1];
+    const u32 lo = half ? (w >> 4) : w;
+    const u32 hb = spread4(half ? (H >> 16) : H, 4);
+#endif
+    const u32 v = (lo & 0x0F0F0F0Fu) | hb;  // four 5-bit codes, one per byte
+    a[r] = __byte_perm(v, mask, 0x4140);    // mask: 0x43; (128 + code 0, 128 + code 1): TILE_PAIRS
+    a[r + 2] = __byte_perm(v, mask, 0x4342);
 #endif
   }
 }
 
-// B fragment from 4 consecutive activations (x e .. e + 3 as two words): pairs (e, e + 2), (e + 1, e + 3).
+// B fragment from 4 consecutive activations (x e .. e + 3 as two words): pairs (e, e + 2), (e + 1, e + 3)
+// where the A pairs are so (q4_k, q6_k: one shift places bytes 0 and 2 of a code word), else the words
+// as they are: (e, e + 1), (e + 2, e + 3).
 __device__ __forceinline__ void tile_b(uint2 xv, u32& b0, u32& b1) {
+#if TILE_PAIRS
+  b0 = xv.x;
+  b1 = xv.y;
+#else
   b0 = __byte_perm(xv.x, xv.y, 0x5410);
   b1 = __byte_perm(xv.x, xv.y, 0x7632);
+#endif
 }
 
 #if !ACT_F32 && !defined(BLOCKS_HOST)
-// One block's products for the warp's 16 rows, added to acc (codes in d, activations from xb).
-__device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const act* __restrict__ xb, u32 mask,
+// One unit's products for the warp's 16 rows, added to acc (codes in d, activations from xb).
+__device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const act* __restrict__ xb, const u32* kc,
                                            u32 magic, const u32* ones) {
   float s[2][TILE_NG], o[2][TILE_NG];
   tile_scales(d, magic, s, o);
@@ -635,15 +808,16 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
       const uint2 xv = __ldg((const uint2*)(xb + tile_elem(i)));
       u32 b0, b1, a[4];
       tile_b(xv, b0, b1);
-      tile_a(d, i, mask, a);
+      tile_a(d, i, kc, a);
       mma16816(c, a[0], a[1], a[2], a[3], b0, b1);
-      if (HAS_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
+      if (TILE_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
+      if (TILE_FOLD) mma16816(c, ones[0], ones[1], ones[2], ones[3], b0, b1);
     }
     acc[0] = fmaf(c[0], s[0][grp], acc[0]);
     acc[1] = fmaf(c[1], s[0][grp], acc[1]);
     acc[2] = fmaf(c[2], s[1][grp], acc[2]);
     acc[3] = fmaf(c[3], s[1][grp], acc[3]);
-    if (HAS_OFFSET) {
+    if (TILE_OFFSET) {
       acc[0] = fmaf(cx[0], o[0][grp], acc[0]);
       acc[1] = fmaf(cx[1], o[0][grp], acc[1]);
       acc[2] = fmaf(cx[2], o[1][grp], acc[2]);
@@ -653,7 +827,7 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
 }
 
 // Grid: ceil(N / 16) blocks of W * 32 threads, W = 8 or 16 (more warps split K where N gives few
-// blocks; W depends on N only, never on M). With -DTILE_PREFETCH=1 a warp loads its next block while
+// blocks; W depends on N only, never on M). With -DTILE_PREFETCH=1 a warp loads its next unit while
 // it computes the current one (two buffers: its loads stay in flight across its own arithmetic, at
 // the cost of registers: q4_k reaches the 128 that 512-thread blocks allow).
 extern "C" __global__ void __launch_bounds__(TILE_MAX_WARPS * 32)
@@ -671,27 +845,29 @@ gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__
   const act* xl = x + (g < M ? g : 0) * x_stride + tile_lane(t);
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const u32 zero = (u32)M >> 31;  // 0 (M >= 1)
-  const u32 mask = opaque(TILE_MASK, zero), magic = opaque(0x4B000000u, zero);
-  u32 ones[4];  // A = ones (bf16 1.0 pairs): the mma that sums activations
+  const u32 magic = opaque(0x4B000000u, zero);
+  u32 kc[TILE_NK];
+  tile_consts(zero, kc);
+  u32 ones[4];  // A = ones (bf16 1.0 pairs): the mma that sums activations (TILE_FOLD: -144)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) ones[j] = opaque(0x3F803F80u, zero << j);  // four registers, not one copied
-  const int nb = K / QK;
+  for (int j = 0; j < 4; ++j) ones[j] = opaque(TILE_ONES, zero << j);  // four registers, not one copied
+  const int nb = K / TILE_QK;
 #if TILE_PREFETCH
   TileRows d0, d1;
-  if (warp < nb) tile_load(w0 + (i64)warp * BLK_BYTES, w1 + (i64)warp * BLK_BYTES, t, d0);
+  if (warp < nb) tile_load(w0 + (i64)warp * TILE_BYTES, w1 + (i64)warp * TILE_BYTES, t, d0);
   for (int b = warp; b < nb; b += 2 * nw) {
     const int b1 = b + nw, b2 = b + 2 * nw;
-    if (b1 < nb) tile_load(w0 + (i64)b1 * BLK_BYTES, w1 + (i64)b1 * BLK_BYTES, t, d1);
-    tile_block(acc, d0, xl + (i64)b * QK, mask, magic, ones);
+    if (b1 < nb) tile_load(w0 + (i64)b1 * TILE_BYTES, w1 + (i64)b1 * TILE_BYTES, t, d1);
+    tile_block(acc, d0, xl + (i64)b * TILE_QK, kc, magic, ones);
     if (b1 >= nb) break;
-    if (b2 < nb) tile_load(w0 + (i64)b2 * BLK_BYTES, w1 + (i64)b2 * BLK_BYTES, t, d0);
-    tile_block(acc, d1, xl + (i64)b1 * QK, mask, magic, ones);
+    if (b2 < nb) tile_load(w0 + (i64)b2 * TILE_BYTES, w1 + (i64)b2 * TILE_BYTES, t, d0);
+    tile_block(acc, d1, xl + (i64)b1 * TILE_QK, kc, magic, ones);
   }
 #else
   for (int b = warp; b < nb; b += nw) {
     TileRows d;
-    tile_load(w0 + (i64)b * BLK_BYTES, w1 + (i64)b * BLK_BYTES, t, d);
-    tile_block(acc, d, xl + (i64)b * QK, mask, magic, ones);
+    tile_load(w0 + (i64)b * TILE_BYTES, w1 + (i64)b * TILE_BYTES, t, d);
+    tile_block(acc, d, xl + (i64)b * TILE_QK, kc, magic, ones);
   }
 #endif
   tile_epilogue<TILE_MAX_WARPS>(acc, nw, n0, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh

@@ -41,7 +41,7 @@ def _weight(kc: KernelCompiler, fmt: TensorFormat, w: torch.Tensor, K: int) -> t
 # gemv_blocks (fp32 math, any activation dtype), gemv_blocks_mma (bf16, tensor cores), gemv_blocks_tile
 # (bf16, tensor cores, whole blocks per lane: the formats in TILE_FORMATS)
 ROUTES = ("warp", "mma", "tile")
-TILE_FORMATS = ("q4_k", "q6_k")  # blocks.cu's TILE_FMT
+TILE_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs")  # blocks.cu's TILE_FMT
 GLU_ROUTES = ("mma", "tile")  # routes whose epilogue fuses a gated activation (common.cuh tile_epilogue)
 MMA_WARPS = 8  # blocks.cu
 TILE_PREFETCH = False  # blocks.cu's TILE_PREFETCH: each warp loads its next block while computing one
@@ -53,13 +53,29 @@ def tile_warps(N: int) -> int:
     return 16 if math.ceil(N / 16) < TILE_SMALL_N_BLOCKS else 8
 
 
-def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype) -> bool:
-    """Whether gemv_blocks takes weights of `fmt` with activations of `dtype` on `route`."""
-    if fmt.format not in BLOCK_CODES or route not in ROUTES:
+def tile_blocks(fmt: TensorFormat, K: int) -> int:
+    """Format blocks per unit of gemv_blocks_tile (blocks.cu's TILE_BLOCKS) at input width K: 1 for the
+    256-element formats; for the 32-element ones the most of 8, 4, 2, 1 that divides K / 32 and keeps
+    every unit 4-byte aligned (q5_0's 22-byte and iq4_nl's 18-byte blocks: an even count); at most 4 with
+    TILE_PREFETCH (two units of 8 in registers spill). 0: the tile route does not take K."""
+    elements, nbytes = BLOCK_FORMATS[fmt.format]
+    if K % elements:
+        return 0
+    if elements != 32:
+        return 1
+    sizes = (4, 2, 1) if TILE_PREFETCH else (8, 4, 2, 1)
+    return next((b for b in sizes if (K // 32) % b == 0 and b * nbytes % 4 == 0), 0)
+
+
+def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype, K: int) -> bool:
+    """Whether gemv_blocks takes weights of `fmt` at input width K with activations of `dtype` on `route`."""
+    if fmt.format not in BLOCK_CODES or route not in ROUTES or K % fmt.group_size:
         return False
     if route == "warp":
         return True
-    return dtype == torch.bfloat16 and (route == "mma" or fmt.format in TILE_FORMATS)
+    if dtype != torch.bfloat16:
+        return False
+    return route == "mma" or (fmt.format in TILE_FORMATS and tile_blocks(fmt, K) > 0)
 
 
 def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch.Tensor, out: torch.Tensor,
@@ -77,6 +93,8 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         raise KernelError(f"the {route} route takes bfloat16 activations, got {x.dtype}")
     if route == "tile" and fmt.format not in TILE_FORMATS:
         raise KernelError(f"the tile route takes {', '.join(TILE_FORMATS)} weights, not {fmt.format}")
+    if route == "tile" and not tile_blocks(fmt, K):
+        raise KernelError(f"the tile route takes {fmt.format} at K in 64s, not K={K}")
     if not 1 <= M <= MAX_GEMV_ROWS:
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use dequant_blocks + matmul for more")
     defines = {"BLK_FMT": code, **_act(x.dtype, "x")}
@@ -89,7 +107,8 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
         return
     if route == "tile":
-        kc.kernel("blocks.cu", "gemv_blocks_tile", {**defines, "TILE_PREFETCH": int(TILE_PREFETCH)}).launch(
+        tile = {"TILE_PREFETCH": int(TILE_PREFETCH), "TILE_BLOCKS": tile_blocks(fmt, K)}
+        kc.kernel("blocks.cu", "gemv_blocks_tile", {**defines, **tile}).launch(
             (math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
         return
     shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)

@@ -1,9 +1,10 @@
 """blocks.cu (llama.cpp block formats read in place) against the torch dequantize reference on fresh
 random blocks: gemv for 1..8 rows on every route (warp: fp32 math, bf16 and fp32 activations; mma:
-tensor cores, bf16; tile: tensor cores over whole q4_k / q6_k blocks, bf16, also at the llama-8b
-and SmolLM2 decode shapes), bf16 and fp32 outputs, batch invariance, dequant_blocks (prefill expansion and
-the embedding gather), and the cuda runner against the torch runner on a tiny GGUF of every block
-type and on synthetic llama-8b Q4_K / Q4_K_M weights."""
+tensor cores, bf16; tile: tensor cores over whole blocks of the TILE_FORMATS (q4_k, q5_k, q6_k, q5_0,
+q5_1, iq4_nl, iq4_xs), bf16, also at the llama-8b and SmolLM2 decode shapes), bf16 and fp32 outputs,
+batch invariance, dequant_blocks (prefill expansion and the embedding gather), and the cuda runner
+against the torch runner on a tiny GGUF of every block type and on synthetic llama-8b Q4_K / Q4_K_M
+weights."""
 from __future__ import annotations
 
 import gc
@@ -55,9 +56,9 @@ def test_gemv_blocks(kc: KernelCompiler, name: str, M: int, route: str, act: tor
                      out_dtype: torch.dtype) -> None:
     """N = 1000 (not a multiple of 16: the mma route's last tile is partial), K = 2048 + 256."""
     fmt = TensorFormat(name)
-    if not B.route_ok(route, fmt, act):
-        pytest.skip(f"the {route} route does not take {name}")
     N, K = 1000, 2304
+    if not B.route_ok(route, fmt, act, K):
+        pytest.skip(f"the {route} route does not take {name}")
     w = blocks(name, N, K, seed=M)
     x = (torch.randn(M, K, generator=torch.Generator(DEV).manual_seed(M), device=DEV)).to(act)
     out = poisoned((M, N), out_dtype)
@@ -71,9 +72,9 @@ def test_gemv_blocks(kc: KernelCompiler, name: str, M: int, route: str, act: tor
 def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str, route: str) -> None:
     """Row 0 bit-equal whatever M is; x and out may be row-strided views (a fused projection's slice)."""
     fmt = TensorFormat(name)
-    if not B.route_ok(route, fmt, BF):
-        pytest.skip(f"the {route} route does not take {name}")
     N, K = 576, 1536
+    if not B.route_ok(route, fmt, BF, K):
+        pytest.skip(f"the {route} route does not take {name}")
     w = blocks(name, N, K, seed=11)
     x = torch.randn(8, K + 256, device=DEV).to(BF)[:, :K]
     out8 = poisoned((8, N + 64), F32)[:, 32:32 + N]
@@ -85,13 +86,17 @@ def test_gemv_blocks_batch_invariant_and_strided(kc: KernelCompiler, name: str, 
 
 
 # (N, K) of llama-8b's decode gemvs (o, down, gate/up halves, lm_head) and SmolLM2-135M's down
-# (k/v alone: 16 warps per block)
+# (k/v alone: 16 warps per block); for the 32-element formats also SmolLM2's q/o, k/v and gate/up
+# halves (K = 576: units of 2 blocks) and a width of an odd count of blocks (q5_1 alone: units of 1)
 SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096), (128256, 4096), (1024, 4096), (576, 1536)]
+SMALL_SHAPES = [(4096, 4096), (4096, 14336), (1024, 4096), (576, 1536), (576, 576), (192, 576), (1536, 576),
+                (320, 800)]
+TILE_CASES = [(name, N, K) for name in B.TILE_FORMATS for N, K in (SHAPES if name in ("q4_k", "q6_k") else SMALL_SHAPES)
+              if B.route_ok("tile", TensorFormat(name), BF, K)]
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-@pytest.mark.parametrize("name", B.TILE_FORMATS)
-@pytest.mark.parametrize("N,K", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("name,N,K", TILE_CASES, ids=[f"{name}-{n}x{k}" for name, n, k in TILE_CASES])
 def test_gemv_blocks_tile_at_model_shapes(kc: KernelCompiler, name: str, N: int, K: int, prefetch: bool,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The tile route at the shapes decode runs (8 and 16 warps per block, with and without the
@@ -153,9 +158,13 @@ def test_block_launchers_check_arguments(kc: KernelCompiler) -> None:
         B.gemv_blocks(kc, x.float(), TensorFormat("q4_k"), w, poisoned((1, 64), F32), "mma")
     with pytest.raises(KernelError, match="bfloat16 activations"):
         B.gemv_blocks(kc, x.float(), TensorFormat("q4_k"), w, poisoned((1, 64), F32), "tile")
-    w5 = blocks("q5_0", 64, 512, seed=0)
+    w2 = blocks("q2_k", 64, 512, seed=0)
     with pytest.raises(KernelError, match="tile route takes"):
-        B.gemv_blocks(kc, x, TensorFormat("q5_0"), w5, poisoned((1, 64), BF), "tile")
+        B.gemv_blocks(kc, x, TensorFormat("q2_k"), w2, poisoned((1, 64), BF), "tile")
+    w5 = blocks("q5_0", 64, 800, seed=0)  # 25 blocks a row: 22-byte blocks leave odd rows 2 mod 4
+    with pytest.raises(KernelError, match="K in 64s"):
+        B.gemv_blocks(kc, torch.randn(1, 800, device=DEV).to(BF), TensorFormat("q5_0"), w5, poisoned((1, 64), BF),
+                      "tile")
 
 
 # ---- whole models: the cuda runner against the torch runner -----------------------------------------

@@ -37,6 +37,10 @@ CASES = [
     ("blocks", "mma", TensorFormat("q5_k"), 2304),
     ("blocks", "tile", TensorFormat("q4_k"), 2304),
     ("blocks", "tile", TensorFormat("q6_k"), 2304),
+    ("blocks", "tile", TensorFormat("q5_k"), 2304),
+    ("blocks", "tile", TensorFormat("q5_0"), 576),   # units of 2 blocks
+    ("blocks", "tile", TensorFormat("q5_1"), 800),   # units of 1 block
+    ("blocks", "tile", TensorFormat("iq4_xs"), 2304),
 ]
 IDS = [f"{fam}-{route}-{fmt.format}{'' if not fmt.quantized else ('-sym' if fmt.symmetric else '-asym') + str(fmt.group_size)}-K{K}"
        for fam, route, fmt, K in CASES]

@@ -23,6 +23,10 @@ CASES = [
     ("blocks", "mma", TensorFormat("q5_0"), 2304),
     ("blocks", "tile", TensorFormat("q4_k"), 2304),
     ("blocks", "tile", TensorFormat("q6_k"), 1536),
+    ("blocks", "tile", TensorFormat("q5_k"), 2304),
+    ("blocks", "tile", TensorFormat("q5_0"), 576),
+    ("blocks", "tile", TensorFormat("q5_1"), 2304),
+    ("blocks", "tile", TensorFormat("iq4_nl"), 576),
 ]
 IDS = [f"{fam}-{route}-{fmt.format}-K{K}" for fam, route, fmt, K in CASES]
 NS = [576, 2304]  # rmsnorm_residual runs 128 threads below 2048, 256 from it

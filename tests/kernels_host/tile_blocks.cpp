@@ -2,7 +2,7 @@
 // tile_scales, tile_a and tile_b as the kernel calls them, the mma.m16n8k16 emulated from the lanes'
 // fragments (PTX's fragment layout), the scales applied and the warps' sums added as the kernel does.
 // stdin: int32 N, K, M, then the weight rows (N * K / QK * BLK_BYTES bytes), then x as bf16 bits
-// [M, K]; stdout: y [M, N] float32. Compile with -DBLK_FMT=0|2.
+// [M, K]; stdout: y [M, N] float32. Compile with -DBLK_FMT=<a TILE_FMT format> (and -DTILE_BLOCKS=B for the 32-element formats).
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -48,10 +48,12 @@ int main() {
   if (fread(w.data(), 1, row_bytes * N, stdin) != row_bytes * N) return 2;
   if (fread(x.data(), 2, x.size(), stdin) != x.size()) return 3;
   std::vector<float> y((size_t)M * N);
-  const int nb = K / QK;
+  const int nb = K / TILE_QK;
   static u32 a[32][4], b[32][2], ones[32][4];
+  u32 kc[TILE_NK];
+  tile_consts(0u, kc);
   for (int lane = 0; lane < 32; ++lane)
-    for (int j = 0; j < 4; ++j) ones[lane][j] = 0x3F803F80u;
+    for (int j = 0; j < 4; ++j) ones[lane][j] = TILE_ONES;
   for (int n0 = 0; n0 < N; n0 += 16) {
     float part[TILE_WARPS][32][4] = {};
     for (int warp = 0; warp < TILE_WARPS; ++warp) {
@@ -60,8 +62,8 @@ int main() {
         static float s[32][2][TILE_NG], o[32][2][TILE_NG];
         for (int lane = 0; lane < 32; ++lane) {
           const int g = lane >> 2, t = lane & 3;
-          const u8* w0 = w.data() + (size_t)std::min(n0 + g, N - 1) * row_bytes + (size_t)blk * BLK_BYTES;
-          const u8* w1 = w.data() + (size_t)std::min(n0 + g + 8, N - 1) * row_bytes + (size_t)blk * BLK_BYTES;
+          const u8* w0 = w.data() + (size_t)std::min(n0 + g, N - 1) * row_bytes + (size_t)blk * TILE_BYTES;
+          const u8* w1 = w.data() + (size_t)std::min(n0 + g + 8, N - 1) * row_bytes + (size_t)blk * TILE_BYTES;
           tile_load(w0, w1, t, d[lane]);
           tile_scales(d[lane], 0x4B000000u, s[lane], o[lane]);
         }
@@ -71,15 +73,16 @@ int main() {
             const int i = grp * TILE_GROUP + u;
             for (int lane = 0; lane < 32; ++lane) {
               const int g = lane >> 2, t = lane & 3;
-              const u16* xl = x.data() + (size_t)(g < M ? g : 0) * K + (size_t)blk * QK + tile_lane(t) + tile_elem(i);
+              const u16* xl = x.data() + (size_t)(g < M ? g : 0) * K + (size_t)blk * TILE_QK + tile_lane(t) + tile_elem(i);
               uint2 xv;
               xv.x = (u32)xl[0] | ((u32)xl[1] << 16);
               xv.y = (u32)xl[2] | ((u32)xl[3] << 16);
               tile_b(xv, b[lane][0], b[lane][1]);
-              tile_a(d[lane], i, TILE_MASK, a[lane]);
+              tile_a(d[lane], i, kc, a[lane]);
             }
             mma(c, a, b);
-            if (HAS_OFFSET) mma(cx, ones, b);
+            if (TILE_OFFSET) mma(cx, ones, b);
+            if (TILE_FOLD) mma(c, ones, b);
           }
           for (int lane = 0; lane < 32; ++lane) {
             float* acc = part[warp][lane];
@@ -87,7 +90,7 @@ int main() {
             acc[1] = fmaf(c[lane][1], s[lane][0][grp], acc[1]);
             acc[2] = fmaf(c[lane][2], s[lane][1][grp], acc[2]);
             acc[3] = fmaf(c[lane][3], s[lane][1][grp], acc[3]);
-            if (HAS_OFFSET) {
+            if (TILE_OFFSET) {
               acc[0] = fmaf(cx[lane][0], o[lane][0][grp], acc[0]);
               acc[1] = fmaf(cx[lane][1], o[lane][0][grp], acc[1]);
               acc[2] = fmaf(cx[lane][2], o[lane][1][grp], acc[2]);

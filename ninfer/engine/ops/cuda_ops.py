@@ -4,8 +4,8 @@ kernels/gdn.py), cuBLAS through torch.mm for prompt-sized matmuls.
 Two routes, chosen by the step context, not by row count:
 - decode (one new token per sequence, at most 8 rows, replayed from a CUDA graph): gemv over the
   stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: on tensor
-  cores with bf16 activations, route "blocks_tile" for q4_k / q6_k and "blocks_mma" for the others,
-  else "blocks"), split-K paged decode attention,
+  cores with bf16 activations, route "blocks_tile" for blocks.TILE_FORMATS (q2_k / q3_k, and q5_0 /
+  iq4_nl at K not in 64s: "blocks_mma"), else "blocks"), split-K paged decode attention,
   one delta-rule step per sequence. Fewer launches per layer: a gated MLP's activation runs in the
   gate_up gemv's epilogue (gated_linear over a glu weight, on the routes whose epilogue is
   common.cuh's tile_epilogue), and RoPE + the K/V write run inside the decode attention kernel
@@ -160,7 +160,7 @@ class CudaOps:
         b = bias.to(self.device, self.dtype).contiguous() if bias is not None else None
         if all(f == first_fmt for f in fmts) and blocks_ok(first_fmt, k):  # kept as stored
             return Weight(first_fmt, {"": torch.cat([parts[""] for _, parts in items]).contiguous()}, b,
-                          self.blocks_route(first_fmt))
+                          self.blocks_route(first_fmt, k))
         if any(f.blocks for f in fmts) and all(blocks_ok(f, k) or gemv_ok(f, k) for f in fmts):
             # mixed formats around a block format: each run of one format kept as it is, one gemv per run
             runs: list[list[tuple[TensorFormat, dict[str, torch.Tensor]]]] = []
@@ -189,14 +189,14 @@ class CudaOps:
         if rows % 8 or items[1][1][""].shape != parts[""].shape:
             return False
         if fmt.blocks:
-            return blocks_ok(fmt, k) and BLOCK_ROUTES[self.blocks_route(fmt)] in B.GLU_ROUTES
+            return blocks_ok(fmt, k) and BLOCK_ROUTES[self.blocks_route(fmt, k)] in B.GLU_ROUTES
         return (gemv_ok(fmt, k) and (fmt.quantized or fmt.format == "bf16")
                 and self.gemv_route(fmt, k, 2 * rows) in L.GLU_ROUTES)
 
-    def blocks_route(self, fmt: TensorFormat) -> str:
-        """blocks.cu's decode gemv: on tensor cores with bf16 activations (whole blocks per lane where
-        the tile kernel takes the format), fp32 math otherwise."""
-        if B.route_ok("tile", fmt, self.dtype):
+    def blocks_route(self, fmt: TensorFormat, k: int) -> str:
+        """blocks.cu's decode gemv at input width k: on tensor cores with bf16 activations (whole blocks
+        per lane where the tile kernel takes the format and width), fp32 math otherwise."""
+        if B.route_ok("tile", fmt, self.dtype, k):
             return "blocks_tile"
         return "blocks_mma" if self.dtype == torch.bfloat16 else "blocks"
 
@@ -216,7 +216,7 @@ class CudaOps:
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Weight:
         H = self.config.hidden_size
         if blocks_ok(fmt, H):  # gathered by dequant_blocks
-            return Weight(fmt, {"": parts[""].contiguous()}, route=self.blocks_route(fmt))
+            return Weight(fmt, {"": parts[""].contiguous()}, route=self.blocks_route(fmt, H))
         if fmt.quantized and H % fmt.group_size == 0 and fmt.group_size % 8 == 0 and gemv_ok(fmt, H):
             return Weight(fmt, dict(parts))  # the embedding kernel reads quant.py's layout: the warp route
         # the embedding kernel copies rows of the activation dtype
