@@ -75,13 +75,13 @@ def test_int4_linear_matches_float32_and_the_packed_torch_kernel(route, rows, n,
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int8_linear(kernels, rows):
+def test_int8_linear(route, rows):
     gen = torch.Generator().manual_seed(rows)
     n, k, group = 320, 576, 32
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=gen) * 0.01
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-    y = kernels.linear(x, NativeWeight.int8(q, scales, group), torch.float32)
+    y = route.linear(x, NativeWeight.int8(q, scales, group), torch.float32)
     w = q.float() * scales.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
     close_bf16(y, x.float() @ w.t())
     assert torch.equal(y, y.to(torch.bfloat16).float())  # bf16-rounded, as the torch route's logits

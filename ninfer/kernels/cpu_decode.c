@@ -6,17 +6,20 @@
  * weight, accumulated in float32, the output rounded to bf16 where torch's is; activations are never
  * quantized.
  *
- * Weight layouts (cpu_native.py builds them):
- *   int4: q [n][k/2] bytes; in each chunk of 64 inputs, byte j (0..31) holds input j in its low
- *         nibble and input 32 + j in its high one; scales, zeros [n][k/32] bf16, one per 32 inputs:
- *         w = (q - 8) * scale + zero (torch's packed semantics; k % 64 == 0).
- *   int8: q [n][k] int8, scales [n][k/32] bf16: w = q * scale (k % 32 == 0).
+ * Weight layouts (cpu_native.NativeWeight builds them): tiles of 16 output rows, so a vector's lanes
+ * are 16 outputs and a tile's sums need no horizontal reduction; a tile's bytes are contiguous.
+ *   int4: per tile, per block of 32 inputs, 8 pairs of 32 bytes. Vector v (0..15) of a block holds
+ *         inputs 2v, 2v + 1 of the 16 rows as 32 words (word 2 * lane + p: row lane, input 2v + p, the
+ *         pairs vdpbf16ps sums); pair i packs vector i in the low nibbles and vector i + 8 in the high
+ *         ones. Scales and zeros [tiles][k/32][16] bf16: w = (q - 8) * scale + zero (torch's packed
+ *         semantics). n % 16 == 0, k % 32 == 0.
+ *   int8: per tile [k][16] int8 (input-major), scales [tiles][k/32][16] bf16: w = q * scale.
  *
- * Threads: the matmuls split their output rows over an OpenMP team of the calling thread. This file
- * links the libgomp torch loaded (same soname, so the loader reuses it): torch's ops and these share
- * one runtime and, on the engine's worker thread, one team of torch.set_num_threads() threads.
+ * Threads: the matmuls split their tiles over an OpenMP team of the calling thread. This file links
+ * the libgomp torch loaded (same soname, so the loader reuses it): torch's ops and these share one
+ * runtime and, on the engine's worker thread, one team of torch.set_num_threads() threads.
  * The AVX-512 BF16 int4 kernel is picked at run time; everything else is plain C that the compiler
- * vectorizes for AVX2 and AVX-512 (target_clones), with a baseline x86-64 clone.
+ * vectorizes for AVX-512 and AVX2 (target_clones), with a baseline x86-64 clone.
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,22 +54,23 @@ static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #define MAX_ROWS 8
 #define BLOCK 32
+#define TILE 16
 
 /* One matmul's arguments: x [rows][k] bf16 times the weight of n rows. */
 typedef struct {
     const uint16_t *x;
     int rows, k, n;
-    const uint8_t *q;  /* int4: [n][k/2]; int8: [n][k] */
-    const uint16_t *scales, *zeros;  /* [n][k/32] bf16 (zeros: int4 only) */
-    const float *xf;  /* int8, and the int4 fallback: x as float32 [rows][k] */
-    const float *xsum;  /* int4: sum of x over each block of 32 inputs, [rows][k/32] */
+    const uint8_t *q;
+    const uint16_t *scales, *zeros;  /* [n/16][k/32][16] bf16 (zeros: int4 only) */
+    const float *xf;  /* x as float32 [rows][k] */
+    const float *xsum;  /* sum of x over each block of 32 inputs, [rows][k/32] */
 } matmul;
 
-/* ---- int4: y[r][o] = sum over blocks b of scale * sum (q - 8) x + zero * sum x ------------------- */
+/* ---- int4 tile: y[r][lane] = sum over blocks of scale * sum (q - 8) x + zero * sum x ------------- */
 
 #if defined(__x86_64__)
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
-static void int4_dot_avx512bf16(const matmul *m, int o, float *y /* [rows] */) {
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
+static inline void int4_tile_avx512bf16_rows(const matmul *m, int t, float *y, const int rows) {
     /* nibble -> bf16(q - 8): vpermw's table (entries 16..31 unused) */
     static const uint16_t table[32] = {
         0xc100, 0xc0e0, 0xc0c0, 0xc0a0, 0xc080, 0xc040, 0xc000, 0xbf80,
@@ -74,53 +78,67 @@ static void int4_dot_avx512bf16(const matmul *m, int o, float *y /* [rows] */) {
     const __m512i lut = _mm512_loadu_si512(table);
     const __m512i low4 = _mm512_set1_epi16(0x0f);
     const int blocks = m->k / BLOCK;
-    const uint8_t *q = m->q + (size_t)o * (m->k / 2);
-    const uint16_t *s = m->scales + (size_t)o * blocks, *z = m->zeros + (size_t)o * blocks;
-    __m512 acc[MAX_ROWS];
-    for (int r = 0; r < m->rows; r++) acc[r] = _mm512_setzero_ps();
-    for (int c = 0; c < m->k / 64; c++) {
-        __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * c)));
-        __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low4), lut);
-        __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
-        __m512 s0 = _mm512_set1_ps(bf16_to_f32(s[2 * c])), s1 = _mm512_set1_ps(bf16_to_f32(s[2 * c + 1]));
-        for (int r = 0; r < m->rows; r++) {
-            const uint16_t *x = m->x + (size_t)r * m->k + 64 * c;
-            __m512 d0 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x), w0);
-            __m512 d1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(x + 32), w1);
-            acc[r] = _mm512_fmadd_ps(d0, s0, acc[r]);
-            acc[r] = _mm512_fmadd_ps(d1, s1, acc[r]);
+    const uint8_t *q = m->q + (size_t)t * TILE * (m->k / 2);
+    const uint16_t *s = m->scales + (size_t)t * blocks * TILE, *z = m->zeros + (size_t)t * blocks * TILE;
+    __m512 total[MAX_ROWS];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int i = 0; i < 8; i++) {
+            __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + (8 * b + i) * 32)));
+            __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(w, low4), lut);
+            __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), lut);
+            for (int r = 0; r < rows; r++) {
+                const uint32_t *xw = (const uint32_t *)(m->x + (size_t)r * m->k) + 16 * b;  /* input pairs */
+                acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)_mm512_set1_epi32((int)xw[i]), w0);
+                acc1[r] = _mm512_dpbf16_ps(acc1[r], (__m512bh)_mm512_set1_epi32((int)xw[i + 8]), w1);
+            }
+        }
+        __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + b * TILE))), 16));
+        __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(z + b * TILE))), 16));
+        for (int r = 0; r < rows; r++) {
+            total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
+            total[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(m->xsum[(size_t)r * blocks + b]), total[r]);
         }
     }
-    for (int r = 0; r < m->rows; r++) {
-        const float *xs = m->xsum + (size_t)r * blocks;
-        float zsum = 0.0f;
-        for (int b = 0; b < blocks; b++) zsum += bf16_to_f32(z[b]) * xs[b];
-        y[r] = _mm512_reduce_add_ps(acc[r]) + zsum;
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * TILE, total[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void int4_tile_avx512bf16(const matmul *m, int t, float *y) {
+    switch (m->rows) {  /* a copy per row count: the accumulators stay in registers */
+        case 1: int4_tile_avx512bf16_rows(m, t, y, 1); break;
+        case 2: int4_tile_avx512bf16_rows(m, t, y, 2); break;
+        case 3: int4_tile_avx512bf16_rows(m, t, y, 3); break;
+        case 4: int4_tile_avx512bf16_rows(m, t, y, 4); break;
+        default: int4_tile_avx512bf16_rows(m, t, y, m->rows); break;
     }
 }
 #endif
 
 CLONES
-static void int4_dot_generic(const matmul *m, int o, float *y) {
+static void int4_tile_plain(const matmul *m, int t, float *y) {
     const int blocks = m->k / BLOCK;
-    const uint8_t *q = m->q + (size_t)o * (m->k / 2);
-    const uint16_t *s = m->scales + (size_t)o * blocks, *z = m->zeros + (size_t)o * blocks;
+    const uint8_t *q = m->q + (size_t)t * TILE * (m->k / 2);
+    const uint16_t *s = m->scales + (size_t)t * blocks * TILE, *z = m->zeros + (size_t)t * blocks * TILE;
     for (int r = 0; r < m->rows; r++) {
-        const float *x = m->xf + (size_t)r * m->k, *xs = m->xsum + (size_t)r * blocks;
-        float total = 0.0f;
-        for (int c = 0; c < m->k / 64; c++) {
-            float a0 = 0.0f, a1 = 0.0f;
-#pragma omp simd reduction(+ : a0, a1)
-            for (int j = 0; j < 32; j++) {
-                int b = q[32 * c + j];
-                a0 += (float)((b & 15) - 8) * x[64 * c + j];
-                a1 += (float)((b >> 4) - 8) * x[64 * c + 32 + j];
+        const float *x = m->xf + (size_t)r * m->k;
+        for (int lane = 0; lane < TILE; lane++) {
+            float total = 0.0f;
+            for (int b = 0; b < blocks; b++) {
+                float acc = 0.0f;
+                for (int v = 0; v < 16; v++)
+                    for (int p = 0; p < 2; p++) {
+                        int byte = q[(8 * b + v % 8) * 32 + 2 * lane + p];
+                        acc += (float)((v < 8 ? byte & 15 : byte >> 4) - 8) * x[BLOCK * b + 2 * v + p];
+                    }
+                total += acc * bf16_to_f32(s[b * TILE + lane]) + bf16_to_f32(z[b * TILE + lane]) * m->xsum[(size_t)r * blocks + b];
             }
-            total += a0 * bf16_to_f32(s[2 * c]) + a1 * bf16_to_f32(s[2 * c + 1]);
+            y[r * TILE + lane] = total;
         }
-        float zsum = 0.0f;
-        for (int b = 0; b < blocks; b++) zsum += bf16_to_f32(z[b]) * xs[b];
-        y[r] = total + zsum;
     }
 }
 
@@ -140,37 +158,90 @@ static int use_avx512bf16(void) {
 #endif
 }
 
-static inline void int4_dot(const matmul *m, int o, float *y) {
+static inline void int4_tile(const matmul *m, int t, float *y) {
 #if defined(__x86_64__)
     if (use_avx512bf16()) {
-        int4_dot_avx512bf16(m, o, y);
+        int4_tile_avx512bf16(m, t, y);
         return;
     }
 #endif
-    int4_dot_generic(m, o, y);
+    int4_tile_plain(m, t, y);
 }
 
-/* ---- int8: y[r][o] = sum over blocks of scale * sum q x ---------------------------------------- */
+/* ---- int8 tile: y[r][lane] = sum over blocks of scale * sum q x ---------------------------------- */
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw"), always_inline))
+static inline void int8_tile_avx512_rows(const matmul *m, int t, float *y, const int rows) {
+    const int blocks = m->k / BLOCK;
+    const int8_t *q = (const int8_t *)m->q + (size_t)t * TILE * m->k;
+    const uint16_t *s = m->scales + (size_t)t * blocks * TILE;
+    __m512 total[MAX_ROWS];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
+        for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int j = 0; j < BLOCK; j += 2) {
+            const int8_t *w = q + (size_t)(BLOCK * b + j) * TILE;
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + TILE))));
+            for (int r = 0; r < rows; r++) {
+                const float *x = m->xf + (size_t)r * m->k + BLOCK * b + j;
+                acc0[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[0]), acc0[r]);
+                acc1[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[1]), acc1[r]);
+            }
+        }
+        __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + b * TILE))), 16));
+        for (int r = 0; r < rows; r++) total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * TILE, total[r]);
+}
+
+__attribute__((target("avx512f,avx512bw")))
+static void int8_tile_avx512(const matmul *m, int t, float *y) {
+    switch (m->rows) {
+        case 1: int8_tile_avx512_rows(m, t, y, 1); break;
+        case 2: int8_tile_avx512_rows(m, t, y, 2); break;
+        default: int8_tile_avx512_rows(m, t, y, m->rows); break;
+    }
+}
+#endif
 
 CLONES
-static void int8_dot(const matmul *m, int o, float *y) {
+static void int8_tile_plain(const matmul *m, int t, float *y) {
     const int blocks = m->k / BLOCK;
-    const int8_t *q = (const int8_t *)m->q + (size_t)o * m->k;
-    const uint16_t *s = m->scales + (size_t)o * blocks;
+    const int8_t *q = (const int8_t *)m->q + (size_t)t * TILE * m->k;
+    const uint16_t *s = m->scales + (size_t)t * blocks * TILE;
     for (int r = 0; r < m->rows; r++) {
         const float *x = m->xf + (size_t)r * m->k;
-        float total = 0.0f;
+        float total[TILE] = {0};
         for (int b = 0; b < blocks; b++) {
-            float a = 0.0f;
-#pragma omp simd reduction(+ : a)
-            for (int j = 0; j < BLOCK; j++) a += (float)q[BLOCK * b + j] * x[BLOCK * b + j];
-            total += a * bf16_to_f32(s[b]);
+            float acc[TILE] = {0};
+            for (int j = 0; j < BLOCK; j++) {
+                const float xj = x[BLOCK * b + j];
+                const int8_t *w = q + (size_t)(BLOCK * b + j) * TILE;
+#pragma omp simd
+                for (int lane = 0; lane < TILE; lane++) acc[lane] += xj * (float)w[lane];
+            }
+#pragma omp simd
+            for (int lane = 0; lane < TILE; lane++) total[lane] += acc[lane] * bf16_to_f32(s[b * TILE + lane]);
         }
-        y[r] = total;
+        memcpy(y + r * TILE, total, sizeof total);
     }
 }
 
-/* ---- inputs, and the split of output rows over the team ------------------------------------------ */
+static inline void int8_tile(const matmul *m, int t, float *y) {
+#if defined(__x86_64__)
+    if (use_avx512bf16()) {  /* the CPUs with AVX-512 BF16 have AVX-512 F and BW */
+        int8_tile_avx512(m, t, y);
+        return;
+    }
+#endif
+    int8_tile_plain(m, t, y);
+}
+
+/* ---- inputs, and the split of tiles over the team ------------------------------------------------ */
 
 CLONES
 static void prepare_inputs(matmul *m, float *xf, float *xsum) {
@@ -184,12 +255,12 @@ static void prepare_inputs(matmul *m, float *xf, float *xsum) {
     m->xsum = xsum;
 }
 
-/* This thread's share [*o0, *o1) of n output rows, in multiples of 16. */
-static void my_rows(int n, int *o0, int *o1) {
+/* This thread's share [*t0, *t1) of n tiles. */
+static void my_tiles(int n, int *t0, int *t1) {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int per = ((n + nt - 1) / nt + 15) & ~15;
-    *o0 = t * per < n ? t * per : n;
-    *o1 = *o0 + per < n ? *o0 + per : n;
+    int per = (n + nt - 1) / nt;
+    *t0 = t * per < n ? t * per : n;
+    *t1 = *t0 + per < n ? *t0 + per : n;
 }
 
 /* Worth a parallel region: below this many weight bytes one thread is done before a team wakes. */
@@ -197,7 +268,7 @@ static void my_rows(int n, int *o0, int *o1) {
 
 /* ---- entry points -------------------------------------------------------------------------------- */
 
-EXPORT int nf_abi(void) { return 1; }
+EXPORT int nf_abi(void) { return 2; }
 
 EXPORT int nf_isa(void) {
 #if defined(__x86_64__)
@@ -219,17 +290,19 @@ EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_
     size_t bytes = (size_t)n * k / (kind == 4 ? 2 : 1);
 #pragma omp parallel if (bytes >= PARALLEL_BYTES)
     {
-        int o0, o1;
-        my_rows(n, &o0, &o1);
-        float y[MAX_ROWS];
-        for (int o = o0; o < o1; o++) {
-            if (kind == 4) int4_dot(&m, o, y);
-            else int8_dot(&m, o, y);
-            for (int r = 0; r < rows; r++) {
-                uint16_t h = f32_to_bf16(y[r]);
-                if (y_bf16) y_bf16[(size_t)r * n + o] = h;
-                if (y_f32) y_f32[(size_t)r * n + o] = bf16_to_f32(h);
-            }
+        int t0, t1;
+        my_tiles(n / TILE, &t0, &t1);
+        float y[MAX_ROWS * TILE];
+        for (int t = t0; t < t1; t++) {
+            if (kind == 4) int4_tile(&m, t, y);
+            else int8_tile(&m, t, y);
+            for (int r = 0; r < rows; r++)
+                for (int lane = 0; lane < TILE; lane++) {
+                    uint16_t h = f32_to_bf16(y[r * TILE + lane]);
+                    size_t at = (size_t)r * n + (size_t)t * TILE + lane;
+                    if (y_bf16) y_bf16[at] = h;
+                    if (y_f32) y_f32[at] = bf16_to_f32(h);
+                }
         }
     }
     free(xf);
@@ -245,17 +318,18 @@ EXPORT void nf_gated_silu(const uint16_t *x, int rows, int k, const uint8_t *q, 
     const int half = n / 2;
 #pragma omp parallel if ((size_t)n * k / 2 >= PARALLEL_BYTES)
     {
-        int o0, o1;
-        my_rows(half, &o0, &o1);
-        float g[MAX_ROWS], u[MAX_ROWS];
-        for (int o = o0; o < o1; o++) {
-            int4_dot(&m, o, g);
-            int4_dot(&m, half + o, u);
-            for (int r = 0; r < rows; r++) {
-                float gate = round_bf16(g[r]);
-                float silu = round_bf16(gate / (1.0f + expf(-gate)));
-                out[(size_t)r * half + o] = f32_to_bf16(silu * round_bf16(u[r]));
-            }
+        int t0, t1;
+        my_tiles(half / TILE, &t0, &t1);
+        float g[MAX_ROWS * TILE], u[MAX_ROWS * TILE];
+        for (int t = t0; t < t1; t++) {
+            int4_tile(&m, t, g);
+            int4_tile(&m, half / TILE + t, u);
+            for (int r = 0; r < rows; r++)
+                for (int lane = 0; lane < TILE; lane++) {
+                    float gate = round_bf16(g[r * TILE + lane]);
+                    float silu = round_bf16(gate / (1.0f + expf(-gate)));
+                    out[(size_t)r * half + (size_t)t * TILE + lane] = f32_to_bf16(silu * round_bf16(u[r * TILE + lane]));
+                }
         }
     }
     free(xf);

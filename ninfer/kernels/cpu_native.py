@@ -24,9 +24,10 @@ import torch
 log = logging.getLogger("ninfer.engine")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_decode.c"
-ABI = 1  # nf_abi() of a library this module can call
+ABI = 2  # nf_abi() of a library this module can call
 FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden")
 BLOCK = 32  # inputs per scale in the kernels' weight layouts
+TILE = 16  # output rows the kernels take together
 MAX_ROWS = 8  # rows one launch takes (decode rows; prefill takes torch's dense matmul)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -101,40 +102,46 @@ def load(cache_dir: Path) -> CpuKernels | None:
 
 @dataclass(slots=True)
 class NativeWeight:
-    """A weight in the kernels' layout (cpu_decode.c): kind 4, int4 codes with bf16 scales and zeros
-    per 32 inputs (w = (q - 8) * scale + zero); kind 8, int8 codes with a bf16 scale per 32 inputs."""
+    """A weight in the kernels' layout (cpu_decode.c: tiles of 16 output rows): kind 4, int4 codes
+    with bf16 scales and zeros per 32 inputs (w = (q - 8) * scale + zero); kind 8, int8 codes with a
+    bf16 scale per 32 inputs (w = q * scale)."""
 
     kind: int
-    q: torch.Tensor  # uint8 [n, k/2] (int4) or int8 [n, k]
-    scales: torch.Tensor  # bf16 [n, k/32]
-    zeros: torch.Tensor | None  # bf16 [n, k/32] (int4)
+    q: torch.Tensor  # uint8 (int4, two codes a byte) or int8, n * k / 2 or n * k bytes
+    scales: torch.Tensor  # bf16 [n/16, k/32, 16]
+    zeros: torch.Tensor | None  # bf16 [n/16, k/32, 16] (int4)
     n: int
     k: int
 
     @classmethod
     def int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> NativeWeight:
-        """q [n, k] 0..15, scales / zeros [n, k/group_size]; needs k % 64 == 0, group_size % 32 == 0."""
+        """q [n, k] 0..15, scales / zeros [n, k/group_size] (`fits` says which shapes)."""
         n, k = q.shape
-        assert k % 64 == 0 and group_size % BLOCK == 0, (k, group_size)
-        halves = q.to(torch.uint8).view(n, k // 64, 2, 32)  # byte j of a chunk: inputs j and 32 + j
-        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        return cls(4, packed, _per_block(scales, group_size), _per_block(zeros, group_size), n, k)
+        assert cls.fits(n, k, group_size), (n, k, group_size)
+        # [tile, lane, block, v, p] -> [tile, block, v, lane, p]: vector v of a block is inputs 2v, 2v + 1
+        # of the 16 rows; vector i and i + 8 share bytes (low and high nibble)
+        words = q.to(torch.uint8).view(n // TILE, TILE, k // BLOCK, 16, 2).permute(0, 2, 3, 1, 4)
+        words = words.reshape(n // TILE, k // BLOCK, 16, 2 * TILE)
+        packed = (words[:, :, :8] | (words[:, :, 8:] << 4)).contiguous()
+        return cls(4, packed, _tiled(scales, group_size), _tiled(zeros, group_size), n, k)
 
     @classmethod
     def int8(cls, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> NativeWeight:
-        """q [n, k] int8, scales [n, k/group_size]: w = q * scale; needs k % 32 == 0, group_size % 32 == 0."""
+        """q [n, k] int8, scales [n, k/group_size]."""
         n, k = q.shape
-        assert k % BLOCK == 0 and group_size % BLOCK == 0, (k, group_size)
-        return cls(8, q.to(torch.int8).contiguous(), _per_block(scales, group_size), None, n, k)
+        assert cls.fits(n, k, group_size), (n, k, group_size)
+        tiled = q.to(torch.int8).view(n // TILE, TILE, k).transpose(1, 2).contiguous()  # [tile, k, lane]
+        return cls(8, tiled, _tiled(scales, group_size), None, n, k)
 
     @staticmethod
-    def fits(k: int, group_size: int, kind: int) -> bool:
-        return group_size % BLOCK == 0 and k % (64 if kind == 4 else BLOCK) == 0
+    def fits(n: int, k: int, group_size: int) -> bool:
+        return n % TILE == 0 and k % BLOCK == 0 and group_size % BLOCK == 0 and k % group_size == 0
 
 
-def _per_block(t: torch.Tensor, group_size: int) -> torch.Tensor:
-    # [n, k/group_size] -> bf16 [n, k/32]
-    return t.to(torch.bfloat16).repeat_interleave(group_size // BLOCK, dim=1).contiguous()
+def _tiled(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    # [n, k/group_size] -> bf16 [n/16, k/32, 16]: one per 32 inputs, the 16 rows of a tile side by side
+    per_block = t.to(torch.bfloat16).repeat_interleave(group_size // BLOCK, dim=1)
+    return per_block.view(t.shape[0] // TILE, TILE, -1).transpose(1, 2).contiguous()
 
 
 def _check_rows(x: torch.Tensor, w: NativeWeight) -> None:
@@ -173,8 +180,8 @@ class CpuKernels:
     def gated_silu(self, x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         """x [rows, k] bf16 times an int4 [gate; up] weight -> silu(gate) * up [rows, n/2] bf16."""
         _check_rows(x, w)
-        if w.kind != 4 or w.n % 2:
-            raise ValueError("gated_silu wants an int4 weight of [gate; up] rows")
+        if w.kind != 4 or w.n % (2 * TILE):
+            raise ValueError("gated_silu wants an int4 weight of [gate; up] rows, 16 rows a tile in each half")
         out = torch.empty(x.shape[0], w.n // 2, dtype=torch.bfloat16)
         self.lib.nf_gated_silu(x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
                                w.zeros.data_ptr(), w.n, out.data_ptr())

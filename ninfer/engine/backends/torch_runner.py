@@ -74,7 +74,7 @@ class TorchModelRunner:
     by free memory on CUDA); `device` is then ignored. cpu_kernels: "auto" runs CPU decode rows on the
     native kernels (ops/cpu_native_ops.py) when they build and load, else on the torch ops (one log
     line says why); "torch": the torch ops always. kernel_cache_dir: where the kernels' library is
-    built (None: `kernels.compiler.default_cache_dir()`).
+    built (None: `kernels.compiler.default_cache_dir()`)."""
 
     def __init__(self, artifact: Artifact, *, num_pages: int, page_size: int = 64, device: str = "cpu",
                  dtype: torch.dtype | None = None, num_state_slots: int = 0, mtp_draft_tokens: int = 0,

@@ -29,13 +29,13 @@ class NativeLinear(Linear):
 
     def _attach(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 repeat: int = 1) -> None:
-        if repeat == 1 and NativeWeight.fits(q.shape[1], group_size, 4):
+        if repeat == 1 and NativeWeight.fits(*q.shape, group_size):
             self.native = NativeWeight.int4(q, scales, zeros, group_size)
         else:
             super()._attach(q, scales, zeros, group_size, repeat)
 
     def attach_int8(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
-        if not NativeWeight.fits(self.weight.shape[1], fmt.group_size, 8):
+        if not NativeWeight.fits(*self.weight.shape, fmt.group_size):
             return super().attach_int8(fmt, parts_list)
         q = torch.cat([p[""] for p in parts_list])
         # bf16 scales, as the torch route's packed halves keep them
@@ -74,7 +74,7 @@ class NativeCpuOps(TorchOps):
         return super().linear_add_rms_norm(x, w, residual, norm, eps)
 
     def gated_linear(self, x: torch.Tensor, w: Linear, activation: str = "silu") -> torch.Tensor:
-        if activation == "silu" and isinstance(w, NativeLinear) and w.decodes(x, 4):
+        if activation == "silu" and isinstance(w, NativeLinear) and w.decodes(x, 4) and w.native.n % 32 == 0:
             return self.kernels.gated_silu(x.contiguous(), w.native)
         return super().gated_linear(x, w, activation)
 
