@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger("ninfer.engine")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_decode.c"
-ABI = 2  # nf_abi() of a library this module can call
+ABI = 3  # nf_abi() of a library this module can call
 FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden")
 BLOCK = 32  # inputs per scale in the kernels' weight layouts
 TILE = 16  # output rows the kernels take together
@@ -119,10 +119,11 @@ class NativeWeight:
         n, k = q.shape
         assert cls.fits(n, k, group_size), (n, k, group_size)
         # [tile, lane, block, v, p] -> [tile, block, v, lane, p]: vector v of a block is inputs 2v, 2v + 1
-        # of the 16 rows; vector i and i + 8 share bytes (low and high nibble)
-        words = q.to(torch.uint8).view(n // TILE, TILE, k // BLOCK, 16, 2).permute(0, 2, 3, 1, 4)
-        words = words.reshape(n // TILE, k // BLOCK, 16, 2 * TILE)
-        packed = (words[:, :, :8] | (words[:, :, 8:] << 4)).contiguous()
+        # of the 16 rows; vectors i, i + 4, i + 8, i + 12 share 16-bit words (nibbles low to high)
+        codes = q.to(torch.int32).view(n // TILE, TILE, k // BLOCK, 16, 2).permute(0, 2, 3, 1, 4)
+        codes = codes.reshape(n // TILE, k // BLOCK, 4, 4, 2 * TILE)  # [tile, block, nibble, i, code]
+        words = sum(codes[:, :, j] << (4 * j) for j in range(4))
+        packed = words.to(torch.int16).contiguous().view(torch.uint8)  # little-endian words
         return cls(4, packed, _tiled(scales, group_size), _tiled(zeros, group_size), n, k)
 
     @classmethod
