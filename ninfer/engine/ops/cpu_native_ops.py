@@ -41,6 +41,10 @@ class NativeLinear(Linear):
         # bf16 scales, as the torch route's packed halves keep them
         self.native = NativeWeight.int8(q, torch.cat([p[".scales"] for p in parts_list]), fmt.group_size)
 
+    @property
+    def decode_packed(self) -> bool:
+        return self.native is not None or self.packed is not None
+
     def decodes(self, x: torch.Tensor, kind: int | None = None) -> bool:
         """Whether x's rows take the kernels (kind: and the weight is of that kind)."""
         return (self.native is not None and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_ROWS

@@ -116,6 +116,11 @@ class Linear:
         self.group_size = 0
         self.repeat = 1  # 2: int8 as two int4 halves, the input given twice
 
+    @property
+    def decode_packed(self) -> bool:
+        """Whether few-row inputs (decode) read a packed quantized copy instead of the dense weight."""
+        return self.packed is not None
+
     def _attach(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 repeat: int = 1) -> None:
         # q: [out, in] int32 0..15; scales, zeros: [out, in/g]; kernel: w = (q - 8) * scale + zero
