@@ -373,14 +373,15 @@ EXPORT void nf_linear_add_rms_norm(const uint16_t *x, int rows, int k, const uin
  *   as torch_ops.RotaryEmbedding keeps it: x' = x cos + roll(x, d/2) sin); k_cache, v_cache
  *   [pages * page_size][kv_heads][d] float32; block_table: the sequence's pages.
  * RoPE on q and k, k and v stored at pos, then softmax(q k^T / sqrt(d)) v over positions 0..pos
- * -> out [heads d] bf16. */
+ * -> out [heads d] bf16. The query heads of one kv head share each pass over its keys and values. */
 CLONES
 EXPORT void nf_attention_decode(const uint16_t *qkv, int heads, int kv_heads, int d, const float *cos,
                                 const float *sin, float *k_cache, float *v_cache, const int64_t *block_table,
                                 int page_size, int pos, uint16_t *out) {
-    const int rows_qk = heads + kv_heads, half = d / 2, group = heads / kv_heads;
-    float *qk = malloc(sizeof(float) * ((size_t)rows_qk * d + (size_t)(pos + 1) + d));
-    float *scores = qk + (size_t)rows_qk * d, *acc = scores + pos + 1;
+    const int rows_qk = heads + kv_heads, half = d / 2, group = heads / kv_heads, ctx = pos + 1;
+    float *qk = malloc(sizeof(float) * ((size_t)rows_qk * d + (size_t)group * ctx + (size_t)group * d));
+    float *scores = qk + (size_t)rows_qk * d;  /* [group][ctx] */
+    float *acc = scores + (size_t)group * ctx;  /* [group][d] */
     for (int h = 0; h < rows_qk; h++) {
         const uint16_t *src = qkv + (size_t)h * d;
         for (int i = 0; i < d; i++) {
@@ -393,32 +394,41 @@ EXPORT void nf_attention_decode(const uint16_t *qkv, int heads, int kv_heads, in
     memcpy(k_cache + slot * row, qk + (size_t)heads * d, sizeof(float) * row);
     for (size_t i = 0; i < row; i++) v_cache[slot * row + i] = bf16_to_f32(qkv[(size_t)rows_qk * d + i]);
     const float scale = (float)(1.0 / sqrt((double)d));  /* torch_ops: q * d ** -0.5 */
-    for (int h = 0; h < heads; h++) {
-        const int g = h / group;
-        float *qh = qk + (size_t)h * d;
-        for (int i = 0; i < d; i++) qh[i] *= scale;
-        float top = -INFINITY;
-        for (int t = 0; t <= pos; t++) {
-            const float *kt = k_cache + ((size_t)block_table[t / page_size] * page_size + t % page_size) * row + (size_t)g * d;
-            float dot = 0.0f;
+    for (int i = 0; i < heads * d; i++) qk[i] *= scale;
+    for (int g = 0; g < kv_heads; g++) {
+        const float *qg = qk + (size_t)g * group * d;  /* the group's query heads, [group][d] */
+        for (int t0 = 0; t0 < ctx; t0 += page_size) {  /* scores, a page at a time */
+            const float *keys = k_cache + (size_t)block_table[t0 / page_size] * page_size * row + (size_t)g * d;
+            const int n = ctx - t0 < page_size ? ctx - t0 : page_size;
+            for (int t = 0; t < n; t++)
+                for (int j = 0; j < group; j++) {
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int i = 0; i < d; i++) dot += qh[i] * kt[i];
-            scores[t] = dot;
-            top = dot > top ? dot : top;
+                    for (int i = 0; i < d; i++) dot += qg[(size_t)j * d + i] * keys[(size_t)t * row + i];
+                    scores[(size_t)j * ctx + t0 + t] = dot;
+                }
         }
-        float sum = 0.0f;
-        for (int t = 0; t <= pos; t++) {
-            scores[t] = expf(scores[t] - top);
-            sum += scores[t];
+        for (int j = 0; j < group; j++) {  /* softmax: exp(s - max) / sum */
+            float *sj = scores + (size_t)j * ctx, top = -INFINITY, sum = 0.0f;
+            for (int t = 0; t < ctx; t++) top = sj[t] > top ? sj[t] : top;
+            for (int t = 0; t < ctx; t++) {
+                sj[t] = expf(sj[t] - top);
+                sum += sj[t];
+            }
+            for (int t = 0; t < ctx; t++) sj[t] /= sum;
         }
-        for (int i = 0; i < d; i++) acc[i] = 0.0f;
-        for (int t = 0; t <= pos; t++) {
-            const float p = scores[t] / sum;
-            const float *vt = v_cache + ((size_t)block_table[t / page_size] * page_size + t % page_size) * row + (size_t)g * d;
+        memset(acc, 0, sizeof(float) * (size_t)group * d);
+        for (int t0 = 0; t0 < ctx; t0 += page_size) {
+            const float *values = v_cache + (size_t)block_table[t0 / page_size] * page_size * row + (size_t)g * d;
+            const int n = ctx - t0 < page_size ? ctx - t0 : page_size;
+            for (int t = 0; t < n; t++)
+                for (int j = 0; j < group; j++) {
+                    const float p = scores[(size_t)j * ctx + t0 + t];
 #pragma omp simd
-            for (int i = 0; i < d; i++) acc[i] += p * vt[i];
+                    for (int i = 0; i < d; i++) acc[(size_t)j * d + i] += p * values[(size_t)t * row + i];
+                }
         }
-        for (int i = 0; i < d; i++) out[(size_t)h * d + i] = f32_to_bf16(acc[i]);
+        for (int i = 0; i < group * d; i++) out[(size_t)g * group * d + i] = f32_to_bf16(acc[i]);
     }
     free(qk);
 }
