@@ -52,6 +52,49 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
 
 static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
+/* 16 floats as one value (GCC vector extensions: an AVX-512 register in the x86-64-v4 clone, two
+ * AVX2 ones in the v3 clone): the attention's dot products without a scalar reduction per element. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef int v16i __attribute__((vector_size(64)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE float sum16(v16f v) {
+    v8f h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) s += h[i];
+    return s;
+}
+
+/* exp(x) of 16 values x <= 0 (softmax after the max is taken out): Cephes' expf, 2^n times a
+ * degree-6 polynomial on |r| <= ln2/2, within ~2 ulp of libm's expf, which no loop vectorizes.
+ * Below -87 it returns exp(-87) (~1.6e-38) instead of a denormal or zero. */
+INLINE v16f exp16_nonpositive(v16f x) {
+    const v16f lo = x - x - 87.0f, magic = x - x + 12582912.0f;  /* 1.5 * 2^23: round to integer */
+    const v16i below = x < lo;
+    x = (v16f)((below & (v16i)lo) | (~below & (v16i)x));
+    v16f n = (x * 1.44269504088896341f + magic) - magic;
+    v16f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v16f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+    v16f two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
 #define MAX_ROWS 8
 #define BLOCK 32
 #define TILE 16
@@ -371,21 +414,21 @@ EXPORT void nf_linear_add_rms_norm(const uint16_t *x, int rows, int k, const uin
 /* One query row's attention at position pos, float32, the cache paged:
  *   qkv [(heads + 2 kv_heads) d] bf16 (q | k | v); cos, sin [d] this position's RoPE row (sin signed
  *   as torch_ops.RotaryEmbedding keeps it: x' = x cos + roll(x, d/2) sin); k_cache, v_cache
- *   [pages * page_size][kv_heads][d] float32; block_table: the sequence's pages.
+ *   [pages * page_size][kv_heads][d] float32; block_table: the sequence's pages; d % 16 == 0.
  * RoPE on q and k, k and v stored at pos, then softmax(q k^T / sqrt(d)) v over positions 0..pos
- * -> out [heads d] bf16. The query heads of one kv head share each pass over its keys and values. */
+ * -> out [heads d] bf16. The query heads of one kv head share each pass over its keys. */
 CLONES
 EXPORT void nf_attention_decode(const uint16_t *qkv, int heads, int kv_heads, int d, const float *cos,
                                 const float *sin, float *k_cache, float *v_cache, const int64_t *block_table,
                                 int page_size, int pos, uint16_t *out) {
     const int rows_qk = heads + kv_heads, half = d / 2, group = heads / kv_heads, ctx = pos + 1;
-    float *qk = malloc(sizeof(float) * ((size_t)rows_qk * d + (size_t)group * ctx + (size_t)group * d));
-    float *scores = qk + (size_t)rows_qk * d;  /* [group][ctx] */
-    float *acc = scores + (size_t)group * ctx;  /* [group][d] */
+    const int padded = (ctx + 15) & ~15;  /* score rows padded to whole vectors */
+    float *qk = malloc(sizeof(float) * ((size_t)rows_qk * d + (size_t)group * padded));
+    float *scores = qk + (size_t)rows_qk * d;  /* [group][padded] */
     for (int h = 0; h < rows_qk; h++) {
         const uint16_t *src = qkv + (size_t)h * d;
         for (int i = 0; i < d; i++) {
-            float x = bf16_to_f32(src[i]), rolled = bf16_to_f32(src[(i + half) % d]);
+            float x = bf16_to_f32(src[i]), rolled = bf16_to_f32(src[i < half ? i + half : i - half]);
             qk[(size_t)h * d + i] = x * cos[i] + rolled * sin[i];
         }
     }
@@ -397,38 +440,52 @@ EXPORT void nf_attention_decode(const uint16_t *qkv, int heads, int kv_heads, in
     for (int i = 0; i < heads * d; i++) qk[i] *= scale;
     for (int g = 0; g < kv_heads; g++) {
         const float *qg = qk + (size_t)g * group * d;  /* the group's query heads, [group][d] */
+        for (int j = 0; j < group; j++)
+            for (int t = ctx; t < padded; t++) scores[(size_t)j * padded + t] = -INFINITY;
         for (int t0 = 0; t0 < ctx; t0 += page_size) {  /* scores, a page at a time */
             const float *keys = k_cache + (size_t)block_table[t0 / page_size] * page_size * row + (size_t)g * d;
             const int n = ctx - t0 < page_size ? ctx - t0 : page_size;
             for (int t = 0; t < n; t++)
                 for (int j = 0; j < group; j++) {
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int i = 0; i < d; i++) dot += qg[(size_t)j * d + i] * keys[(size_t)t * row + i];
-                    scores[(size_t)j * ctx + t0 + t] = dot;
+                    const float *qj = qg + (size_t)j * d, *kt = keys + (size_t)t * row;
+                    v16f part = load16(qj) * load16(kt);
+                    for (int i = 16; i < d; i += 16) part += load16(qj + i) * load16(kt + i);
+                    scores[(size_t)j * padded + t0 + t] = sum16(part);
                 }
         }
         for (int j = 0; j < group; j++) {  /* softmax: exp(s - max) / sum */
-            float *sj = scores + (size_t)j * ctx, top = -INFINITY, sum = 0.0f;
-            for (int t = 0; t < ctx; t++) top = sj[t] > top ? sj[t] : top;
-            for (int t = 0; t < ctx; t++) {
-                sj[t] = expf(sj[t] - top);
-                sum += sj[t];
+            float *sj = scores + (size_t)j * padded, sum = 0.0f;
+            v16f top = load16(sj);
+            for (int t = 16; t < padded; t += 16) {
+                v16f v = load16(sj + t);
+                const v16i more = v > top;
+                top = (v16f)((more & (v16i)v) | (~more & (v16i)top));
             }
-            for (int t = 0; t < ctx; t++) sj[t] /= sum;
+            float m = top[0];
+            for (int i = 1; i < 16; i++) m = top[i] > m ? top[i] : m;
+            for (int t = 0; t < padded; t += 16) {  /* the padding's exp(-inf) is ~0: not summed */
+                v16f e = exp16_nonpositive(load16(sj + t) - m);
+                memcpy(sj + t, &e, sizeof e);
+            }
+            for (int t = 0; t < ctx; t++) sum += sj[t];
+            for (int t = 0; t < padded; t += 16) {
+                v16f p = load16(sj + t) / sum;
+                memcpy(sj + t, &p, sizeof p);
+            }
         }
-        memset(acc, 0, sizeof(float) * (size_t)group * d);
-        for (int t0 = 0; t0 < ctx; t0 += page_size) {
-            const float *values = v_cache + (size_t)block_table[t0 / page_size] * page_size * row + (size_t)g * d;
-            const int n = ctx - t0 < page_size ? ctx - t0 : page_size;
-            for (int t = 0; t < n; t++)
-                for (int j = 0; j < group; j++) {
-                    const float p = scores[(size_t)j * ctx + t0 + t];
-#pragma omp simd
-                    for (int i = 0; i < d; i++) acc[(size_t)j * d + i] += p * values[(size_t)t * row + i];
+        for (int j = 0; j < group; j++) {  /* out = probs v, 16 dims at a time in a register */
+            const float *pj = scores + (size_t)j * padded;
+            uint16_t *oj = out + (size_t)(g * group + j) * d;
+            for (int i = 0; i < d; i += 16) {
+                v16f acc = {0};
+                for (int t0 = 0; t0 < ctx; t0 += page_size) {
+                    const float *values = v_cache + (size_t)block_table[t0 / page_size] * page_size * row + (size_t)g * d + i;
+                    const int n = ctx - t0 < page_size ? ctx - t0 : page_size;
+                    for (int t = 0; t < n; t++) acc += pj[t0 + t] * load16(values + (size_t)t * row);
                 }
+                for (int l = 0; l < 16; l++) oj[i + l] = f32_to_bf16(acc[l]);
+            }
         }
-        for (int i = 0; i < group * d; i++) out[(size_t)g * group * d + i] = f32_to_bf16(acc[i]);
     }
     free(qk);
 }

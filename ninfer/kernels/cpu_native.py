@@ -25,7 +25,7 @@ log = logging.getLogger("ninfer.engine")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_decode.c"
 ABI = 3  # nf_abi() of a library this module can call
-FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden")
+FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi")
 BLOCK = 32  # inputs per scale in the kernels' weight layouts
 TILE = 16  # output rows the kernels take together
 MAX_ROWS = 8  # rows one launch takes (decode rows; prefill takes torch's dense matmul)
@@ -205,11 +205,11 @@ class CpuKernels:
     def attention_decode(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, pos: int,
                          out: torch.Tensor) -> None:
-        """One query at position pos: qkv [(heads + 2 kv_heads) * d] bf16; cos, sin [d] float32 (its RoPE
+        """One query at position pos (d % 16 == 0): qkv [(heads + 2 kv_heads) * d] bf16; cos, sin [d] float32 (its RoPE
         row, sin signed); caches [pages, page_size, kv_heads, d] float32; block_table int64 pages ->
         out [heads * d] bf16 (K and V written at pos)."""
         pages, page_size, kvh, d = k_cache.shape
-        if kvh != kv_heads or heads % kv_heads or qkv.shape != ((heads + 2 * kv_heads) * d,):
+        if kvh != kv_heads or heads % kv_heads or d % 16 or qkv.shape != ((heads + 2 * kv_heads) * d,):
             raise ValueError(f"qkv {tuple(qkv.shape)} does not fit {heads} heads, {kv_heads} kv heads of {d}")
         if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous():
             raise ValueError("qkv must be contiguous bf16")

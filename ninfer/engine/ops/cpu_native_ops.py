@@ -88,7 +88,7 @@ class NativeCpuOps(TorchOps):
         heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = ctx.rotary[self.layer_rope[layer]]  # [T, 1, rotary_dim] float32
         native = (q_norm is None and qkv.dtype == torch.bfloat16 and qkv.is_contiguous()
-                  and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.shape[-1] == d
+                  and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.shape[-1] == d and d % 16 == 0
                   and self.attn_dtype == torch.float32 and ctx.kv.storage == "auto"
                   and not self.layers[layer].window and self.scale is None and not c.attn_logit_softcapping
                   and all(s.num_tokens == 1 and not s.verify for s in ctx.meta.seqs))
