@@ -175,20 +175,25 @@ static void int4_tile_plain(const matmul *m, int t, float *y) {
     const uint16_t *s = m->scales + (size_t)t * blocks * TILE, *z = m->zeros + (size_t)t * blocks * TILE;
     for (int r = 0; r < m->rows; r++) {
         const float *x = m->xf + (size_t)r * m->k;
-        for (int lane = 0; lane < TILE; lane++) {
-            float total = 0.0f;
-            for (int b = 0; b < blocks; b++) {
-                float acc = 0.0f;
-                for (int v = 0; v < 16; v++)
-                    for (int p = 0; p < 2; p++) {
-                        const uint8_t *word = q + (4 * b + v % 4) * 64 + 2 * (2 * lane + p);
-                        int code = ((word[0] | word[1] << 8) >> (4 * (v / 4))) & 15;
-                        acc += (float)(code - 8) * x[BLOCK * b + 2 * v + p];
-                    }
-                total += acc * bf16_to_f32(s[b * TILE + lane]) + bf16_to_f32(z[b * TILE + lane]) * m->xsum[(size_t)r * blocks + b];
+        float total[TILE] = {0};
+        for (int b = 0; b < blocks; b++) {
+            float acc[TILE] = {0};
+            for (int v = 0; v < 16; v++) {  /* inputs 2v, 2v + 1 of the block: nibble v / 4 of group v % 4 */
+                uint16_t words[2 * TILE];
+                memcpy(words, q + (4 * b + v % 4) * 64, sizeof words);
+                const int shift = 4 * (v / 4);
+                const float x0 = x[BLOCK * b + 2 * v], x1 = x[BLOCK * b + 2 * v + 1];
+#pragma omp simd
+                for (int lane = 0; lane < TILE; lane++)
+                    acc[lane] += (float)(((words[2 * lane] >> shift) & 15) - 8) * x0 +
+                                 (float)(((words[2 * lane + 1] >> shift) & 15) - 8) * x1;
             }
-            y[r * TILE + lane] = total;
+            const float xs = m->xsum[(size_t)r * blocks + b];
+#pragma omp simd
+            for (int lane = 0; lane < TILE; lane++)
+                total[lane] += acc[lane] * bf16_to_f32(s[b * TILE + lane]) + bf16_to_f32(z[b * TILE + lane]) * xs;
         }
+        memcpy(y + r * TILE, total, sizeof total);
     }
 }
 

@@ -100,6 +100,17 @@ def load(cache_dir: Path) -> CpuKernels | None:
     return kernels
 
 
+def decode_kernels(cache_dir: Path) -> CpuKernels | None:
+    """The kernels for the torch backend's decode rows: `load`'s, where they beat the torch ops. Their
+    int4 matmul needs AVX-512 BF16 for that (the plain C route, for other CPUs, is ~3x slower than
+    torch's packed kernel at one row), so elsewhere None and one log line."""
+    kernels = load(cache_dir)
+    if kernels is not None and kernels.isa < 2:
+        log.info("cpu decode kernels: no AVX-512 BF16 on this CPU; decode uses the torch ops")
+        return None
+    return kernels
+
+
 @dataclass(slots=True)
 class NativeWeight:
     """A weight in the kernels' layout (cpu_decode.c: tiles of 16 output rows): kind 4, int4 codes

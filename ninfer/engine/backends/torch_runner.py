@@ -115,7 +115,7 @@ class TorchModelRunner:
         if pack and cpu_kernels == "auto":
             from ninfer.kernels import cpu_native
             from ninfer.kernels.compiler import default_cache_dir
-            self.cpu_kernels = cpu_native.load(kernel_cache_dir or default_cache_dir())
+            self.cpu_kernels = cpu_native.decode_kernels(kernel_cache_dir or default_cache_dir())
         self._artifact, self._pack = artifact, pack  # what a resume after a suspend reads again
         with torch.inference_mode():
             if devices:
