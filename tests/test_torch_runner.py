@@ -187,6 +187,9 @@ def test_bf16_packed_decode_close_to_f32(tiny, kernels, model) -> None:
     art = tiny[model]
     fast = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.bfloat16, cpu_kernels=kernels)
     assert fast.model.layers[0].attn.qkv.decode_packed  # int4 weights kept packed for decode
+    assert (type(fast.ops).__name__ == "NativeCpuOps") == (fast.cpu_kernels is not None)
+    if kernels == "torch":
+        assert fast.cpu_kernels is None
     ref = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.float32).forward_logits(PROMPT_A + DECODE)
     ours = chunked_logits(fast, 0, PROMPT_A + DECODE, [13, 1, 1, 1], [0, 1, 2, 3])  # decode rows: packed path
     rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
