@@ -592,7 +592,9 @@ def test_structured_output_chat_schema_object_and_stream(server: Server) -> None
     r = c.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=60, temperature=0, response_format=fmt)
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), CITY)
-    r = c.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=200, temperature=0.8, seed=3,
+    # sampled (seeded) at a temperature where the object closes well within max_tokens: at 0.8 whether
+    # this seed's path closes by 200 tokens turned on float32 rounding of the decode kernels
+    r = c.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=200, temperature=0.3, seed=3,
                                   response_format={"type": "json_object"})
     assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
     stream = c.chat.completions.create(model=MODEL, messages=ASK_JSON, max_tokens=60, temperature=0,
