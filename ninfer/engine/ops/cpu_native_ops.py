@@ -1,11 +1,12 @@
 """The torch ops with the native CPU decode kernels (ninfer/kernels/cpu_decode.c) under them.
 
-Decode rows (at most 8) of an int4 / int8 weight take the kernels: the matmul alone, and fused with
-what follows it in the model (SwiGLU; the residual add and the next RMSNorm), and one query's
-RoPE, K/V store and attention over the float32 cache. That is five calls a llama layer where the
-torch ops make ~35, each with its own dispatch and allocation. Everything else (prefill, other
-formats, windows, int8 KV, q/k norms) is TorchOps as it is. Numerics are the torch route's: bf16
-inputs times the dequantized weight in float32, outputs rounded to bf16 where torch's are.
+Batches of at most 8 rows (decode, verify rows, short chunks after cached tokens) take the kernels:
+the int4 / int8 matmul alone, and fused with what follows it in the model (SwiGLU; the residual add
+and the next RMSNorm), and each query's RoPE, K/V store and attention over the float32 cache, query
+by query as its decode step would. That is five calls a llama layer where the torch ops make ~35,
+each with its own dispatch and allocation. Everything else (prefill, other formats, windows, int8
+KV, q/k norms) is TorchOps as it is. Numerics are the torch route's: bf16 inputs times the
+dequantized weight in float32, outputs rounded to bf16 where torch's are.
 """
 from __future__ import annotations
 
@@ -91,12 +92,15 @@ class NativeCpuOps(TorchOps):
                   and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.shape[-1] == d and d % 16 == 0
                   and self.attn_dtype == torch.float32 and ctx.kv.storage == "auto"
                   and not self.layers[layer].window and self.scale is None and not c.attn_logit_softcapping
-                  and all(s.num_tokens == 1 and not s.verify for s in ctx.meta.seqs))
+                  and qkv.shape[0] <= MAX_ROWS)
         if not native:
             return super().attention(layer, qkv, q_norm, k_norm)
         out = torch.empty(qkv.shape[0], heads * d, dtype=torch.bfloat16)
-        for s in ctx.meta.seqs:  # one query row each
-            r = s.offset
-            self.kernels.attention_decode(qkv[r], heads, kv_heads, cos[r, 0], sin[r, 0], ctx.kv.k[layer],
-                                          ctx.kv.v[layer], s.block_table, s.start_pos, out[r])
+        for s in ctx.meta.seqs:
+            # query i of a span attends as its own decode step would (a verify row, or a chunk after
+            # cached tokens): its K/V stored, then positions 0..start_pos + i
+            for i in range(s.num_tokens):
+                r = s.offset + i
+                self.kernels.attention_decode(qkv[r], heads, kv_heads, cos[r, 0], sin[r, 0], ctx.kv.k[layer],
+                                              ctx.kv.v[layer], s.block_table, s.start_pos + i, out[r])
         return out
