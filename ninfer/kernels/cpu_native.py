@@ -48,9 +48,9 @@ class BuildError(RuntimeError):
 
 
 def compiler() -> str | None:
-    """The C compiler to build with: $CC, else cc / gcc on PATH (None: none)."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
+    """The C compiler to build with: cc, else gcc, on PATH (None: none)."""
+    for name in ("cc", "gcc"):
+        if shutil.which(name):
             return name
     return None
 
@@ -67,7 +67,7 @@ def build(cache_dir: Path) -> Path:
     """The compiled library under cache_dir (built now unless already there). Raises BuildError."""
     cc = compiler()
     if cc is None:
-        raise BuildError("no C compiler (cc, gcc or $CC) on PATH")
+        raise BuildError("no C compiler (cc or gcc) on PATH")
     path = library_path(cache_dir, cc)
     if path.is_file():
         return path
