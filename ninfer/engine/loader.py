@@ -283,7 +283,7 @@ def start_engine(artifact, *, backend: str, torch_device: str, scheduler: Schedu
         return TorchModelRunner(artifact, num_pages=num_pages, page_size=PAGE_SIZE, device=torch_device, dtype=dtype,
                                 num_state_slots=num_state_slots, thread_adapter=adapter,
                                 mtp_draft_tokens=spec.draft_tokens if spec is not None and spec.method == "mtp" else 0, kv_dtype=kv_dtype,
-                                devices=devices, stage_layers=split)
+                                devices=devices, stage_layers=split, kernel_cache_dir=kernel_cache_dir)
 
     facts = model_facts(artifact, tokenizer, max_context)
     engine = Engine.spawn(build_runner, tokenizer, scheduler, model_max_context=max_context, spec=spec, memory=memory,

@@ -7,6 +7,8 @@ slot, logits only for rows that sample, then `ninfer.engine.sampler.sample`.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ninfer.engine.artifact import Artifact
@@ -15,6 +17,7 @@ from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
 from ninfer.engine.models import architecture, state_spec
 from ninfer.engine.models.weights import WeightReader
+from ninfer.engine.ops.cpu_native_ops import NativeCpuOps
 from ninfer.engine.ops.torch_ops import KV_DTYPES, KVCache, RecurrentStates, TorchOps
 from ninfer.engine.request import SamplingParams
 from ninfer.engine.speculative import sample_rows
@@ -22,6 +25,9 @@ from ninfer.engine.stages import (Stage, StagePlan, build_stages, forward_stages
                                   stage_memory, stage_spec, whole_model)
 from ninfer.engine.suspend import restore_snapshot, snapshot_bytes, take_snapshot
 from ninfer.errors import ConfigError, NInferError
+
+
+CPU_KERNELS = ("auto", "torch")  # the runner's cpu_kernels choices
 
 
 def kv_bytes_per_token(config: ModelConfig, device: str | torch.device = "cpu",
@@ -65,12 +71,16 @@ class TorchModelRunner:
     kv_dtype: the KV cache's storage (--kv-dtype auto|bf16|int8, see torch_ops.KVCache).
     devices / stage_layers: pipeline stages (--devices, --stage-layers; engine/stages.py): one
     stage per device (a device may repeat), stage_layers layers each (None: an even split on CPU,
-    by free memory on CUDA); `device` is then ignored."""
+    by free memory on CUDA); `device` is then ignored. cpu_kernels: "auto" runs CPU decode rows on the
+    native kernels (ops/cpu_native_ops.py) when they build and load, else on the torch ops (one log
+    line says why); "torch": the torch ops always. kernel_cache_dir: where the kernels' library is
+    built (None: `kernels.compiler.default_cache_dir()`)."""
 
     def __init__(self, artifact: Artifact, *, num_pages: int, page_size: int = 64, device: str = "cpu",
                  dtype: torch.dtype | None = None, num_state_slots: int = 0, mtp_draft_tokens: int = 0,
                  thread_adapter=None, kv_dtype: str = "auto", devices: list[str] | None = None,
-                 stage_layers: list[int] | None = None) -> None:
+                 stage_layers: list[int] | None = None, cpu_kernels: str = "auto",
+                 kernel_cache_dir: Path | None = None) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ConfigError(f"--kv-dtype {kv_dtype} is not supported by the torch backend "
                               f"(it takes {', '.join(KV_DTYPES)}; fp8 needs the cuda backend)")
@@ -99,6 +109,13 @@ class TorchModelRunner:
             raise ConfigError(f"--draft-tokens {mtp_draft_tokens} must be below the page size {page_size}")
         if mtp_draft_tokens and devices:
             raise ConfigError("--spec mtp with --devices is not supported yet (use --spec lookup)")
+        if cpu_kernels not in CPU_KERNELS:
+            raise ConfigError(f"cpu kernels {cpu_kernels!r} is not one of {', '.join(CPU_KERNELS)}")
+        self.cpu_kernels = None  # kernels.cpu_native.CpuKernels, when decode rows run on them
+        if pack and cpu_kernels == "auto":
+            from ninfer.kernels import cpu_native
+            from ninfer.kernels.compiler import default_cache_dir
+            self.cpu_kernels = cpu_native.decode_kernels(kernel_cache_dir or default_cache_dir())
         self._artifact, self._pack = artifact, pack  # what a resume after a suspend reads again
         with torch.inference_mode():
             if devices:
@@ -123,6 +140,8 @@ class TorchModelRunner:
 
     def _stage_ops(self, plan: StagePlan | None, config: ModelConfig) -> TorchOps:
         device = torch.device(plan.device) if plan is not None else self.device
+        if self.cpu_kernels is not None:
+            return NativeCpuOps(config, self.dtype, self.kv_dtype, device, self.cpu_kernels)
         return TorchOps(config, self.dtype, self.kv_dtype, device, pack=self._pack)
 
     def _kv(self, num_pages: int) -> KVCache:
@@ -183,7 +202,7 @@ class TorchModelRunner:
         weight bytes rebuilt, artifact bytes read)."""
         c = self.config
         source = weights if weights is not None else self._artifact
-        ops = TorchOps(c, self.dtype, self.kv_dtype, self.device, pack=self._pack)
+        ops = self._stage_ops(None, c)
         reader = WeightReader(source, ops, self.device)
         model = architecture(c).model.load(reader, c)
         self.stages = [Stage(whole_model(self.spec.kinds, str(self.device)), c, ops, model)]

@@ -116,6 +116,11 @@ class Linear:
         self.group_size = 0
         self.repeat = 1  # 2: int8 as two int4 halves, the input given twice
 
+    @property
+    def decode_packed(self) -> bool:
+        """Whether few-row inputs (decode) read a packed quantized copy instead of the dense weight."""
+        return self.packed is not None
+
     def _attach(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 repeat: int = 1) -> None:
         # q: [out, in] int32 0..15; scales, zeros: [out, in/g]; kernel: w = (q - 8) * scale + zero
@@ -538,7 +543,7 @@ class TorchOps:
         """One Linear whose rows are the given stored weights stacked in order (a fused projection;
         glu, [gate, up] of a gated MLP for gated_linear, changes nothing here)."""
         weight = torch.cat([dequantize(fmt, parts, self.dtype) for fmt, parts in items])
-        lin = Linear(weight.contiguous(), bias.to(self.dtype) if bias is not None else None)
+        lin = self.make_linear(weight.contiguous(), bias.to(self.dtype) if bias is not None else None)
         fmts = {fmt for fmt, _ in items}
         if self.pack and len(fmts) == 1:
             fmt = next(iter(fmts))
@@ -551,6 +556,10 @@ class TorchOps:
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Linear:
         """The embedding table as a Linear (packed for decode too when it doubles as the lm_head)."""
         return self.linear_weight([(fmt, parts)]) if lm_head else Linear(dequantize(fmt, parts, self.dtype))
+
+    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """The Linear that keeps a weight (a subclass may keep other decode copies, see attach_*)."""
+        return Linear(weight, bias)
 
     def vector(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=torch.float32)

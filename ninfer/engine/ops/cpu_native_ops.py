@@ -1,0 +1,106 @@
+"""The torch ops with the native CPU decode kernels (ninfer/kernels/cpu_decode.c) under them.
+
+Batches of at most 8 rows (decode, verify rows, short chunks after cached tokens) take the kernels:
+the int4 / int8 matmul alone, and fused with what follows it in the model (SwiGLU; the residual add
+and the next RMSNorm), and each query's RoPE, K/V store and attention over the float32 cache, query
+by query as its decode step would. That is five calls a llama layer where the torch ops make ~35,
+each with its own dispatch and allocation. Everything else (prefill, other formats, windows, int8
+KV, q/k norms) is TorchOps as it is. Numerics are the torch route's: bf16 inputs times the
+dequantized weight in float32, outputs rounded to bf16 where torch's are.
+"""
+from __future__ import annotations
+
+import torch
+
+from ninfer.engine.ops.torch_ops import Linear, TorchOps
+from ninfer.engine.quant import TensorFormat
+from ninfer.kernels.cpu_native import MAX_ROWS, CpuKernels, NativeWeight
+
+
+class NativeLinear(Linear):
+    """A Linear whose quantized decode copy is in the kernels' layout (falls back to torch's packed
+    layout for weights the kernels do not take: int4 halves of q5 blocks, odd shapes)."""
+
+    __slots__ = ("kernels", "native")
+
+    def __init__(self, kernels: CpuKernels, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight, bias)
+        self.kernels = kernels
+        self.native: NativeWeight | None = None
+
+    def _attach(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                repeat: int = 1) -> None:
+        if repeat == 1 and NativeWeight.fits(*q.shape, group_size):
+            self.native = NativeWeight.int4(q, scales, zeros, group_size)
+        else:
+            super()._attach(q, scales, zeros, group_size, repeat)
+
+    def attach_int8(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
+        if not NativeWeight.fits(*self.weight.shape, fmt.group_size):
+            return super().attach_int8(fmt, parts_list)
+        q = torch.cat([p[""] for p in parts_list])
+        # bf16 scales, as the torch route's packed halves keep them
+        self.native = NativeWeight.int8(q, torch.cat([p[".scales"] for p in parts_list]), fmt.group_size)
+
+    @property
+    def decode_packed(self) -> bool:
+        return self.native is not None or self.packed is not None
+
+    def decodes(self, x: torch.Tensor, kind: int | None = None) -> bool:
+        """Whether x's rows take the kernels (kind: and the weight is of that kind)."""
+        return (self.native is not None and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_ROWS
+                and (kind is None or (self.native.kind == kind and self.bias is None)))
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if not self.decodes(x):
+            return super().__call__(x, out_dtype)
+        wide = out_dtype == torch.float32 and self.bias is None  # float32 holding the bf16-rounded values
+        y = self.kernels.linear(x.contiguous(), self.native, torch.float32 if wide else torch.bfloat16)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(out_dtype or x.dtype)
+
+
+class NativeCpuOps(TorchOps):
+    """TorchOps on CPU (bf16 weights, float32 attention) with the decode kernels."""
+
+    def __init__(self, config, dtype: torch.dtype, attn_dtype: torch.dtype, device: torch.device,
+                 kernels: CpuKernels) -> None:
+        super().__init__(config, dtype, attn_dtype, device, pack=True)
+        self.kernels = kernels
+
+    def make_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return NativeLinear(self.kernels, weight, bias)
+
+    def linear_add_rms_norm(self, x: torch.Tensor, w: Linear, residual: torch.Tensor, norm: torch.Tensor,
+                            eps: float) -> torch.Tensor:
+        if isinstance(w, NativeLinear) and w.decodes(x, 4) and residual.is_contiguous() and norm.is_contiguous():
+            return self.kernels.linear_add_rms_norm(x.contiguous(), w.native, residual, norm, eps)
+        return super().linear_add_rms_norm(x, w, residual, norm, eps)
+
+    def gated_linear(self, x: torch.Tensor, w: Linear, activation: str = "silu") -> torch.Tensor:
+        if activation == "silu" and isinstance(w, NativeLinear) and w.decodes(x, 4) and w.native.n % 32 == 0:
+            return self.kernels.gated_silu(x.contiguous(), w.native)
+        return super().gated_linear(x, w, activation)
+
+    def attention(self, layer: int, qkv: torch.Tensor, q_norm: torch.Tensor | None = None,
+                  k_norm: torch.Tensor | None = None) -> torch.Tensor:
+        ctx, c = self.ctx, self.config
+        heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos, sin = ctx.rotary[self.layer_rope[layer]]  # [T, 1, rotary_dim] float32
+        native = (q_norm is None and qkv.dtype == torch.bfloat16 and qkv.is_contiguous()
+                  and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.shape[-1] == d and d % 16 == 0
+                  and self.attn_dtype == torch.float32 and ctx.kv.storage == "auto"
+                  and not self.layers[layer].window and self.scale is None and not c.attn_logit_softcapping
+                  and qkv.shape[0] <= MAX_ROWS)
+        if not native:
+            return super().attention(layer, qkv, q_norm, k_norm)
+        out = torch.empty(qkv.shape[0], heads * d, dtype=torch.bfloat16)
+        for s in ctx.meta.seqs:
+            # query i of a span attends as its own decode step would (a verify row, or a chunk after
+            # cached tokens): its K/V stored, then positions 0..start_pos + i
+            for i in range(s.num_tokens):
+                r = s.offset + i
+                self.kernels.attention_decode(qkv[r], heads, kv_heads, cos[r, 0], sin[r, 0], ctx.kv.k[layer],
+                                              ctx.kv.v[layer], s.block_table, s.start_pos + i, out[r])
+        return out
