@@ -29,6 +29,7 @@ FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wno-psa
 BLOCK = 32  # inputs per scale in the kernels' weight layouts
 TILE = 16  # output rows the kernels take together
 MAX_ROWS = 8  # rows one launch takes (decode rows; prefill takes torch's dense matmul)
+INT4, INT8 = 4, 8  # NativeWeight.kind: cpu_decode.c's weight kinds
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -135,7 +136,7 @@ class NativeWeight:
         codes = codes.reshape(n // TILE, k // BLOCK, 4, 4, 2 * TILE)  # [tile, block, nibble, i, code]
         words = sum(codes[:, :, j] << (4 * j) for j in range(4))
         packed = words.to(torch.int16).contiguous().view(torch.uint8)  # little-endian words
-        return cls(4, packed, _tiled(scales, group_size), _tiled(zeros, group_size), n, k)
+        return cls(INT4, packed, _tiled(scales, group_size), _tiled(zeros, group_size), n, k)
 
     @classmethod
     def int8(cls, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> NativeWeight:
@@ -143,7 +144,7 @@ class NativeWeight:
         n, k = q.shape
         assert cls.fits(n, k, group_size), (n, k, group_size)
         tiled = q.to(torch.int8).view(n // TILE, TILE, k).transpose(1, 2).contiguous()  # [tile, k, lane]
-        return cls(8, tiled, _tiled(scales, group_size), None, n, k)
+        return cls(INT8, tiled, _tiled(scales, group_size), None, n, k)
 
     @staticmethod
     def fits(n: int, k: int, group_size: int) -> bool:
@@ -192,7 +193,7 @@ class CpuKernels:
     def gated_silu(self, x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
         """x [rows, k] bf16 times an int4 [gate; up] weight -> silu(gate) * up [rows, n/2] bf16."""
         _check_rows(x, w)
-        if w.kind != 4 or w.n % (2 * TILE):
+        if w.kind != INT4 or w.n % (2 * TILE):
             raise ValueError("gated_silu wants an int4 weight of [gate; up] rows, 16 rows a tile in each half")
         out = torch.empty(x.shape[0], w.n // 2, dtype=torch.bfloat16)
         self.lib.nf_gated_silu(x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
@@ -203,7 +204,7 @@ class CpuKernels:
                             eps: float) -> torch.Tensor:
         """residual [rows, n] float32 += x @ w^T (bf16-rounded); -> bf16 RMSNorm(residual) * norm."""
         _check_rows(x, w)
-        if w.kind != 4:
+        if w.kind != INT4:
             raise ValueError("linear_add_rms_norm wants an int4 weight")
         _check_f32(residual, (x.shape[0], w.n), "residual")
         _check_f32(norm, (w.n,), "norm")

@@ -14,7 +14,7 @@ import torch
 
 from ninfer.engine.ops.torch_ops import Linear, TorchOps
 from ninfer.engine.quant import TensorFormat
-from ninfer.kernels.cpu_native import MAX_ROWS, CpuKernels, NativeWeight
+from ninfer.kernels.cpu_native import INT4, MAX_ROWS, CpuKernels, NativeWeight
 
 
 class NativeLinear(Linear):
@@ -74,12 +74,12 @@ class NativeCpuOps(TorchOps):
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Linear, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float) -> torch.Tensor:
-        if isinstance(w, NativeLinear) and w.decodes(x, 4) and residual.is_contiguous() and norm.is_contiguous():
+        if isinstance(w, NativeLinear) and w.decodes(x, INT4) and residual.is_contiguous() and norm.is_contiguous():
             return self.kernels.linear_add_rms_norm(x.contiguous(), w.native, residual, norm, eps)
         return super().linear_add_rms_norm(x, w, residual, norm, eps)
 
     def gated_linear(self, x: torch.Tensor, w: Linear, activation: str = "silu") -> torch.Tensor:
-        if activation == "silu" and isinstance(w, NativeLinear) and w.decodes(x, 4) and w.native.n % 32 == 0:
+        if activation == "silu" and isinstance(w, NativeLinear) and w.decodes(x, INT4) and w.native.n % 32 == 0:
             return self.kernels.gated_silu(x.contiguous(), w.native)
         return super().gated_linear(x, w, activation)
 
