@@ -2,7 +2,8 @@
 decode step runs: per format, shape and row count, the error against float64 over gguf-py's
 dequantization and the time per call (CUDA graph of 20 calls, each on its own copy of the weight so
 that the small ones do not sit in L2; median of 20 replays) and weight GB/s
-of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH); then one decode step's gemv time per route summed over the model (32 layers of
+of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH; tile as
+blocks.tile_prefetch chooses for the shape); then one decode step's gemv time per route summed over the model (32 layers of
 q/k (q4_k) + v, o (q4_k), gate/up (q4_k), down, with v and down q6_k in the 16 `use_more_bits`
 layers, and the q6_k lm_head) and the tok/s that time alone would allow. --mix q5_k_m: the same step
 of a Q5_K_M file (q5_k where Q4_K_M has q4_k); --also q5_0,q5_1,iq4_nl,iq4_xs: those formats timed at
@@ -31,7 +32,8 @@ from ninfer.kernels import blocks as BK  # noqa: E402
 from ninfer.kernels.compiler import KernelCompiler  # noqa: E402
 
 DEV = "cuda"
-VARIANTS = ("mma", "tile", "tile+pf")  # routes; +pf: the tile kernel with blocks.TILE_PREFETCH on
+# routes; the tile route plain, prefetching (blocks.TILE_PREFETCH) and as blocks.tile_prefetch chooses per shape
+VARIANTS = ("mma", "tile", "tile+pf", "tile+auto")
 L2_BYTES = 128 << 20  # weights cycled through per timed call: more than the H200's 50 MB L2
 LAYERS, MORE_BITS = 32, 16
 # llama-8b: (name, N, K, format, calls per step); q/k/v fused where v is q4_k, else q/k and v apart
@@ -63,7 +65,6 @@ def main() -> None:
     also = [(label, N, K, name, 0) for name in filter(None, args.also.split(",")) for label, N, K in ALSO
             if BK.route_ok("tile", TensorFormat(name), torch.bfloat16, K)]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
-    default_prefetch = BK.TILE_PREFETCH
     print(f"{torch.cuda.get_device_name()}: gemv_blocks, time per call and weight bytes / time")
     rows = (1, 8) if args.quick else (1, 2, 4, 8)
     step: dict[tuple[str, int], float] = {}
@@ -84,11 +85,11 @@ def main() -> None:
                 line = f"{name:5s} {N:6d}x{K:5d} M={M}:"
                 for variant in VARIANTS:
                     route = variant.split("+")[0]
-                    BK.TILE_PREFETCH = variant.endswith("+pf")
+                    BK.TILE_PREFETCH = {"tile": False, "tile+pf": True}.get(variant)
                     out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.float32)
                     it = itertools.cycle(copies)
                     ms = bench(lambda: BK.gemv_blocks(kc, x, fmt, next(it), out, route))
-                    BK.TILE_PREFETCH = default_prefetch
+                    BK.TILE_PREFETCH = None
                     seen[key][(variant, M)] = ms
                     err = f" rel {rel(out, ref):.1e}" if ref is not None else ""
                     line += f"  {variant} {ms * 1e3:6.1f} us {w.numel() / ms / 1e6:5.0f} GB/s{err}"

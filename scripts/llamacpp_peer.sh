@@ -6,7 +6,7 @@
 # Builds llama.cpp's llama-bench from a source tree (CUDA for the local GPU's arch when nvcc is
 # there, else CPU) into LLAMA_CPP_SRC/build-peer once, then runs pp512 / tg128 with both, writing
 # OUTDIR/llamacpp.json, OUTDIR/ninfer.json and the logs. A source tree small enough to carry:
-#   tar -C llama.cpp -cJf llama.cpp-src.tar.xz CMakeLists.txt cmake ggml src include common tools vendor
+#   tar -C llama.cpp -cJf llama.cpp-src.tar.xz CMakeLists.txt cmake ggml src include common tools vendor app
 # (llama.cpp's own repository, or vendor/llama.cpp of the llama-cpp-python sdist).
 # A synthetic 8B-shape Q4_K_M to run it on: python scripts/synthetic_gguf.py llama-8b /tmp/llama-8b.Q4_K_M.gguf
 set -euo pipefail
@@ -23,7 +23,7 @@ if [ ! -x "$BUILD/bin/llama-bench" ]; then
     CUDA_FLAGS=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${ARCH:-90}" -DCMAKE_CUDA_COMPILER="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")
   fi
   cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF "${CUDA_FLAGS[@]}" \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF "${CUDA_FLAGS[@]}" \
     >"$OUT/llamacpp-cmake.log" 2>&1
   cmake --build "$BUILD" --target llama-bench -j"$(nproc)" >"$OUT/llamacpp-build.log" 2>&1
 fi

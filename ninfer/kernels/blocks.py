@@ -16,7 +16,7 @@ from ninfer.kernels.compiler import I32, I64, KernelError, ptr
 from ninfer.kernels.launchers import F32_DT, I32_DT, MAX_GEMV_ROWS, _act, _check, _rows, gemv_epilogue
 
 if TYPE_CHECKING:
-    from ninfer.kernels.compiler import KernelCompiler
+    from ninfer.kernels.compiler import Kernel, KernelCompiler
 
 BLOCK_CODES = {"q4_k": 0, "q5_k": 1, "q6_k": 2, "q2_k": 3, "q3_k": 4, "q5_0": 5, "q5_1": 6, "iq4_nl": 7, "iq4_xs": 8}
 GEMV_WARPS = 8  # blocks.cu
@@ -44,8 +44,15 @@ ROUTES = ("warp", "mma", "tile")
 TILE_FORMATS = ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "iq4_nl", "iq4_xs")  # blocks.cu's TILE_FMT
 GLU_ROUTES = ("mma", "tile")  # routes whose epilogue fuses a gated activation (common.cuh tile_epilogue)
 MMA_WARPS = 8  # blocks.cu
-TILE_PREFETCH = False  # blocks.cu's TILE_PREFETCH: each warp loads its next block while computing one
 TILE_SMALL_N_BLOCKS = 256  # below this many 16-row blocks the tile route splits K over 16 warps, not 8
+# gemv_blocks_tile's warps load one unit at a time, or with blocks.cu's TILE_PREFETCH the next unit
+# while one computes: more bytes in flight per warp, but more registers and so fewer blocks per SM. It
+# wins where the grid fits on the SMs at once anyway and loses where blocks queue (H200, llama-8b
+# Q4_K_M: o and down 16-24 % faster, gate/up and q/k/v slower; docs/PERF.md), for the formats of
+# PREFETCH_FORMATS (q6_k's prefetching kernel gains nothing).
+PREFETCH_FORMATS = ("q4_k",)
+TILE_PREFETCH: bool | None = None  # forced on or off for every shape (tests, scripts/gpu_blocks.py); None: tile_prefetch
+_PREFETCH: dict[tuple[int, str, int, int], bool] = {}  # (device, format, N, K) -> tile_prefetch's choice
 
 
 def tile_warps(N: int) -> int:
@@ -53,18 +60,39 @@ def tile_warps(N: int) -> int:
     return 16 if math.ceil(N / 16) < TILE_SMALL_N_BLOCKS else 8
 
 
-def tile_blocks(fmt: TensorFormat, K: int) -> int:
+def tile_blocks(fmt: TensorFormat, K: int, prefetch: bool = False) -> int:
     """Format blocks per unit of gemv_blocks_tile (blocks.cu's TILE_BLOCKS) at input width K: 1 for the
     256-element formats; for the 32-element ones the most of 8, 4, 2, 1 that divides K / 32 and keeps
     every unit 4-byte aligned (q5_0's 22-byte and iq4_nl's 18-byte blocks: an even count); at most 4 with
-    TILE_PREFETCH (two units of 8 in registers spill). 0: the tile route does not take K."""
+    the prefetch (two units of 8 in registers spill). 0: the tile route does not take K."""
     elements, nbytes = BLOCK_FORMATS[fmt.format]
     if K % elements:
         return 0
     if elements != 32:
         return 1
-    sizes = (4, 2, 1) if TILE_PREFETCH else (8, 4, 2, 1)
+    sizes = (4, 2, 1) if prefetch else (8, 4, 2, 1)
     return next((b for b in sizes if (K // 32) % b == 0 and b * nbytes % 4 == 0), 0)
+
+
+def _tile_kernel(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat, K: int, prefetch: bool) -> Kernel:
+    tile = {"TILE_PREFETCH": int(prefetch), "TILE_BLOCKS": tile_blocks(fmt, K, prefetch)}
+    return kc.kernel("blocks.cu", "gemv_blocks_tile", {**defines, **tile})
+
+
+def tile_prefetch(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat, N: int, K: int) -> bool:
+    """Whether the tile route prefetches for a shape (TILE_PREFETCH where forced): for PREFETCH_FORMATS
+    where the grid of N / 16 blocks fits on the GPU's SMs at once at the prefetching kernel's occupancy.
+    A function of the shape and the GPU only (batch invariance), decided once per shape."""
+    if TILE_PREFETCH is not None:
+        return TILE_PREFETCH
+    key = (kc.device, fmt.format, N, K)
+    if key not in _PREFETCH:
+        fits = False
+        if fmt.format in PREFETCH_FORMATS:
+            sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
+            fits = math.ceil(N / 16) <= sms * _tile_kernel(kc, defines, fmt, K, True).blocks_per_sm(tile_warps(N) * 32)
+        _PREFETCH[key] = fits
+    return _PREFETCH[key]
 
 
 def route_ok(route: str, fmt: TensorFormat, dtype: torch.dtype, K: int) -> bool:
@@ -99,6 +127,8 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         raise KernelError(f"gemv takes 1..{MAX_GEMV_ROWS} rows, got {M}; use dequant_blocks + matmul for more")
     defines = {"BLK_FMT": code, **_act(x.dtype, "x")}
     _check(x, "x", x.dtype, [M, K], kc.device, contiguous=False, align16=True)
+    # chosen on the plain epilogue's kernel: one choice per shape, whatever epilogue comes first
+    prefetch = route == "tile" and tile_prefetch(kc, dict(defines), fmt, N, K)
     epilogue, out_stride, norm_args = gemv_epilogue(kc, x, out, M, N, glu, route, GLU_ROUTES, norm)
     defines.update(epilogue)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(out), I64(out_stride), I32(M), I32(N), I32(K),
@@ -107,9 +137,7 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
         return
     if route == "tile":
-        tile = {"TILE_PREFETCH": int(TILE_PREFETCH), "TILE_BLOCKS": tile_blocks(fmt, K)}
-        kc.kernel("blocks.cu", "gemv_blocks_tile", {**defines, **tile}).launch(
-            (math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
+        _tile_kernel(kc, defines, fmt, K, prefetch).launch((math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
         return
     shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
     kc.kernel("blocks.cu", "gemv_blocks", defines).launch(

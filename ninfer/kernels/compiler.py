@@ -94,6 +94,14 @@ class Kernel:
         _check_driver(driver.cuLaunchKernelEx(c, self.handle, ctypes.addressof(addrs), 0),
                       f"cuLaunchKernelEx({self.name})")
 
+    def blocks_per_sm(self, threads: int) -> int:
+        """How many blocks of `threads` threads (no dynamic shared memory) one SM holds at once (the
+        driver's occupancy calculator)."""
+        from cuda.bindings import driver
+
+        return _check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.handle, threads, 0),
+                             f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})")
+
 
 def launch_config(pdl: bool) -> Any:
     """A CUlaunchConfig for Kernel.launch: with programmatic stream serialization when `pdl`."""

@@ -123,6 +123,19 @@ def test_gemv_blocks_tile_at_model_shapes(kc: KernelCompiler, name: str, N: int,
     assert rel(out8, mma.double()) < 1e-5
 
 
+def test_tile_prefetch_where_the_grid_fits(kc: KernelCompiler) -> None:
+    """Unforced, the tile route prefetches for PREFETCH_FORMATS where the grid fits on the SMs at once
+    (llama-8b's o: 256 blocks of 8 warps, 2 per SM on 128+ SMs), not where blocks queue (64 per SM: more
+    than any GPU holds), and never for the other formats."""
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    if sms < 128:
+        pytest.skip(f"{sms} SMs: llama-8b's o does not fit in one wave")
+    for name in B.TILE_FORMATS:
+        base, fmt = {"BLK_FMT": B.BLOCK_CODES[name]}, TensorFormat(name)
+        assert B.tile_prefetch(kc, base, fmt, 4096, 4096) == (name in B.PREFETCH_FORMATS), name
+        assert not B.tile_prefetch(kc, base, fmt, 16 * 64 * sms, 4096), name
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("act", [BF, F32], ids=["bf16", "f32"])
 def test_dequant_blocks_prefill_and_gather(kc: KernelCompiler, name: str, act: torch.dtype) -> None:
