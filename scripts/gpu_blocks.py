@@ -2,8 +2,8 @@
 decode step runs: per format, shape and row count, the error against float64 over gguf-py's
 dequantization and the time per call (CUDA graph of 20 calls, each on its own copy of the weight so
 that the small ones do not sit in L2; median of 20 replays) and weight GB/s
-of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH; tile as
-blocks.tile_prefetch chooses for the shape); then one decode step's gemv time per route summed over the model (32 layers of
+of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH; tile with its
+registers bounded, blocks.TILE_BOUNDED; tile as blocks.tile_prefetch and tile_bounded choose per shape); then one decode step's gemv time per route summed over the model (32 layers of
 q/k (q4_k) + v, o (q4_k), gate/up (q4_k), down, with v and down q6_k in the 16 `use_more_bits`
 layers, and the q6_k lm_head) and the tok/s that time alone would allow. --mix q5_k_m: the same step
 of a Q5_K_M file (q5_k where Q4_K_M has q4_k); --also q5_0,q5_1,iq4_nl,iq4_xs: those formats timed at
@@ -32,8 +32,9 @@ from ninfer.kernels import blocks as BK  # noqa: E402
 from ninfer.kernels.compiler import KernelCompiler  # noqa: E402
 
 DEV = "cuda"
-# routes; the tile route plain, prefetching (blocks.TILE_PREFETCH) and as blocks.tile_prefetch chooses per shape
-VARIANTS = ("mma", "tile", "tile+pf", "tile+auto")
+# routes; the tile route plain, prefetching (blocks.TILE_PREFETCH), with bounded registers (blocks.TILE_BOUNDED)
+# and as blocks.tile_prefetch / tile_bounded choose per shape
+VARIANTS = ("mma", "tile", "tile+pf", "tile+bounded", "tile+auto")
 L2_BYTES = 128 << 20  # weights cycled through per timed call: more than the H200's 50 MB L2
 LAYERS, MORE_BITS = 32, 16
 # llama-8b: (name, N, K, format, calls per step); q/k/v fused where v is q4_k, else q/k and v apart
@@ -85,11 +86,12 @@ def main() -> None:
                 line = f"{name:5s} {N:6d}x{K:5d} M={M}:"
                 for variant in VARIANTS:
                     route = variant.split("+")[0]
-                    BK.TILE_PREFETCH = {"tile": False, "tile+pf": True}.get(variant)
+                    BK.TILE_PREFETCH = {"tile": False, "tile+pf": True, "tile+bounded": False}.get(variant)
+                    BK.TILE_BOUNDED = {"tile": False, "tile+bounded": True}.get(variant)
                     out = torch.full((M, N), float("nan"), device=DEV, dtype=torch.float32)
                     it = itertools.cycle(copies)
                     ms = bench(lambda: BK.gemv_blocks(kc, x, fmt, next(it), out, route))
-                    BK.TILE_PREFETCH = None
+                    BK.TILE_PREFETCH = BK.TILE_BOUNDED = None
                     seen[key][(variant, M)] = ms
                     err = f" rel {rel(out, ref):.1e}" if ref is not None else ""
                     line += f"  {variant} {ms * 1e3:6.1f} us {w.numel() / ms / 1e6:5.0f} GB/s{err}"

@@ -830,7 +830,15 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
 // blocks; W depends on N only, never on M). With -DTILE_PREFETCH=1 a warp loads its next unit while
 // it computes the current one (two buffers: its loads stay in flight across its own arithmetic, at
 // the cost of registers: q4_k reaches the 128 that 512-thread blocks allow).
-extern "C" __global__ void __launch_bounds__(TILE_MAX_WARPS * 32)
+#ifndef TILE_MIN_BLOCKS
+#define TILE_MIN_BLOCKS 0
+#endif
+#if TILE_MIN_BLOCKS  // 8-warp blocks only, registers bounded so that TILE_MIN_BLOCKS of them fit on an SM
+#define TILE_BOUNDS __launch_bounds__(8 * 32, TILE_MIN_BLOCKS)
+#else
+#define TILE_BOUNDS __launch_bounds__(TILE_MAX_WARPS * 32)
+#endif
+extern "C" __global__ void TILE_BOUNDS
 gemv_blocks_tile(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, void* __restrict__ y,
                  i64 y_stride, int M, int N, int K, int y_f32 NORM_PARAMS) {
   PDL_ENTRY();

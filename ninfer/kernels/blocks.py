@@ -53,6 +53,11 @@ TILE_SMALL_N_BLOCKS = 256  # below this many 16-row blocks the tile route splits
 PREFETCH_FORMATS = ("q4_k",)
 TILE_PREFETCH: bool | None = None  # forced on or off for every shape (tests, scripts/gpu_blocks.py); None: tile_prefetch
 _PREFETCH: dict[tuple[int, str, int, int], bool] = {}  # (device, format, N, K) -> tile_prefetch's choice
+# Without the prefetch, the kernel's registers may be bounded to fit TILE_MIN_BLOCKS blocks of 8 warps on
+# an SM (blocks.cu TILE_MIN_BLOCKS; q4_k: 4 instead of 3). H200, llama-8b Q4_K_M: gate/up (1,792 blocks)
+# 5 % faster, q6_k down 14 %, but q/k/v (320-384 blocks, about one wave) 20 % slower: tile_bounded.
+TILE_MIN_BLOCKS = 4
+TILE_BOUNDED: bool | None = None  # forced on or off for every 8-warp shape; None: tile_bounded
 
 
 def tile_warps(N: int) -> int:
@@ -74,9 +79,24 @@ def tile_blocks(fmt: TensorFormat, K: int, prefetch: bool = False) -> int:
     return next((b for b in sizes if (K // 32) % b == 0 and b * nbytes % 4 == 0), 0)
 
 
-def _tile_kernel(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat, K: int, prefetch: bool) -> Kernel:
+def _tile_kernel(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat, N: int, K: int,
+                 prefetch: bool) -> Kernel:
     tile = {"TILE_PREFETCH": int(prefetch), "TILE_BLOCKS": tile_blocks(fmt, K, prefetch)}
+    if not prefetch and tile_bounded(kc, fmt, N):
+        tile["TILE_MIN_BLOCKS"] = TILE_MIN_BLOCKS
     return kc.kernel("blocks.cu", "gemv_blocks_tile", {**defines, **tile})
+
+
+def tile_bounded(kc: KernelCompiler, fmt: TensorFormat, N: int) -> bool:
+    """Whether the plain tile kernel is compiled with its registers bounded so that TILE_MIN_BLOCKS
+    blocks of 8 warps fit on an SM (TILE_BOUNDED where forced): for q6_k, and where the grid queues for
+    more than two waves at that occupancy."""
+    if tile_warps(N) != 8:
+        return False
+    if TILE_BOUNDED is not None:
+        return TILE_BOUNDED
+    sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
+    return fmt.format == "q6_k" or math.ceil(N / 16) > 2 * TILE_MIN_BLOCKS * sms
 
 
 def tile_prefetch(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat, N: int, K: int) -> bool:
@@ -90,7 +110,7 @@ def tile_prefetch(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat
         fits = False
         if fmt.format in PREFETCH_FORMATS:
             sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
-            fits = math.ceil(N / 16) <= sms * _tile_kernel(kc, defines, fmt, K, True).blocks_per_sm(tile_warps(N) * 32)
+            fits = math.ceil(N / 16) <= sms * _tile_kernel(kc, defines, fmt, N, K, True).blocks_per_sm(tile_warps(N) * 32)
         _PREFETCH[key] = fits
     return _PREFETCH[key]
 
@@ -137,7 +157,7 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
         return
     if route == "tile":
-        _tile_kernel(kc, defines, fmt, K, prefetch).launch((math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
+        _tile_kernel(kc, defines, fmt, N, K, prefetch).launch((math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
         return
     shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
     kc.kernel("blocks.cu", "gemv_blocks", defines).launch(

@@ -95,15 +95,17 @@ TILE_CASES = [(name, N, K) for name in B.TILE_FORMATS for N, K in (SHAPES if nam
               if B.route_ok("tile", TensorFormat(name), BF, K)]
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+@pytest.mark.parametrize("prefetch,bounded", [(False, None), (True, None), (False, True)],
+                         ids=["", "prefetch", "bounded"])
 @pytest.mark.parametrize("name,N,K", TILE_CASES, ids=[f"{name}-{n}x{k}" for name, n, k in TILE_CASES])
 def test_gemv_blocks_tile_at_model_shapes(kc: KernelCompiler, name: str, N: int, K: int, prefetch: bool,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tile route at the shapes decode runs (8 and 16 warps per block, with and without the
-    prefetch of the next block), rows 1..8, fresh random blocks: bf16 and fp32 outputs against fp64
-    over gguf-py's dequantization (the torch reference), and row r of an 8-row call bit-equal to the
-    same row alone."""
+                                          bounded: bool | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tile route at the shapes decode runs (8 and 16 warps per block; without the prefetch of the
+    next block, with it, and with registers bounded in every 8-warp shape), rows 1..8, fresh random
+    blocks: bf16 and fp32 outputs against fp64 over gguf-py's dequantization (the torch reference),
+    and row r of an 8-row call bit-equal to the same row alone."""
     monkeypatch.setattr(B, "TILE_PREFETCH", prefetch)
+    monkeypatch.setattr(B, "TILE_BOUNDED", bounded)
     fmt = TensorFormat(name)
     w = blocks(name, N, K, seed=N + K)
     x = torch.randn(8, K, generator=torch.Generator(DEV).manual_seed(K), device=DEV).to(BF)
@@ -123,10 +125,11 @@ def test_gemv_blocks_tile_at_model_shapes(kc: KernelCompiler, name: str, N: int,
     assert rel(out8, mma.double()) < 1e-5
 
 
-def test_tile_prefetch_where_the_grid_fits(kc: KernelCompiler) -> None:
+def test_tile_prefetch_and_bounds_by_grid(kc: KernelCompiler) -> None:
     """Unforced, the tile route prefetches for PREFETCH_FORMATS where the grid fits on the SMs at once
     (llama-8b's o: 256 blocks of 8 warps, 2 per SM on 128+ SMs), not where blocks queue (64 per SM: more
-    than any GPU holds), and never for the other formats."""
+    than any GPU holds), and never for the other formats; it bounds registers for q6_k and where blocks
+    queue for many waves, only in 8-warp blocks."""
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     if sms < 128:
         pytest.skip(f"{sms} SMs: llama-8b's o does not fit in one wave")
@@ -134,6 +137,9 @@ def test_tile_prefetch_where_the_grid_fits(kc: KernelCompiler) -> None:
         base, fmt = {"BLK_FMT": B.BLOCK_CODES[name]}, TensorFormat(name)
         assert B.tile_prefetch(kc, base, fmt, 4096, 4096) == (name in B.PREFETCH_FORMATS), name
         assert not B.tile_prefetch(kc, base, fmt, 16 * 64 * sms, 4096), name
+        assert B.tile_bounded(kc, fmt, 4096) == (name == "q6_k"), name
+        assert B.tile_bounded(kc, fmt, 16 * 64 * sms), name
+        assert not B.tile_bounded(kc, fmt, 1024), name  # 16 warps per block
 
 
 @pytest.mark.parametrize("name", NAMES)
