@@ -3,9 +3,10 @@ decode step runs: per format, shape and row count, the error against float64 ove
 dequantization and the time per call (CUDA graph of 20 calls, each on its own copy of the weight so
 that the small ones do not sit in L2; median of 20 replays) and weight GB/s
 of each route (mma; tile; tile with the next block prefetched, blocks.TILE_PREFETCH; tile with its
-registers bounded, blocks.TILE_BOUNDED; tile as blocks.tile_prefetch and tile_bounded choose per shape); then one decode step's gemv time per route summed over the model (32 layers of
-q/k (q4_k) + v, o (q4_k), gate/up (q4_k), down, with v and down q6_k in the 16 `use_more_bits`
-layers, and the q6_k lm_head) and the tok/s that time alone would allow. --mix q5_k_m: the same step
+registers bounded, blocks.TILE_BOUNDED; tile as blocks.tile_prefetch and tile_bounded choose per
+shape); then one decode step's gemv time per route summed over the model (32 layers of q/k (q4_k)
++ v, o (q4_k), gate/up (q4_k), down, with v and down q6_k in the 16 `use_more_bits` layers, and the
+q6_k lm_head) and the tok/s that time alone would allow. --mix q5_k_m: the same step
 of a Q5_K_M file (q5_k where Q4_K_M has q4_k); --also q5_0,q5_1,iq4_nl,iq4_xs: those formats timed at
 a few llama-8b and SmolLM2 shapes too (where the tile route takes them; not part of the step).
 

@@ -49,13 +49,14 @@ TILE_SMALL_N_BLOCKS = 256  # below this many 16-row blocks the tile route splits
 # while one computes: more bytes in flight per warp, but more registers and so fewer blocks per SM. It
 # wins where the grid fits on the SMs at once anyway and loses where blocks queue (H200, llama-8b
 # Q4_K_M: o and down 16-24 % faster, gate/up and q/k/v slower; docs/PERF.md), for the formats of
-# PREFETCH_FORMATS (q6_k's prefetching kernel gains nothing).
+# PREFETCH_FORMATS (q5_k's and q6_k's prefetching kernels gain little or nothing).
 PREFETCH_FORMATS = ("q4_k",)
-TILE_PREFETCH: bool | None = None  # forced on or off for every shape (tests, scripts/gpu_blocks.py); None: tile_prefetch
+TILE_PREFETCH: bool | None = None  # forced on or off for every shape (tests, gpu_blocks.py); None: tile_prefetch
 _PREFETCH: dict[tuple[int, str, int, int], bool] = {}  # (device, format, N, K) -> tile_prefetch's choice
 # Without the prefetch, the kernel's registers may be bounded to fit TILE_MIN_BLOCKS blocks of 8 warps on
 # an SM (blocks.cu TILE_MIN_BLOCKS; q4_k: 4 instead of 3). H200, llama-8b Q4_K_M: gate/up (1,792 blocks)
-# 5 % faster, q6_k down 14 %, but q/k/v (320-384 blocks, about one wave) 20 % slower: tile_bounded.
+# 5 % faster (q5_k's 15 %), q6_k down 14 %, but q/k/v (320-384 blocks, about one wave) 20 % slower:
+# tile_bounded.
 TILE_MIN_BLOCKS = 4
 TILE_BOUNDED: bool | None = None  # forced on or off for every 8-warp shape; None: tile_bounded
 
@@ -110,7 +111,8 @@ def tile_prefetch(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat
         fits = False
         if fmt.format in PREFETCH_FORMATS:
             sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
-            fits = math.ceil(N / 16) <= sms * _tile_kernel(kc, defines, fmt, N, K, True).blocks_per_sm(tile_warps(N) * 32)
+            per_sm = _tile_kernel(kc, defines, fmt, N, K, True).blocks_per_sm(tile_warps(N) * 32)
+            fits = math.ceil(N / 16) <= sms * per_sm
         _PREFETCH[key] = fits
     return _PREFETCH[key]
 
@@ -157,7 +159,8 @@ def gemv_blocks(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, w: torch
         kc.kernel("blocks.cu", "gemv_blocks_mma", defines).launch((math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
         return
     if route == "tile":
-        _tile_kernel(kc, defines, fmt, N, K, prefetch).launch((math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
+        kernel = _tile_kernel(kc, defines, fmt, N, K, prefetch)
+        kernel.launch((math.ceil(N / 16), 1, 1), (tile_warps(N) * 32, 1, 1), args)
         return
     shared = 4 * (M * TILE * XPAD + M * 2 * TILE + 16)
     kc.kernel("blocks.cu", "gemv_blocks", defines).launch(
