@@ -342,7 +342,11 @@ def test_rerank_orders_the_obvious_case_and_reports_usage(server: Server) -> Non
                                     "return_documents": False}).json()["results"]
     # (the irrelevant ones are near each other: bf16 on another cache path may swap them)
     assert len(top) == 2 and top[0]["index"] == 1 and "document" not in top[0]
-    assert abs(top[0]["relevance_score"] - results[0]["relevance_score"]) < 1e-2
+    # top_n scores as the full ranking does on the same cache state: the first call prefilled the
+    # judging prefix cold, later ones find it cached, and in bf16 on a CPU the two differ by up to ~0.03
+    # in a score (0.691 against 0.665 for the panda on an AMD EPYC)
+    again = _post(server, "/v1/rerank", {"query": "What is a panda?", "documents": docs}).json()["results"]
+    assert abs(top[0]["relevance_score"] - again[0]["relevance_score"]) < 1e-2
     tei = _post(server, "/reranking", {"query": "What is a panda?", "texts": [OTHERS[0], PANDA], "return_text": True})
     assert tei.json()[0]["index"] == 1 and tei.json()[0]["text"] == PANDA and "score" in tei.json()[0]
     r = _post(server, "/v1/reranking", {"query": "q", "documents": ["d"] * 1001})
