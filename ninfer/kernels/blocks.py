@@ -96,8 +96,7 @@ def tile_bounded(kc: KernelCompiler, fmt: TensorFormat, N: int) -> bool:
         return False
     if TILE_BOUNDED is not None:
         return TILE_BOUNDED
-    sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
-    return fmt.format == "q6_k" or math.ceil(N / 16) > 2 * TILE_MIN_BLOCKS * sms
+    return fmt.format == "q6_k" or math.ceil(N / 16) > 2 * TILE_MIN_BLOCKS * kc.sm_count
 
 
 def tile_prefetch(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat, N: int, K: int) -> bool:
@@ -110,9 +109,8 @@ def tile_prefetch(kc: KernelCompiler, defines: dict[str, int], fmt: TensorFormat
     if key not in _PREFETCH:
         fits = False
         if fmt.format in PREFETCH_FORMATS:
-            sms = torch.cuda.get_device_properties(kc.device).multi_processor_count
             per_sm = _tile_kernel(kc, defines, fmt, N, K, True).blocks_per_sm(tile_warps(N) * 32)
-            fits = math.ceil(N / 16) <= sms * per_sm
+            fits = math.ceil(N / 16) <= kc.sm_count * per_sm
         _PREFETCH[key] = fits
     return _PREFETCH[key]
 

@@ -133,6 +133,7 @@ class KernelCompiler:
         props = torch.cuda.get_device_properties(device)
         self.gpu_name = props.name
         self.arch = f"sm_{props.major}{props.minor}"
+        self.sm_count = props.multi_processor_count
         # programmatic dependent launch: sm_90+ (griddepcontrol), unless NINFER_PDL=0
         self.pdl = (props.major >= 9 and os.environ.get("NINFER_PDL", "1") != "0") if pdl is None else pdl
         self._modules: dict[tuple[str, tuple[tuple[str, int], ...]], tuple[Any, dict[str, Kernel]]] = {}
