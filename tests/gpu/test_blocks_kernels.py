@@ -130,7 +130,7 @@ def test_tile_prefetch_and_bounds_by_grid(kc: KernelCompiler) -> None:
     (llama-8b's o: 256 blocks of 8 warps, 2 per SM on 128+ SMs), not where blocks queue (64 per SM: more
     than any GPU holds), and never for the other formats; it bounds registers for q6_k and where blocks
     queue for many waves, only in 8-warp blocks."""
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    sms = kc.sm_count
     if sms < 128:
         pytest.skip(f"{sms} SMs: llama-8b's o does not fit in one wave")
     for name in B.TILE_FORMATS:
