@@ -187,6 +187,9 @@ class Engine:
         self._stopping = False
         self._failed: str | None = None
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()  # run on the worker
+        # Events wait in the outbox until `_flush` hands them on: while the runner's next step runs on
+        # the device where it can (`run_overlapped`), else before it; at the latest before idling.
+        self._outbox: list[tuple[_Live, OutputEvent]] = []
         resident = getattr(runner, "resident_bytes", None)
         self.residency = suspend_mod.Residency(releasable_bytes=resident() if resident is not None else 0)
         self._snapshot = self._make_snapshot()
@@ -238,6 +241,7 @@ class Engine:
         self._calls.clear()
         for live in list(self._live.values()):
             self._finalize(live, "error", error="engine_shutdown")
+        self._flush()
         self.tiers.close()
 
     def save_prefix_cache(self, cancel: threading.Event | None = None) -> int:
@@ -395,18 +399,22 @@ class Engine:
             for live in list(self._live.values()):
                 self._counters.requests_failed += 1
                 self._finalize(live, "error", error=f"engine failure: {self._failed}")
-            self._publish()
+            self._flush()
             raise
 
     def _run_loop(self) -> None:
         while True:
             with self._cv:
-                if self._stopping:
-                    return
+                stopping = self._stopping
                 arrived = list(self._inbox)
                 self._inbox.clear()
                 cancels, self._cancels = self._cancels, []
                 calls, self._calls = list(self._calls), deque()
+            if stopping:
+                self._flush()
+                return
+            if calls:  # a call may take long (a suspend): what earlier steps produced goes first
+                self._flush()
             for live in arrived:
                 self._by_seq[live.seq.seq_id] = live
                 if live.seq.max_output_tokens <= 0:
@@ -434,13 +442,12 @@ class Engine:
                 live.admitted_at = admitted_at
                 self._progress(live, admitted_at)  # processed == cache
             if batch is None:
-                self._publish()
+                self._flush()
                 with self._cv:
                     if not self._inbox and not self._cancels and not self._calls and not self._stopping:
                         self._cv.wait(self._idle_wait())
                 continue
             self._step(batch)
-            self._publish()
 
     def _idle_wait(self) -> float | None:
         deadlines = [self._by_seq[s.seq_id].deadline for s in self.scheduler.waiting]
@@ -459,7 +466,12 @@ class Engine:
                     work.token_mask = self._mask(self._by_seq[work.seq_id])
             if self.drafter is not None and not is_prefill:
                 self._draft(batch)
-            output = self.runner.run(batch)
+            run_overlapped = getattr(self.runner, "run_overlapped", None)
+            if run_overlapped is not None:  # the last step's events go out while this one runs
+                output = run_overlapped(batch, self._flush)
+            else:
+                self._flush()
+                output = self.runner.run(batch)
         except Exception as exc:  # fail the lanes, keep serving the queue: a recovery
             self._counters.engine_recoveries += 1
             for seq in list(self.scheduler.running):
@@ -697,7 +709,6 @@ class Engine:
         if live.splitter is not None and reason in ("cancelled", "error"):  # release what the split held
             held_reasoning, held_text = live.splitter.feed("", final=True)
             reasoning, text = reasoning + held_reasoning, text + held_text
-        self._publish()  # a client that has its final event finds the request counted (/metrics, /stats)
         self._emit(live, OutputEvent(request_id=seq.request_id, token_ids=token_ids, text=text, reasoning=reasoning,
                                      logprobs=logprobs, finish_reason=reason, stop_reason=stop_reason, usage=usage,
                                      timings=self._timings(live), error=error, slot_id=seq.slot,
@@ -717,11 +728,19 @@ class Engine:
         return pooled.cpu()
 
     def _emit(self, live: _Live, event: OutputEvent) -> None:
-        try:
-            live.sink(event)
-        except Exception:  # a broken consumer must not stop the engine: drop its request
-            if event.finish_reason is None:
-                self.cancel(live.seq.request_id)
+        self._outbox.append((live, event))
+
+    def _flush(self) -> None:
+        """Publish a snapshot, then hand the outbox's events on (a client that has its final event
+        finds the request counted in /metrics and /stats)."""
+        self._publish()
+        events, self._outbox = self._outbox, []
+        for live, event in events:
+            try:
+                live.sink(event)
+            except Exception:  # a broken consumer must not stop the engine: drop its request
+                if event.finish_reason is None:
+                    self.cancel(live.seq.request_id)
 
     def _timings(self, live: _Live) -> Timings:
         seq = live.seq

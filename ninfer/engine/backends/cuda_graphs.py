@@ -3,14 +3,15 @@
 A decode step of n sequences (1..8) of `width` rows each (1; or a speculative verify width, the
 last token and width - 1 drafts) reads only the first n * width rows of fixed device buffers, so a
 graph captured once per (n, attention split bucket, width) replays with new inputs copied into those
-buffers. Per step the host fills three small staging arrays, copies them in, replays, and reads the
-sampled ids back.
+buffers. Per step the host fills a pinned staging buffer, copies it in with one asynchronous copy,
+replays, and reads the sampled ids back.
 """
 from __future__ import annotations
 
 import gc
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 MAX_DECODE_ROWS = 8  # the gemv kernel's row limit, and the engine's lane count
@@ -20,10 +21,12 @@ class DecodeState:
     """The fixed device buffers a captured decode step reads and writes (`rows` rows: MAX_DECODE_ROWS,
     times the widest verify width under speculative decoding).
 
-    i32 holds, in order: ids, positions, kv slots, context_lens, top_k, state slots (R each), the
-    decode cu_seqlens 0..R (R + 1) and the block tables [R, max_pages]; f32 holds temperature, top_p,
-    min_p, presence, frequency; i64 holds seeds and steps. Each is filled by one host->device copy
-    of its used prefix. masks: the rows' packed token bitmasks (every bit set without a grammar).
+    The step's inputs are one byte buffer, `inputs`: i64 (seeds, steps), f32 (temperature, top_p,
+    min_p, presence, frequency), then i32 (ids, positions, kv slots, context_lens, top_k, state slots,
+    R each, the decode cu_seqlens 0..R (R + 1) and the block tables [R, max_pages]). The host writes
+    them into the numpy views host_i64 / host_f32 / host_i32 of a pinned mirror (after `stage()`),
+    and `upload(n)` copies the used prefix in one asynchronous copy (i32 entries [:n]).
+    masks: the rows' packed token bitmasks (every bit set without a grammar).
     hidden > 0 (pipeline stages): hidden_in / hidden_out and normed_in / normed_out [rows, hidden],
     the residual rows and normed rows a stage takes from the previous one and leaves for the next.
     """
@@ -35,14 +38,25 @@ class DecodeState:
         self.HEAD = 7 * R + 1  # int32 entries before the block tables
         self.max_pages = max_pages
         self.max_parts = max_parts
-        self.i32 = torch.zeros(self.HEAD + R * max_pages, dtype=torch.int32, device=device)
-        self.f32 = torch.zeros(5 * R, dtype=torch.float32, device=device)
-        self.i64 = torch.zeros(2 * R, dtype=torch.int64, device=device)
+        self._i32_at = 8 * 2 * R + 4 * 5 * R  # byte offset of the i32 part (i64 first: aligned)
+        nbytes = self._i32_at + 4 * (self.HEAD + R * max_pages)
+        self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.i64 = self.inputs[:16 * R].view(torch.int64)
+        self.f32 = self.inputs[16 * R:self._i32_at].view(torch.float32)
+        self.i32 = self.inputs[self._i32_at:].view(torch.int32)
+        # the pinned mirror (an asynchronous copy needs page-locked memory) and its numpy views
+        self._staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host = self._staging.numpy()
+        self.host_i64 = host[:16 * R].view(np.int64).reshape(2, R)
+        self.host_f32 = host[16 * R:self._i32_at].view(np.float32).reshape(5, R)
+        self.host_i32 = host[self._i32_at:].view(np.int32)
+        self._uploaded: torch.cuda.Event | None = None  # after the last upload's copy
         v = self.i32
         self.ids, self.positions, self.kv_slots = v[0:R], v[R:2 * R], v[2 * R:3 * R]
         self.context_lens, self.top_k, self.state_slots = v[3 * R:4 * R], v[4 * R:5 * R], v[5 * R:6 * R]
         self.cu_seqlens = v[6 * R:7 * R + 1]
-        self.cu_seqlens.copy_(torch.arange(R + 1, dtype=torch.int32))  # one row per sequence, fixed
+        self.host_i32[6 * R:7 * R + 1] = np.arange(R + 1)  # one row per sequence, fixed
+        self.cu_seqlens.copy_(torch.from_numpy(self.host_i32[6 * R:7 * R + 1]))
         self.block_tables = v[self.HEAD:].view(R, max_pages)
         self.temperature, self.top_p, self.min_p, self.presence, self.frequency = self.f32.view(5, R).unbind(0)
         self.seeds, self.steps = self.i64.view(2, R).unbind(0)
@@ -56,6 +70,19 @@ class DecodeState:
         self._heads, self._head_dim = heads, head_dim
         self.hidden_in, self.hidden_out, self.normed_in, self.normed_out = (
             torch.zeros(R if hidden else 0, hidden, dtype=hidden_dtype, device=device) for _ in range(4))
+
+    def stage(self) -> None:
+        """Wait until the pinned mirror is free to write (the last upload's copy has run)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def upload(self, i32_entries: int) -> None:
+        """Copy i64, f32 and i32 entries [:i32_entries] of the mirror in, on the current stream."""
+        end = self._i32_at + 4 * i32_entries
+        self.inputs[:end].copy_(self._staging[:end], non_blocking=True)
+        if self._uploaded is None:
+            self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
 
     def workspace(self, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous fp32 views [n, heads, parts, head_dim] and [n, heads, parts, 2]."""

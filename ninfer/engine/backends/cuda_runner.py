@@ -20,6 +20,7 @@ ask for logprobs get the records of the drawn token, computed from the same logi
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +142,7 @@ class CudaModelRunner:
             # a hybrid model's recurrent state after each verify row (restores a rejected tail)
             self.verify_conv, self.verify_ssm = self._states(rows if max_draft_tokens else 0)
         self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
+        self._while_running: Callable[[], None] | None = None  # run_overlapped's host turn
         graphs = [self._stage_graphs(i, cuda_graph) for i in range(len(self.stages))]
         self.graphs = graphs[0] if len(graphs) == 1 else StagedGraphs(graphs, self._hand_off)
         self._arenas: dict[str, vmm.Adopted] | None = None  # fix_addresses
@@ -409,6 +411,22 @@ class CudaModelRunner:
         out, _ = self._execute(batch, keep_logits=False)
         return out
 
+    def run_overlapped(self, batch: ScheduledBatch, while_running: Callable[[], None]) -> StepOutput:
+        """`run`, calling `while_running()` once: after the batch's device work is queued, before the
+        first read that waits for it (the engine hands on the last step's events meanwhile)."""
+        self._while_running = while_running
+        try:
+            out, _ = self._execute(batch, keep_logits=False)
+        finally:
+            self._host_turn()
+        return out
+
+    def _host_turn(self) -> None:
+        """Give the host its turn (`run_overlapped`), once per step."""
+        fn, self._while_running = self._while_running, None
+        if fn is not None:
+            fn()
+
     def run_with_logits(self, batch: ScheduledBatch) -> tuple[StepOutput, torch.Tensor]:
         """`run`, plus the fp32 logits the sampler saw: [sampling seqs, vocab], one row per seq
         with sample=True in batch order (a copy)."""
@@ -480,6 +498,7 @@ class CudaModelRunner:
             if prompt:
                 hidden = self._prompt_forward(prompt, self.k_cache, self.v_cache, self.conv, self.ssm,
                                               (self.k_scale, self.v_scale))
+                self._host_turn()
                 ends = np.cumsum([len(s.token_ids) for s in prompt]) - 1
                 for e, s in zip(ends, prompt):  # an embedding's rows: [tokens, hidden]
                     if s.return_hidden:
@@ -490,6 +509,7 @@ class CudaModelRunner:
                     m = len(group)
                     idx = torch.tensor([r for r, _ in group], dtype=torch.int64, device=self.device)
                     self._load_sampling([s for _, s in group])
+                    st.upload(5 * st.rows)  # the sampler's parameters (i32: through top_k)
                     self.model.compute_logits(self.ops, hidden.index_select(0, idx), out=st.logits[:m])
                     self._sample(m)
                     self._collect([s for _, s in group], out, logits if keep_logits else None)
@@ -498,6 +518,7 @@ class CudaModelRunner:
                 rows = self._graph_rows(len(group))
                 parts = self._load_decode(group, rows=rows)
                 self.graphs.run(rows, parts)  # every stage's graph in turn
+                self._host_turn()
                 self._collect(group, out, logits if keep_logits else None)
             for width in sorted({s.num_drafts + 1 for s in verify}):
                 same = [s for s in verify if s.num_drafts + 1 == width]
@@ -505,6 +526,7 @@ class CudaModelRunner:
                     group = same[g:g + MAX_DECODE_ROWS]
                     parts = self._load_decode(group, width)
                     self.graphs.run(len(group), parts, width)
+                    self._host_turn()
                     self._collect_verify(group, width, out, logits if keep_logits else None)
         return out, logits
 
@@ -566,13 +588,16 @@ class CudaModelRunner:
     # -- inputs ------------------------------------------------------------------------------
 
     def _load_sampling(self, seqs: list[SequenceWork], rows: int | None = None) -> None:
-        """Sampler parameters, penalty counts and grammar masks of `seqs` into state rows [:len(seqs)]
-        (rows [len(seqs):rows], padding, get greedy parameters)."""
-        st, n = self.state, len(seqs)
-        rows = n if rows is None else rows
-        f32 = np.zeros((5, st.rows), dtype=np.float32)
-        i64 = np.zeros((2, st.rows), dtype=np.int64)
-        top_k = np.ones(st.rows, dtype=np.int32)
+        """Sampler parameters of `seqs` into the staging rows [:len(seqs)] (the caller uploads them),
+        penalty counts and grammar masks into state rows [:len(seqs)] (rows [len(seqs):rows],
+        padding, get greedy parameters)."""
+        st, R = self.state, self.state.rows
+        rows = len(seqs) if rows is None else rows
+        st.stage()
+        f32, i64, top_k = st.host_f32, st.host_i64, st.host_i32[4 * R:5 * R]
+        f32.fill(0)
+        i64.fill(0)
+        top_k.fill(1)
         for i, s in enumerate(seqs):
             sp = s.sampling
             f32[:, i] = (sp.temperature if not sp.greedy else 0.0, sp.top_p, sp.min_p,
@@ -589,9 +614,6 @@ class CudaModelRunner:
             if s.token_mask is not None or self._grammar_rows[i]:
                 fill_mask_row(st.masks[i], s.token_mask)
                 self._grammar_rows[i] = s.token_mask is not None
-        st.f32.copy_(torch.from_numpy(f32.reshape(-1)))
-        st.i64.copy_(torch.from_numpy(i64.reshape(-1)))
-        st.top_k[:rows].copy_(torch.from_numpy(top_k[:rows]))
 
     def _graph_rows(self, n: int) -> int:
         """The rows a decode step of n sequences runs: the profile's graph size for n, or n itself
@@ -609,7 +631,11 @@ class CudaModelRunner:
         R, mp, head_len = st.rows, st.max_pages, st.HEAD
         T = n * width
         rows = T if rows is None or width > 1 else rows
-        i32 = np.zeros(head_len + rows * mp, dtype=np.int32)
+        self._load_sampling([r for s in seqs for r in (position_rows(s) if width > 1 else [s])], rows)  # top_k too
+        i32 = st.host_i32
+        i32[:4 * R] = 0
+        i32[5 * R:6 * R] = 0
+        i32[head_len:head_len + rows * mp] = 0
         i32[2 * R + T:2 * R + rows] = -1  # padding: no K/V write
         i32[3 * R + T:3 * R + rows] = 1  # padding: one key
         i32[5 * R + n:5 * R + rows] = -1  # padding: no state slot
@@ -628,11 +654,7 @@ class CudaModelRunner:
                 i32[3 * R + r] = ctx
                 base = head_len + r * mp
                 i32[base:base + len(pages)] = pages
-        i32[6 * R:7 * R + 1] = np.arange(R + 1)  # cu_seqlens (fixed)
-        self._load_sampling([r for s in seqs for r in (position_rows(s) if width > 1 else [s])], rows)  # top_k too
-        head = torch.from_numpy(i32)
-        st.i32[:4 * R].copy_(head[:4 * R])
-        st.i32[5 * R:head_len + rows * mp].copy_(head[5 * R:])
+        st.upload(head_len + rows * mp)
         for other in self.stage_states[:-1]:  # the earlier stages read the same inputs on their devices
             copy_across(other.i32, st.i32)
         needed = -(-longest // self.partition)
