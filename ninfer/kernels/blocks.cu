@@ -651,69 +651,53 @@ __device__ __forceinline__ void tile_load(const u8* __restrict__ b0, const u8* _
   }
 }
 
-// The scale s and offset o (0 where the format has none; see TILE_A0: o - TILE_A0 s) of each of the
-// unit's TILE_NG scale groups, rows 0 and 1.
+// The scale s and offset o (0 where the format has none; see TILE_A0: o - TILE_A0 s) of scale group grp
+// (a constant after unrolling) of row r. The kernel takes each where it applies it, so that only the
+// header words stay live across a unit, not every group's scale and offset.
+__device__ __forceinline__ void tile_scale(const TileRows& d, int r, int grp, u32 magic, float& s, float& o) {
+#if BLK_FMT == 0 || BLK_FMT == 1
+  const u32 s0 = d.h[r][1], s1 = d.h[r][2], s2 = d.h[r][3];
+  const float dd = f16_lo(d.h[r][0]), dm = f16_hi(d.h[r][0]);
+  // the 6-bit scale and min of sub-block grp, bytes grp % 4 of these words (sub-blocks 0..3, 4..7)
+  const u32 sc = grp < 4 ? s0 & 0x3F3F3F3Fu : (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u);
+  const u32 mn = grp < 4 ? s1 & 0x3F3F3F3Fu : ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u);
+  // 2^23 + byte as a float; times d minus 2^23 d is d * byte, rounded once
+  const float fs = __uint_as_float(__byte_perm(sc, magic, 0x7540u | (u32)(grp & 3)));  // magic: 0x4B000000
+  const float fm = __uint_as_float(__byte_perm(mn, magic, 0x7540u | (u32)(grp & 3)));
+  s = fmaf(fs, dd, -8388608.0f * dd);
+  o = fmaf(-(float)TILE_A0, s, fmaf(fm, -dm, 8388608.0f * dm));
+#elif BLK_FMT == 2
+  (void)magic;
+  // mma grp = 8 h + 4 hh + q uses scale 8 h + 2 q + hh
+  const int h = grp >> 3, hh = (grp >> 2) & 1, q = grp & 3, idx = 8 * h + 2 * q + hh;
+  s = f16_lo(d.h[r][4]) * (float)(i8)byte_of(d.h[r][idx >> 2], idx & 3);
+  o = 0.0f;
+#elif BLK_FMT == 8
+  // the 6-bit scale ls of sub-block grp: low 4 bits from scales_l's nibble grp, high 2 from scales_h
+  // (bits 2 grp, 2 grp + 1), whose nibbles are first spread to bytes
+  const u32 sl = d.h[r][1], sh = d.h[r][0] >> 16;
+  u32 hb = (sh | (sh << 8)) & 0x00FF00FFu;
+  hb = (hb | (hb << 4)) & 0x0F0F0F0Fu;  // byte m: scales_h bits 4m .. 4m + 3 (sub-blocks 2m, 2m + 1)
+  const u32 ls = (grp & 1) ? ((sl >> 4) & 0x0F0F0F0Fu) | ((hb << 2) & 0x30303030u)
+                           : (sl & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u);
+  // 2^23 + ls as a float, less 2^23 + 32: ls - 32 (exact)
+  const float fl = __uint_as_float(__byte_perm(ls, magic, 0x7540u | (u32)(grp >> 1))) - 8388640.0f;
+  s = f16_lo(d.h[r][0]) * fl;
+  o = 0.0f;
+#else  // the 32-element formats: group grp is block grp of the unit
+  (void)magic;
+  s = f16_lo(d.h[r][grp]);
+  // q5_1: w = d q + m = d (128 + q) + m - 128 d; q5_0's -16 d: TILE_FOLD; iq4_nl: none
+  o = BLK_FMT == 6 ? fmaf(-128.0f, s, f16_hi(d.h[r][grp])) : 0.0f;
+#endif
+}
+
+// Every scale group's scale and offset, rows 0 and 1 (the host tests' view of tile_scale).
 __device__ __forceinline__ void tile_scales(const TileRows& d, u32 magic, float s[2][TILE_NG], float o[2][TILE_NG]) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#if BLK_FMT == 0 || BLK_FMT == 1
-    const u32 s0 = d.h[r][1], s1 = d.h[r][2], s2 = d.h[r][3];
-    const float dd = f16_lo(d.h[r][0]), dm = f16_hi(d.h[r][0]);
-    // 6-bit scales and mins of sub-blocks 0..3 and 4..7, one per byte
-    const u32 sc[2] = {s0 & 0x3F3F3F3Fu, (s2 & 0x0F0F0F0Fu) | ((s0 >> 2) & 0x30303030u)};
-    const u32 mn[2] = {s1 & 0x3F3F3F3Fu, ((s2 >> 4) & 0x0F0F0F0Fu) | ((s1 >> 2) & 0x30303030u)};
-    const float dd_off = -8388608.0f * dd, dm_off = 8388608.0f * dm;
+  for (int r = 0; r < 2; ++r)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      // 2^23 + byte as a float; times d minus 2^23 d is d * byte, rounded once
-      const float fs = __uint_as_float(__byte_perm(sc[j >> 2], magic, 0x7540u | (u32)(j & 3)));  // magic: 0x4B000000
-      const float fm = __uint_as_float(__byte_perm(mn[j >> 2], magic, 0x7540u | (u32)(j & 3)));
-      s[r][j] = fmaf(fs, dd, dd_off);
-      o[r][j] = fmaf(-(float)TILE_A0, s[r][j], fmaf(fm, -dm, dm_off));
-    }
-#elif BLK_FMT == 2
-    (void)magic;
-    const float dd = f16_lo(d.h[r][4]);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      // mma i = 8 h + 4 hh + q uses scale 8 h + 2 q + hh
-      const int h = i >> 3, hh = (i >> 2) & 1, q = i & 3, idx = 8 * h + 2 * q + hh;
-      s[r][i] = dd * (float)(i8)byte_of(d.h[r][idx >> 2], idx & 3);
-      o[r][i] = 0.0f;
-    }
-#elif BLK_FMT == 8
-    // 6-bit scales ls of the even and the odd sub-blocks, one per byte: low 4 bits from scales_l's
-    // nibbles, high 2 from scales_h (bits 2j, 2j + 1), whose nibbles are first spread to bytes
-    const u32 sl = d.h[r][1], sh = d.h[r][0] >> 16;
-    u32 hb = (sh | (sh << 8)) & 0x00FF00FFu;
-    hb = (hb | (hb << 4)) & 0x0F0F0F0Fu;  // byte m: scales_h bits 4m .. 4m + 3 (sub-blocks 2m, 2m + 1)
-    const u32 ls[2] = {(sl & 0x0F0F0F0Fu) | ((hb << 4) & 0x30303030u),
-                       ((sl >> 4) & 0x0F0F0F0Fu) | ((hb << 2) & 0x30303030u)};
-    const float dd = f16_lo(d.h[r][0]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      // 2^23 + ls as a float, less 2^23 + 32: ls - 32 (exact)
-      const float fl = __uint_as_float(__byte_perm(ls[j & 1], magic, 0x7540u | (u32)(j >> 1))) - 8388640.0f;
-      s[r][j] = dd * fl;
-      o[r][j] = 0.0f;
-    }
-#elif BLK_FMT == 7
-    (void)magic;
-#pragma unroll
-    for (int k = 0; k < TILE_BLOCKS; ++k) {
-      s[r][k] = f16_lo(d.h[r][k]);
-      o[r][k] = 0.0f;
-    }
-#else
-    (void)magic;
-#pragma unroll
-    for (int k = 0; k < TILE_BLOCKS; ++k) {
-      s[r][k] = f16_lo(d.h[r][k]);
-      // w = d q + m = d (128 + q) + m - 128 d (q5_1); q5_0's -16 d: TILE_FOLD
-      o[r][k] = BLK_FMT == 5 ? 0.0f : fmaf(-128.0f, s[r][k], f16_hi(d.h[r][k]));
-    }
-#endif
-  }
+    for (int grp = 0; grp < TILE_NG; ++grp) tile_scale(d, r, grp, magic, s[r][grp], o[r][grp]);
 }
 
 // The first of lane t's four elements (of the unit) in mma i: tile_lane(t) + tile_elem(i).
@@ -796,10 +780,13 @@ __device__ __forceinline__ void tile_b(uint2 xv, u32& b0, u32& b1) {
 // One unit's products for the warp's 16 rows, added to acc (codes in d, activations from xb).
 __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const act* __restrict__ xb, const u32* kc,
                                            u32 magic, const u32* ones) {
-  float s[2][TILE_NG], o[2][TILE_NG];
-  tile_scales(d, magic, s, o);
 #pragma unroll
   for (int grp = 0; grp < TILE_NG; ++grp) {
+    float s0, o0, s1, o1;
+#if !TILE_PREFETCH  // (placed here or after the mmas, ptxas keeps the fewer registers without spills)
+    tile_scale(d, 0, grp, magic, s0, o0);
+    tile_scale(d, 1, grp, magic, s1, o1);
+#endif
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // sum of the group's x per column (the same for every row)
 #pragma unroll
@@ -813,15 +800,19 @@ __device__ __forceinline__ void tile_block(float* acc, const TileRows& d, const 
       if (TILE_OFFSET) mma16816(cx, ones[0], ones[1], ones[2], ones[3], b0, b1);
       if (TILE_FOLD) mma16816(c, ones[0], ones[1], ones[2], ones[3], b0, b1);
     }
-    acc[0] = fmaf(c[0], s[0][grp], acc[0]);
-    acc[1] = fmaf(c[1], s[0][grp], acc[1]);
-    acc[2] = fmaf(c[2], s[1][grp], acc[2]);
-    acc[3] = fmaf(c[3], s[1][grp], acc[3]);
+#if TILE_PREFETCH
+    tile_scale(d, 0, grp, magic, s0, o0);
+    tile_scale(d, 1, grp, magic, s1, o1);
+#endif
+    acc[0] = fmaf(c[0], s0, acc[0]);
+    acc[1] = fmaf(c[1], s0, acc[1]);
+    acc[2] = fmaf(c[2], s1, acc[2]);
+    acc[3] = fmaf(c[3], s1, acc[3]);
     if (TILE_OFFSET) {
-      acc[0] = fmaf(cx[0], o[0][grp], acc[0]);
-      acc[1] = fmaf(cx[1], o[0][grp], acc[1]);
-      acc[2] = fmaf(cx[2], o[1][grp], acc[2]);
-      acc[3] = fmaf(cx[3], o[1][grp], acc[3]);
+      acc[0] = fmaf(cx[0], o0, acc[0]);
+      acc[1] = fmaf(cx[1], o0, acc[1]);
+      acc[2] = fmaf(cx[2], o1, acc[2]);
+      acc[3] = fmaf(cx[3], o1, acc[3]);
     }
   }
 }
