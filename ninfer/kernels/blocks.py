@@ -48,9 +48,9 @@ TILE_SMALL_N_BLOCKS = 256  # below this many 16-row blocks the tile route splits
 # gemv_blocks_tile's warps load one unit at a time, or with blocks.cu's TILE_PREFETCH the next unit
 # while one computes: more bytes in flight per warp, but more registers and so fewer blocks per SM. It
 # wins where the grid fits on the SMs at once anyway and loses where blocks queue (H200, llama-8b
-# Q4_K_M: o and down 16-24 % faster, gate/up and q/k/v slower; docs/PERF.md), for the formats of
-# PREFETCH_FORMATS (q5_k's and q6_k's prefetching kernels gain little or nothing).
-PREFETCH_FORMATS = ("q4_k",)
+# Q4_K_M: o and down 16-24 % faster, q6_k's down 27-37 %, gate/up and q/k/v slower; docs/PERF.md), for
+# the formats of PREFETCH_FORMATS (q5_k's prefetching kernel spills).
+PREFETCH_FORMATS = ("q4_k", "q6_k")
 TILE_PREFETCH: bool | None = None  # forced on or off for every shape (tests, gpu_blocks.py); None: tile_prefetch
 _PREFETCH: dict[tuple[int, str, int, int], bool] = {}  # (device, format, N, K) -> tile_prefetch's choice
 # Without the prefetch, the kernel's registers may be bounded to fit TILE_MIN_BLOCKS blocks of 8 warps on
