@@ -207,6 +207,47 @@ def test_async_stream_and_cancel_on_close() -> None:
         engine.shutdown()
 
 
+class OverlappingRunner(CountingRunner):
+    """A runner with run_overlapped: it gives the engine its host turn inside the step, as the cuda
+    runner does while the step computes on the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside = False
+        self.turns = 0
+
+    def run_overlapped(self, batch: ScheduledBatch, while_running) -> StepOutput:
+        self.inside = True
+        try:
+            while_running()
+            self.turns += 1
+            return self.run(batch)
+        finally:
+            self.inside = False
+
+
+def test_events_go_out_during_the_next_step_or_at_idle() -> None:
+    runner = OverlappingRunner()
+    engine = engine_over(runner)
+    seen = []  # per event: its tokens, finish reason, whether a step was running, requests counted finished
+    done = threading.Event()
+
+    def sink(ev) -> None:
+        seen.append((ev.token_ids, ev.finish_reason, runner.inside, engine.snapshot().requests_finished))
+        if ev.finish_reason is not None:
+            done.set()
+    try:
+        engine.submit(req("a", [3], max_tokens=4), sink=sink)
+        assert done.wait(30)
+        assert [ids for ids, *_ in seen] == [(4,), (5,), (6,), (7,)]
+        # the tokens of steps 1-3 went out while the next step ran, the last step's once the engine idled
+        assert [inside for _, _, inside, _ in seen] == [True, True, True, False]
+        assert seen[-1][1] == "length" and seen[-1][3] == 1  # counted before its final event went out
+        assert runner.turns == len(runner.batches) == 4
+    finally:
+        engine.shutdown()
+
+
 def test_runner_failure_fails_the_lanes_and_keeps_serving() -> None:
     class FailingOnce(CountingRunner):
         def run(self, batch: ScheduledBatch) -> StepOutput:
