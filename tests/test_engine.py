@@ -144,6 +144,9 @@ def test_pending_timeout_ends_a_waiting_request() -> None:
     engine = engine_over(runner, max_concurrency=1, pending_timeout_ms=50)
     try:
         first = engine.submit(req("a", [1], max_tokens=4000, ignore_eos=True))
+        # "a" holds the lane before "b" starts its 50 ms: a pause of the worker before it takes "a" in
+        # (a garbage collection: ~100 ms seen) must not expire "a" instead
+        wait_for(runner.entered.is_set)
         late = engine.submit(req("b", [1], max_tokens=2))
 
         def step_until_expired() -> bool:  # one engine step per poll: "a" holds the only lane
