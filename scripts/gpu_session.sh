@@ -48,7 +48,9 @@ start)
       > /dev/null 2>&1 < /dev/null &
   fi
   [ $# -eq 0 ] && set -- -m gpu tests/gpu
-  python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -15 | tee "$OUT/pytest.txt"
+  # stopped before a 10-minute call limit would lose the log (NINFER_TEST_TIMEOUT seconds)
+  timeout "${NINFER_TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
+  tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
 compare)
