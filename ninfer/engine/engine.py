@@ -490,11 +490,15 @@ class Engine:
             self._finalize(live, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _may_look_ahead(self, batch: ScheduledBatch) -> bool:
-        """Whether the decode step after `batch` may be launched before `batch`'s tokens are read:
-        nothing waits to be taken in, and no row's next sample depends on its last token beyond its
-        input (a grammar or forced token, penalties, a thinking budget or a sampler that switches
-        when reasoning closes), or needs this step's logits (logprobs) or drafts."""
-        if self.drafter is not None or self._inbox or self._cancels or self._calls:
+        """Whether `batch` may be launched, and the decode step after it launched before `batch`'s
+        tokens are read: nothing waits to be taken in, the model keeps no recurrent state (its
+        checkpoints follow each step), the batch copies no pages or states, and no row's next sample
+        depends on its last token beyond its input (a grammar or forced token, penalties, a thinking
+        budget or a sampler that switches when reasoning closes), or needs this step's logits
+        (logprobs) or drafts."""
+        if self.drafter is not None or self.state_pool is not None or self._inbox or self._cancels or self._calls:
+            return False
+        if batch.page_copies or batch.state_copies:
             return False
         for work in batch.seqs:
             live = self._by_seq.get(work.seq_id)
