@@ -534,6 +534,51 @@ def test_batching_is_faithful(model) -> None:
             assert float(top2[0] - top2[1]) < NEAR_TIE, (k, a, b)
 
 
+class AheadAdapter:
+    """The real torch runner behind launch / collect (tests only): the step runs at launch, and a
+    FOLLOWS row takes the token the previous launch drew for its row, substituted on the host."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.last: list[int] = []
+        self.follows = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def launch(self, batch: ScheduledBatch) -> StepOutput:
+        if batch.follows:
+            self.follows += 1
+            for work, token in zip(batch.seqs, self.last, strict=True):
+                work.token_ids = [token]
+                work.output_token_ids = [*work.output_token_ids[:-1], token]
+        out = self.runner.run(batch)
+        self.last = [out.sampled[w.seq_id] for w in batch.seqs]
+        return out
+
+    def collect(self, launched: StepOutput) -> StepOutput:
+        return launched
+
+
+@pytest.mark.slow
+def test_decode_ahead_draws_what_step_by_step_decoding_draws(model) -> None:
+    runner, tokenizer = model
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=5)]
+    results = []
+    for ahead in (False, True):
+        used = AheadAdapter(runner) if ahead else runner
+        engine = Engine(used, tokenizer, SchedulerConfig(max_concurrency=2, prefix_reuse=False), model_max_context=8192)
+        engine.start()
+        try:
+            results.append([collect(engine.submit(req(f"r{i}{j}", p, max_tokens=16, ignore_eos=True, sampling=sp)))[0]
+                            for i, p in enumerate(prompts) for j, sp in enumerate(samplings)])
+        finally:
+            engine.shutdown()
+    assert used.follows >= len(prompts) * len(samplings) * 13  # decode steps 2..15 of each looked ahead
+    assert results[1] == results[0]
+
+
 @pytest.mark.slow
 def test_real_cancellations_return_the_pool_to_baseline(model) -> None:
     _, tokenizer = model
