@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ninfer.engine.batch import ScheduledBatch, StepOutput
+from ninfer.engine.batch import FOLLOWS, ScheduledBatch, StepOutput
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.engine import Engine
 from ninfer.engine.request import PreparedRequest, SamplingParams, Timings
@@ -251,6 +251,98 @@ def test_events_go_out_during_the_next_step_or_at_idle() -> None:
         engine.shutdown()
 
 
+class LaunchingRunner(CountingRunner):
+    """launch / collect, as the cuda runner: a launched step's samples exist on the "device" at once
+    (a lookahead row, FOLLOWS, takes the previous launch's sample of its row); the host reads them
+    in collect. Prefill rows go through run()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: list[int] = []  # the previous launch's samples, by row
+        self.in_flight = self.most_in_flight = 0
+
+    def launch(self, batch: ScheduledBatch):
+        if self.steps is not None:
+            assert self.steps.acquire(timeout=30), "test never released a step"
+        if batch.follows:
+            assert len(batch.seqs) == len(self.last) and all(w.token_ids == [FOLLOWS] for w in batch.seqs)
+            inputs = list(self.last)
+        else:
+            inputs = [w.token_ids[-1] for w in batch.seqs]
+        self.batches.append(batch)
+        self.last = [(t + 1) % 26 for t in inputs]
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        return batch, list(self.last)
+
+    def collect(self, launched) -> StepOutput:
+        batch, samples = launched
+        self.in_flight -= 1
+        return StepOutput({w.seq_id: t for w, t in zip(batch.seqs, samples)})
+
+
+def test_decode_ahead_gives_the_same_tokens_and_stops_at_the_budget() -> None:
+    runner = LaunchingRunner()
+    engine = engine_over(runner)
+    try:
+        ids, text, final = collect(engine.submit(req("a", [3, 4], max_tokens=6)))
+        assert ids == [5, 6, 7, 8, 9, 10] and text == "fghijk" and final.finish_reason == "length"
+        assert runner.most_in_flight == 2  # a step was launched before the one before it was read
+        assert sum(b.follows for b in runner.batches) == 4  # decode steps 2..5 looked ahead
+        assert len(runner.batches) == 6  # prefill + 5 decode steps: none past the budget
+        assert final.timings.predicted_n == 6
+    finally:
+        engine.shutdown()
+
+
+def test_decode_ahead_drops_the_row_of_a_sequence_that_stopped() -> None:
+    runner = LaunchingRunner()
+    engine = engine_over(runner)
+    try:
+        ids, text, final = collect(engine.submit(req("a", [22], max_tokens=10)))  # w -> x, y, z, a(EOS)
+        assert ids == [23, 24, 25, 0] and text == "xyz" and final.finish_reason == "stop"
+        assert runner.batches[-1].follows  # the step after the stop token ran and was dropped
+        assert engine.pool.num_used == len(engine.scheduler.prefix_cache.pages_held())
+        ids, _, final = collect(engine.submit(req("b", [1], max_tokens=3)))
+        assert ids == [2, 3, 4] and final.finish_reason == "length"
+        assert engine.snapshot().committed_decode_tokens == 3 + 2  # the dropped row is not counted
+    finally:
+        engine.shutdown()
+
+
+def test_decode_ahead_lets_a_new_request_in_and_keeps_lanes_apart() -> None:
+    runner = LaunchingRunner()
+    runner.steps = threading.Semaphore(0)
+    engine = engine_over(runner, max_concurrency=2)
+    try:
+        first = engine.submit(req("a", [1], max_tokens=12))
+        for _ in range(4):
+            runner.steps.release()
+        wait_for(lambda: len(runner.batches) >= 3)
+        second = engine.submit(req("b", [10], max_tokens=5))
+        for _ in range(64):
+            runner.steps.release()
+        ids_a, _, _ = collect(first)
+        ids_b, _, _ = collect(second)
+        assert ids_a == [(1 + i) % 26 for i in range(1, 13)]
+        assert ids_b == [11, 12, 13, 14, 15]
+        both = [b for b in runner.batches if len(b.seqs) == 2]
+        assert any(b.follows for b in both)  # the two lanes looked ahead together once b decoded
+    finally:
+        engine.shutdown()
+
+
+def test_no_decode_ahead_where_the_next_sample_needs_the_last_token() -> None:
+    runner = LaunchingRunner()
+    engine = engine_over(runner)
+    try:
+        penalised = SamplingParams(temperature=0.0, presence_penalty=0.5)
+        ids, _, _ = collect(engine.submit(req("a", [3], max_tokens=5, sampling=penalised)))
+        assert ids == [4, 5, 6, 7, 8] and not any(b.follows for b in runner.batches)
+    finally:
+        engine.shutdown()
+
+
 def test_runner_failure_fails_the_lanes_and_keeps_serving() -> None:
     class FailingOnce(CountingRunner):
         def run(self, batch: ScheduledBatch) -> StepOutput:
@@ -440,6 +532,51 @@ def test_batching_is_faithful(model) -> None:
         if k is not None:  # only a near-tie in the reference may flip
             top2 = runner.forward_logits(p + a[:k])[-1].topk(2).values
             assert float(top2[0] - top2[1]) < NEAR_TIE, (k, a, b)
+
+
+class AheadAdapter:
+    """The real torch runner behind launch / collect (tests only): the step runs at launch, and a
+    FOLLOWS row takes the token the previous launch drew for its row, substituted on the host."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.last: list[int] = []
+        self.follows = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def launch(self, batch: ScheduledBatch) -> StepOutput:
+        if batch.follows:
+            self.follows += 1
+            for work, token in zip(batch.seqs, self.last, strict=True):
+                work.token_ids = [token]
+                work.output_token_ids = [*work.output_token_ids[:-1], token]
+        out = self.runner.run(batch)
+        self.last = [out.sampled[w.seq_id] for w in batch.seqs]
+        return out
+
+    def collect(self, launched: StepOutput) -> StepOutput:
+        return launched
+
+
+@pytest.mark.slow
+def test_decode_ahead_draws_what_step_by_step_decoding_draws(model) -> None:
+    runner, tokenizer = model
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    samplings = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=5)]
+    results = []
+    for ahead in (False, True):
+        used = AheadAdapter(runner) if ahead else runner
+        engine = Engine(used, tokenizer, SchedulerConfig(max_concurrency=2, prefix_reuse=False), model_max_context=8192)
+        engine.start()
+        try:
+            results.append([collect(engine.submit(req(f"r{i}{j}", p, max_tokens=16, ignore_eos=True, sampling=sp)))[0]
+                            for i, p in enumerate(prompts) for j, sp in enumerate(samplings)])
+        finally:
+            engine.shutdown()
+    assert used.follows >= len(prompts) * len(samplings) * 13  # decode steps 2..15 of each looked ahead
+    assert results[1] == results[0]
 
 
 @pytest.mark.slow

@@ -18,6 +18,10 @@ from typing import Any, Protocol
 
 from ninfer.engine.request import SamplingParams, TokenLogprob
 
+# A lookahead step's input token (ScheduledBatch.follows): the one the step before sampled for the
+# row, still on the device when the step is launched.
+FOLLOWS = -1
+
 
 @dataclass(slots=True)
 class SequenceWork:
@@ -73,6 +77,10 @@ class ScheduledBatch:
     # prompt that resumes a retained entry starts from a copy of the entry's checkpoint in its
     # own working slot; src is never written by anyone until the copy has run. Hybrid models only.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # A lookahead step (Scheduler.lookahead, a runner's `launch`): one decode row per sequence of the
+    # step launched just before it, in the same order, each input token FOLLOWS (the token that step
+    # samples for the row; its output_token_ids end with a FOLLOWS for it too).
+    follows: bool = False
 
     @property
     def num_tokens(self) -> int:

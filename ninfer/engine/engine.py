@@ -457,6 +457,9 @@ class Engine:
     def _step(self, batch: ScheduledBatch) -> None:
         first = self._by_seq[batch.seqs[0].seq_id]
         is_prefill = first.seq.status is SeqStatus.PREFILLING
+        if not is_prefill and getattr(self.runner, "launch", None) is not None and self._may_look_ahead(batch):
+            self._decode_ahead(batch)
+            return
         t0 = time.monotonic()
         try:
             if batch.page_copies:
@@ -473,14 +476,73 @@ class Engine:
                 self._flush()
                 output = self.runner.run(batch)
         except Exception as exc:  # fail the lanes, keep serving the queue: a recovery
-            self._counters.engine_recoveries += 1
-            for seq in list(self.scheduler.running):
-                self.scheduler.abort(seq)
-                live = self._by_seq[seq.seq_id]
-                self._counters.requests_failed += 1
-                self._finalize(live, "error", error=f"{type(exc).__name__}: {exc}")
+            self._recover(exc)
             return
-        dt = time.monotonic() - t0
+        self._commit(batch, output, is_prefill, time.monotonic() - t0)
+
+    def _recover(self, exc: Exception) -> None:
+        """A step failed: fail the lanes, keep serving the queue."""
+        self._counters.engine_recoveries += 1
+        for seq in list(self.scheduler.running):
+            self.scheduler.abort(seq)
+            live = self._by_seq[seq.seq_id]
+            self._counters.requests_failed += 1
+            self._finalize(live, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _may_look_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch` may be launched, and the decode step after it launched before `batch`'s
+        tokens are read: nothing waits to be taken in, the model keeps no recurrent state (its
+        checkpoints follow each step), the batch copies no pages or states, and no row's next sample
+        depends on its last token beyond its input (a grammar or forced token, penalties, a thinking
+        budget or a sampler that switches when reasoning closes), or needs this step's logits
+        (logprobs) or drafts."""
+        if self.drafter is not None or self.state_pool is not None or self._inbox or self._cancels or self._calls:
+            return False
+        if batch.page_copies or batch.state_copies:
+            return False
+        for work in batch.seqs:
+            live = self._by_seq.get(work.seq_id)
+            if live is None or live.matcher is not None or live.forced or live.thinking_budget is not None:
+                return False
+            reasoning = live.req.reasoning
+            if reasoning is not None and reasoning.post_thinking is not None and not live.post_thinking:
+                return False
+            sp = work.sampling
+            if sp.logprobs or sp.presence_penalty or sp.frequency_penalty or work.return_hidden:
+                return False
+        return True
+
+    def _decode_ahead(self, batch: ScheduledBatch) -> None:
+        """Decode steps back to back: the step after `batch` (Scheduler.lookahead: each row's input
+        is the token `batch` samples for it, taken on the device) is launched before `batch`'s
+        tokens are read, so the host's work on one step runs while the next computes. Stops where
+        the next step could differ from what `schedule` would build (a sequence ended, a request or
+        a call arrived, a page or the output budget is reached): that step's rows of sequences
+        that ended are dropped by `update`, and the main loop takes over."""
+        t0 = time.monotonic()
+        try:
+            launched = self.runner.launch(batch)
+        except Exception as exc:
+            self._recover(exc)
+            return
+        while True:
+            after = self.scheduler.lookahead(batch) if self._may_look_ahead(batch) else None
+            try:
+                launched_after = self.runner.launch(after) if after is not None else None
+                self._flush()  # the last step's events go out while these steps run
+                output = self.runner.collect(launched)
+            except Exception as exc:
+                self._recover(exc)
+                return
+            now = time.monotonic()
+            self._commit(batch, output, False, now - t0)
+            if after is None:
+                return
+            batch, launched, t0 = after, launched_after, now
+
+    def _commit(self, batch: ScheduledBatch, output: StepOutput, is_prefill: bool, dt: float) -> None:
+        """Count a step, advance its sequences by its output and hand their tokens on."""
+        first = self._by_seq.get(batch.seqs[0].seq_id)
         c = self._counters
         if is_prefill:
             c.prefill_units += 1
@@ -507,7 +569,7 @@ class Engine:
             live = self._by_seq.get(work.seq_id)
             if live is not None:
                 c.max_sequence_tokens = max(c.max_sequence_tokens, live.seq.num_computed_tokens)
-        if is_prefill:  # the unit committed: its progress precedes the first token it may have sampled
+        if is_prefill and first is not None:  # the unit committed: its progress precedes its first token
             self._progress(first, now)
         round_index: dict[int, int] = {}  # seq_id -> tokens of this step handed on so far
         for j, (seq, token) in enumerate(sampled):
@@ -555,8 +617,8 @@ class Engine:
     def _count_drafts(self, batch: ScheduledBatch, output) -> None:
         c = self._counters
         for work in batch.seqs:
-            live = self._by_seq[work.seq_id]
-            if live.spec is None:
+            live = self._by_seq.get(work.seq_id)  # None: a lookahead row of a sequence that ended
+            if live is None or live.spec is None:
                 continue
             if work.num_drafts:
                 accepted = len(output.verified.get(work.seq_id, ()))

@@ -23,7 +23,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
+from ninfer.engine.batch import FOLLOWS, ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import SchedulerConfig
 from ninfer.engine.kv_cache import PagePool, StatePool, pages_for_tokens
 from ninfer.engine.prefix_cache import PrefixCache, reuse_path
@@ -390,6 +390,33 @@ class Scheduler:
             return self._with_captures(ScheduledBatch(
                 [self._work(s, s.num_computed_tokens, s.num_computed_tokens + 1, True) for s in decoding]))
         return None
+
+    def lookahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `batch` (the decode rows of every running sequence, launched and
+        not yet updated), built before its tokens are known: each row's input is the token `batch`
+        samples for it (ScheduledBatch.follows). None where that step could differ from what
+        `schedule` builds after `update`: a request waits or prefills, a sequence ended, a row
+        would reach its output budget or need a page, or the model keeps recurrent state."""
+        if self.waiting or self.state_pool is not None or batch.page_copies or batch.state_copies:
+            return None
+        if len(batch.seqs) != len(self.running):
+            return None
+        by_id = {s.seq_id: s for s in self.running}
+        rows = []
+        for work in batch.seqs:
+            seq = by_id.get(work.seq_id)
+            if (seq is None or seq.status is not SeqStatus.DECODING or work.num_drafts or not work.sample
+                    or len(work.token_ids) != 1 or work.start_pos != seq.num_computed_tokens):
+                return None
+            pos = seq.num_computed_tokens + 1  # the input of this row is the token `batch` samples
+            if len(seq.output_token_ids) + 2 > seq.max_output_tokens or pos >= len(seq.block_table) * self.page_size:
+                return None
+            rows.append(SequenceWork(
+                seq_id=seq.seq_id, token_ids=[FOLLOWS], start_pos=pos, block_table=list(seq.block_table),
+                sample=True, sampling=seq.sampling, output_token_ids=[*seq.output_token_ids, FOLLOWS],
+                seed=seq.seed, state_slot=seq.state_slot, stop_token_ids=seq.stop_token_ids))
+        self._rounds_since_prefill += 1
+        return ScheduledBatch(rows, follows=True)
 
     def _pack(self, batch: ScheduledBatch, staged: list[Sequence], unit: Sequence, budget: int) -> None:
         """Packable requests are prefill only (their one sampled token ends them): other staged

@@ -143,6 +143,10 @@ class CudaModelRunner:
             self.verify_conv, self.verify_ssm = self._states(rows if max_draft_tokens else 0)
         self._grammar_rows = [False] * rows  # state rows whose mask is a grammar's (else all set)
         self._while_running: Callable[[], None] | None = None  # run_overlapped's host turn
+        # launch / collect: two launched steps' sampled ids in pinned memory, and their copies' events
+        self._launches = 0
+        self._drawn = [torch.zeros(MAX_DECODE_ROWS, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self._drawn_at = [torch.cuda.Event() for _ in range(2)]
         graphs = [self._stage_graphs(i, cuda_graph) for i in range(len(self.stages))]
         self.graphs = graphs[0] if len(graphs) == 1 else StagedGraphs(graphs, self._hand_off)
         self._arenas: dict[str, vmm.Adopted] | None = None  # fix_addresses
@@ -421,6 +425,42 @@ class CudaModelRunner:
             self._host_turn()
         return out
 
+    def launch(self, batch: ScheduledBatch) -> tuple[list[SequenceWork], int]:
+        """Queue a decode step (every row a decode row; batch.follows: each row's input is the token
+        the step launched just before sampled for the same row) and the copy of its sampled ids to
+        the host, without waiting; `collect` reads them. Two launched steps may be in flight."""
+        seqs = batch.seqs
+        if len(seqs) > MAX_DECODE_ROWS or any(len(s.token_ids) != 1 or s.num_drafts or not s.sample for s in seqs):
+            raise ValueError("launch takes one decode row per sequence, at most "
+                             f"{MAX_DECODE_ROWS} (prompt and verify rows: run)")
+        for s in seqs:
+            self._validate(s, follows=batch.follows)
+            if batch.follows and (s.sampling.presence_penalty or s.sampling.frequency_penalty or s.token_mask is not None):
+                raise ValueError(f"sequence {s.seq_id}: a lookahead row cannot take penalties or a token mask "
+                                 "(they need the token it follows)")
+        st, n = self.state, len(seqs)
+        slot = self._launches % 2
+        self._launches += 1
+        with torch.cuda.device(self.device), torch.inference_mode():
+            rows = self._graph_rows(n)
+            parts = self._load_decode(seqs, rows=rows)
+            if batch.follows:  # same rows, same order as the step before: its draws are the inputs
+                st.ids[:n].copy_(st.tokens[:n])
+                for other in self.stage_states[:-1]:
+                    copy_across(other.ids[:n], st.ids[:n])
+            self.graphs.run(rows, parts)
+        with torch.cuda.device(st.tokens.device):  # the last stage's: where the sampler wrote them
+            self._drawn[slot][:n].copy_(st.tokens[:n], non_blocking=True)
+            self._drawn_at[slot].record()
+        return seqs, slot
+
+    def collect(self, launched: tuple[list[SequenceWork], int]) -> StepOutput:
+        """Wait for a launched step's sampled ids (not for any step launched after it)."""
+        seqs, slot = launched
+        self._drawn_at[slot].synchronize()
+        tokens = self._drawn[slot][:len(seqs)].tolist()
+        return StepOutput(sampled={s.seq_id: t for s, t in zip(seqs, tokens)})
+
     def _host_turn(self) -> None:
         """Give the host its turn (`run_overlapped`), once per step."""
         fn, self._while_running = self._while_running, None
@@ -530,7 +570,7 @@ class CudaModelRunner:
                     self._collect_verify(group, width, out, logits if keep_logits else None)
         return out, logits
 
-    def _validate(self, s: SequenceWork) -> None:
+    def _validate(self, s: SequenceWork, follows: bool = False) -> None:
         if not s.token_ids:
             raise ValueError(f"sequence {s.seq_id} has no tokens to compute")
         end = s.start_pos + len(s.token_ids)
@@ -540,7 +580,7 @@ class CudaModelRunner:
         if len(used) * self.page_size < end or any(not 0 <= p < self.num_pages for p in used):
             raise ValueError(f"sequence {s.seq_id}: block table does not cover {end} tokens with pages "
                              f"in 0..{self.num_pages - 1}")
-        if any(not 0 <= t < self.vocab_size for t in s.token_ids):
+        if not follows and any(not 0 <= t < self.vocab_size for t in s.token_ids):
             raise ValueError(f"sequence {s.seq_id}: token id outside 0..{self.vocab_size - 1}")
         if self.spec.recurrent and not 0 <= s.state_slot < self.num_state_slots:
             raise ValueError(f"sequence {s.seq_id}: state slot {s.state_slot} outside 0..{self.num_state_slots - 1}")

@@ -1,0 +1,80 @@
+"""Decode-ahead on the cuda runner: the engine launches the step after a decode step before reading
+that step's tokens (each row's input taken on the device), and gets the same tokens as when every
+step is read before the next is built: greedy and seeded sampling, lanes that start and end at
+different times, a stop token that ends one lane with its next step already launched."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from ninfer.engine.config import SchedulerConfig
+from ninfer.engine.engine import Engine
+from ninfer.engine.request import PreparedRequest, SamplingParams
+from ninfer.engine.synthetic import SyntheticArtifact
+
+pytestmark = pytest.mark.gpu
+
+
+class IdTokens:
+    """token t <-> the text "<t>"; `stop` is the end of sequence."""
+
+    special_token_ids = frozenset()
+
+    def __init__(self, vocab: int, stop: int) -> None:
+        self.vocab_size = vocab
+        self.stop_token_ids = frozenset({stop})
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return f"<{token_id}>".encode()
+
+
+def run_requests(artifact, ahead: bool, stop: int) -> tuple[dict[str, list[int]], int]:
+    from ninfer.engine.backends.cuda_runner import CudaModelRunner
+
+    runner = CudaModelRunner(artifact, num_pages=64, page_size=64, device="cuda")
+    engine = Engine(runner, IdTokens(runner.vocab_size, stop), SchedulerConfig(max_concurrency=4, prefix_reuse=False),
+                    model_max_context=4096)
+    if not ahead:
+        engine._may_look_ahead = lambda batch: False  # every step read before the next is built
+    engine.start()
+    try:
+        requests = {
+            "greedy": PreparedRequest(request_id="greedy", prompt_token_ids=list(range(100, 140)), max_tokens=70,
+                                      sampling=SamplingParams(temperature=0.0), ignore_eos=True),
+            "sampled": PreparedRequest(request_id="sampled", prompt_token_ids=list(range(7, 30)), max_tokens=90,
+                                       sampling=SamplingParams(temperature=0.9, top_k=20, seed=11), ignore_eos=True),
+            "short": PreparedRequest(request_id="short", prompt_token_ids=[5, 6, 7], max_tokens=9,
+                                     sampling=SamplingParams(temperature=0.0), ignore_eos=True),
+            "stops": PreparedRequest(request_id="stops", prompt_token_ids=list(range(300, 310)), max_tokens=60,
+                                     sampling=SamplingParams(temperature=0.0)),
+        }
+        handles = {rid: engine.submit(r) for rid, r in requests.items()}
+        out = {}
+        for rid, h in handles.items():
+            ids, final = [], None
+            for ev in h:
+                ids += ev.token_ids
+                final = ev
+            assert final.finish_reason in ("length", "stop"), (rid, final.error)
+            out[rid] = ids
+        return out, runner._launches
+    finally:
+        engine.shutdown()
+        del engine, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("weights", ["int4", "q4_k_m"])
+def test_decode_ahead_gives_the_tokens_of_step_by_step_decoding(weights: str) -> None:
+    artifact = SyntheticArtifact("smollm2-135m", weights=weights)
+    reference, _ = run_requests(artifact, ahead=False, stop=-1)
+    stop = reference["stops"][20]  # greedy: "stops" ends at its 21st token when this is its stop token
+    reference, launches_off = run_requests(artifact, ahead=False, stop=stop)
+    ahead, launches = run_requests(artifact, ahead=True, stop=stop)
+    assert launches_off == 0 and launches > 0
+    assert len(reference["stops"]) <= 21 and reference["stops"][-1] == stop
+    for rid in reference:
+        assert ahead[rid] == reference[rid], rid
