@@ -283,7 +283,7 @@ class LaunchingRunner(CountingRunner):
 
 def test_decode_ahead_gives_the_same_tokens_and_stops_at_the_budget() -> None:
     runner = LaunchingRunner()
-    engine = engine_over(runner)
+    engine = engine_over(runner, decode_ahead=True)
     try:
         ids, text, final = collect(engine.submit(req("a", [3, 4], max_tokens=6)))
         assert ids == [5, 6, 7, 8, 9, 10] and text == "fghijk" and final.finish_reason == "length"
@@ -297,7 +297,7 @@ def test_decode_ahead_gives_the_same_tokens_and_stops_at_the_budget() -> None:
 
 def test_decode_ahead_drops_the_row_of_a_sequence_that_stopped() -> None:
     runner = LaunchingRunner()
-    engine = engine_over(runner)
+    engine = engine_over(runner, decode_ahead=True)
     try:
         ids, text, final = collect(engine.submit(req("a", [22], max_tokens=10)))  # w -> x, y, z, a(EOS)
         assert ids == [23, 24, 25, 0] and text == "xyz" and final.finish_reason == "stop"
@@ -313,7 +313,7 @@ def test_decode_ahead_drops_the_row_of_a_sequence_that_stopped() -> None:
 def test_decode_ahead_lets_a_new_request_in_and_keeps_lanes_apart() -> None:
     runner = LaunchingRunner()
     runner.steps = threading.Semaphore(0)
-    engine = engine_over(runner, max_concurrency=2)
+    engine = engine_over(runner, max_concurrency=2, decode_ahead=True)
     try:
         first = engine.submit(req("a", [1], max_tokens=12))
         for _ in range(4):
@@ -332,13 +332,20 @@ def test_decode_ahead_lets_a_new_request_in_and_keeps_lanes_apart() -> None:
         engine.shutdown()
 
 
-def test_no_decode_ahead_where_the_next_sample_needs_the_last_token() -> None:
+def test_no_decode_ahead_where_the_next_sample_needs_the_last_token_or_unless_asked() -> None:
     runner = LaunchingRunner()
-    engine = engine_over(runner)
+    engine = engine_over(runner, decode_ahead=True)
     try:
         penalised = SamplingParams(temperature=0.0, presence_penalty=0.5)
         ids, _, _ = collect(engine.submit(req("a", [3], max_tokens=5, sampling=penalised)))
         assert ids == [4, 5, 6, 7, 8] and not any(b.follows for b in runner.batches)
+    finally:
+        engine.shutdown()
+    runner = LaunchingRunner()
+    engine = engine_over(runner)  # SchedulerConfig.decode_ahead is off by default
+    try:
+        ids, _, _ = collect(engine.submit(req("a", [3], max_tokens=5)))
+        assert ids == [4, 5, 6, 7, 8] and runner.most_in_flight == 0
     finally:
         engine.shutdown()
 
@@ -568,7 +575,8 @@ def test_decode_ahead_draws_what_step_by_step_decoding_draws(model) -> None:
     results = []
     for ahead in (False, True):
         used = AheadAdapter(runner) if ahead else runner
-        engine = Engine(used, tokenizer, SchedulerConfig(max_concurrency=2, prefix_reuse=False), model_max_context=8192)
+        engine = Engine(used, tokenizer, SchedulerConfig(max_concurrency=2, prefix_reuse=False, decode_ahead=True),
+                        model_max_context=8192)
         engine.start()
         try:
             results.append([collect(engine.submit(req(f"r{i}{j}", p, max_tokens=16, ignore_eos=True, sampling=sp)))[0]

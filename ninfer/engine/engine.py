@@ -457,7 +457,8 @@ class Engine:
     def _step(self, batch: ScheduledBatch) -> None:
         first = self._by_seq[batch.seqs[0].seq_id]
         is_prefill = first.seq.status is SeqStatus.PREFILLING
-        if not is_prefill and getattr(self.runner, "launch", None) is not None and self._may_look_ahead(batch):
+        if (self.config.decode_ahead and not is_prefill and getattr(self.runner, "launch", None) is not None
+                and self._may_look_ahead(batch)):
             self._decode_ahead(batch)
             return
         t0 = time.monotonic()

@@ -34,10 +34,8 @@ def run_requests(artifact, ahead: bool, stop: int) -> tuple[dict[str, list[int]]
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
 
     runner = CudaModelRunner(artifact, num_pages=64, page_size=64, device="cuda")
-    engine = Engine(runner, IdTokens(runner.vocab_size, stop), SchedulerConfig(max_concurrency=4, prefix_reuse=False),
-                    model_max_context=4096)
-    if not ahead:
-        engine._may_look_ahead = lambda batch: False  # every step read before the next is built
+    engine = Engine(runner, IdTokens(runner.vocab_size, stop),
+                    SchedulerConfig(max_concurrency=4, prefix_reuse=False, decode_ahead=ahead), model_max_context=4096)
     engine.start()
     try:
         requests = {
