@@ -158,6 +158,9 @@ def bench(
     device_profile: str = DEVICE_PROFILE,
     device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV-cache storage: auto, bf16, int8, fp8 (cuda)."),
+    decode_ahead: str = typer.Option("off", "--decode-ahead",
+                                     help="on: launch each decode step before the last one's tokens are read "
+                                          "(cuda backend); off: step by step."),
 ) -> None:
     prepare_threads(threads, backend, announce=output == "md")
     from rich.progress import Progress
@@ -181,6 +184,8 @@ def bench(
         raise ConfigError(f"-o must be md, json or jsonl, got {output!r}")
     if repetitions < 1:
         raise ConfigError("-r must be >= 1")
+    if decode_ahead not in ("on", "off"):
+        raise ConfigError(f"--decode-ahead must be on or off, got {decode_ahead!r}")
     if any(not 1 <= c <= 8 for c in concs):
         raise ConfigError("--concurrency values must be in 1..8")
     if synthetic is not None and model is not None:
@@ -214,7 +219,7 @@ def bench(
     if context_text is not None:  # room for the file's tokens (at most ~1 token per byte)
         span += len(context_text.encode())
     scheduler = SchedulerConfig(max_concurrency=max_c, max_pending_requests=8, max_context=span,
-                                prefix_reuse=False)
+                                prefix_reuse=False, decode_ahead=decode_ahead == "on")
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
                           kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config,
