@@ -194,9 +194,8 @@ class SchedulerConfig:
     default_max_tokens: int | None = None
     prefix_reuse: bool = True
     max_private_continuations: int | None = None  # None: 2 * max_concurrency
-    # Engine._decode_ahead where the runner has launch / collect (the cuda runner): off until its
-    # GPU test (tests/gpu/test_decode_ahead_cuda.py) has passed on a GPU machine
-    decode_ahead: bool = False
+    # Engine._decode_ahead where the runner has launch / collect (the cuda runner)
+    decode_ahead: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
