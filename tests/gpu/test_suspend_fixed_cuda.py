@@ -113,7 +113,8 @@ def test_without_fixed_addresses_a_resume_rebuilds(smollm2_artifact: Path, monke
         engine.suspend().result(120)
         assert engine.runner.graphs is None
         engine.resume().result(300)
-        again, _ = generate(engine, "b", prompt, 8)
+        again, final = generate(engine, "b", prompt, 8)
+        assert (final.finish_reason, final.error) == ("length", None)
         assert again == first
     finally:
         engine.shutdown()
