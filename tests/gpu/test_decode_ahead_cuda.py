@@ -32,21 +32,25 @@ class IdTokens:
         return f"<{token_id}>".encode()
 
 
-def run_requests(artifact, ahead: bool, stop: int, rebuild: bool = False) -> tuple[dict[str, list[int]], int]:
-    """The four requests at once -> (their tokens, launches). rebuild: the requests once, a suspend
-    and resume (the caller turns fixed addresses off: the resume builds the runner again), then
-    the same requests again, their prompts found in the prefix cache; the second round's tokens."""
+def run_requests(artifact, ahead: bool, stop: int, again: str | None = None) -> tuple[dict[str, list[int]], int]:
+    """The four requests at once -> (their tokens, launches). again "prefix": the requests once, then
+    the same requests again, their prompts found in the prefix cache, the second round's tokens;
+    "resume": a suspend and resume between the rounds (the caller turns fixed addresses off: the
+    resume builds the runner again, and launches count from there)."""
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
 
     runner = CudaModelRunner(artifact, num_pages=64, page_size=64, device="cuda")
     engine = Engine(runner, IdTokens(runner.vocab_size, stop),
-                    SchedulerConfig(max_concurrency=4, prefix_reuse=rebuild, decode_ahead=ahead), model_max_context=4096)
+                    SchedulerConfig(max_concurrency=4, prefix_reuse=again is not None, decode_ahead=ahead),
+                    model_max_context=4096)
     engine.start()
     try:
-        if rebuild:
+        if again == "resume":
             engine.configure_suspend(SuspendOptions()).result(300)
             assert not runner.fixed_addresses
+        if again is not None:
             submit_all(engine, "first-")
+        if again == "resume":
             engine.suspend().result(120)
             engine.resume().result(300)
         return submit_all(engine), runner._launches
@@ -94,15 +98,17 @@ def test_decode_ahead_gives_the_tokens_of_step_by_step_decoding(weights: str) ->
         assert ahead[rid] == reference[rid], rid
 
 
-def test_decode_ahead_after_a_resume_that_built_the_runner_again(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("again", ["prefix", "resume"])
+def test_decode_ahead_on_prompts_found_in_the_prefix_cache(again: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The H200 run of 2026-12-04 with decode-ahead on found test_suspend_fixed_cuda's fallback
-    ending a request after its first token here; this is that case without the default model."""
+    ending a request after its first token: the prompt found in the prefix cache after a resume
+    that built the runner again. Both parts apart, on a synthetic model."""
     from ninfer.engine.backends import vmm
 
     monkeypatch.setattr(vmm, "supported", lambda device: False)
     artifact = SyntheticArtifact("smollm2-135m", weights="int4")
-    reference, _ = run_requests(artifact, ahead=False, stop=-1, rebuild=True)
-    ahead, launches = run_requests(artifact, ahead=True, stop=-1, rebuild=True)
-    assert launches > 0  # counted since the rebuild
+    reference, _ = run_requests(artifact, ahead=False, stop=-1, again=again)
+    ahead, launches = run_requests(artifact, ahead=True, stop=-1, again=again)
+    assert launches > 0
     for rid in reference:
         assert ahead[rid] == reference[rid], rid
