@@ -23,6 +23,8 @@ KEY = "reliability-secret"
 MODEL = "smol-rel"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PENDING_TIMEOUT_S = 8.0  # longer than the 5 s keep-alive, so a queued stream hears a heartbeat first
+# holds the lane for about 4000 tokens (--max-context 4096): at this machine's ~180 tok/s, 20 s and
+# more, so two of them outlast the pending timeout on a machine several times faster
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to one thousand."}],
         "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
@@ -47,7 +49,7 @@ def server(smollm2_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     cmd = [sys.executable, "-m", "ninfer.cli.main", "serve", str(smollm2_artifact), "--port", str(port),
            "--api-key", KEY, "--model-id", MODEL, "--max-concurrency", "1", "--max-pending-requests", "5",
            "--pending-timeout-ms", str(int(PENDING_TIMEOUT_S * 1000)), "--structured-output",
-           "--log-stats-interval-ms", "0", "--max-context", "512", "--default-max-tokens", "16"]
+           "--log-stats-interval-ms", "0", "--max-context", "4096", "--default-max-tokens", "16"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
