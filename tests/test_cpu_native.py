@@ -74,15 +74,21 @@ def test_int4_linear_matches_float32_and_the_packed_torch_kernel(route, rows, n,
     assert torch.equal(route.linear(x, w, torch.float32), y.float())
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_int8_linear(route, rows):
-    gen = torch.Generator().manual_seed(rows)
-    n, k, group = 320, 576, 32
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("group,with_zeros", [(32, False), (64, False), (16, False), (32, True), (16, True)])
+def test_int8_linear(route, rows, group, with_zeros):
+    """int8 codes with a scale per 32 inputs (or a multiple), or per 16 (llama.cpp's q6_k / q3_k /
+    q2_k as codes), and a zero per group where given (q5_k, q5_1, q2_k)."""
+    gen = torch.Generator().manual_seed(rows + group)
+    n, k = 320, 576
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=gen) * 0.01
+    zeros = torch.randn(n, k // group, generator=gen) * 0.05 if with_zeros else None
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-    y = route.linear(x, NativeWeight.int8(q, scales, group), torch.float32)
+    y = route.linear(x, NativeWeight.int8(q, scales, group, zeros), torch.float32)
     w = q.float() * scales.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+    if with_zeros:
+        w += zeros.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
     close_bf16(y, x.float() @ w.t())
     assert torch.equal(y, y.to(torch.bfloat16).float())  # bf16-rounded, as the torch route's logits
 

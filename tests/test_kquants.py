@@ -18,8 +18,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf_synth import random_blocks, write_tiny_gguf
 from ninfer.engine.artifact import Artifact
 from ninfer.engine.backends.torch_runner import TorchModelRunner
+from ninfer.engine.batch import ScheduledBatch, SequenceWork
 from ninfer.engine.quant import dequantize, quantize
-from ninfer.engine.quant_blocks import GGUF_BLOCK_TYPES, INT4_CODED, int4_codes
+from ninfer.engine.request import SamplingParams
+from ninfer.engine.quant_blocks import GGUF_BLOCK_TYPES, INT4_CODED, code_group, dequantize_blocks, int4_codes, int8_codes
 from ninfer.formats import BLOCK_FORMATS, TensorFormat
 from torch_model_helpers import assert_greedy_agrees, hf_from_gguf, hf_greedy, hf_logits, ours_greedy
 
@@ -105,6 +107,21 @@ def tiny_kquant(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+
+@pytest.mark.parametrize("name", list(BLOCK_FORMATS))
+def test_int8_codes_rebuild_the_weight(name: str) -> None:
+    """Every block format as int8 codes with a scale (and zero) per group: the CPU kernels' form,
+    bit-equal to the dequantized weight."""
+    fmt = TensorFormat(name)
+    data = torch.from_numpy(random_blocks(np.random.default_rng(3), Q[name.upper()], 48, 512))
+    q, scale, zero = int8_codes(fmt, data, max_elements=512 * 16)  # several slabs
+    g = code_group(fmt)
+    w = scale.repeat_interleave(g, dim=1) * q.float()
+    if zero is not None:
+        w = w + zero.repeat_interleave(g, dim=1)
+    assert q.dtype == torch.int8 and torch.equal(w, dequantize_blocks(fmt, data))
+
+
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_tiny_kquant_file_kept_and_matches_transformers(mix: str, tiny_kquant) -> None:
     """A GGUF of K-quant / IQ4 / Q5 tensors is served without convert: every tensor keeps its block
@@ -128,22 +145,43 @@ def test_tiny_kquant_file_kept_and_matches_transformers(mix: str, tiny_kquant) -
     for ids, r in zip(prompts, ref):
         assert (f32.forward_logits(ids) - r).abs().max().item() < F32_LOGIT_TOL
     fast = TorchModelRunner(artifact, num_pages=8, page_size=16)
-    for ids, r in zip(prompts, ref):
+    for i, (ids, r) in enumerate(zip(prompts, ref)):
         assert ((fast.forward_logits(ids) - r).norm() / r.norm()).item() < BF16_REL_TOL
+        # the last token as a decode row: the packed / native decode weights (all_rows: every row)
+        pages = [2 * i, 2 * i + 1]
+        fast.batch_logits(ScheduledBatch([SequenceWork(seq_id=i, token_ids=ids[:-1], start_pos=0, block_table=pages,
+                                                        sample=False, sampling=SamplingParams())]))
+        step = fast.batch_logits(ScheduledBatch([SequenceWork(seq_id=i, token_ids=ids[-1:], start_pos=len(ids) - 1,
+                                                              block_table=pages, sample=True,
+                                                              sampling=SamplingParams(), output_token_ids=[ids[-1]])]))
+        assert ((step[0] - r[-1]).norm() / r[-1].norm()).item() < BF16_REL_TOL
     outs = ours_greedy(f32, prompts, 12, [[0, 1], [2, 3]])
     for ids, ours in zip(prompts, outs):
         assert_greedy_agrees(ours, hf_greedy(hf, ids, 12), hf, ids, 2 * F32_LOGIT_TOL)
 
 
 def test_tiny_kquant_packed_decode_is_taken(tiny_kquant) -> None:
-    """The bf16 CPU runner keeps q4_k / q5_0 / q5_1 projections packed for decode (int4 kernel)."""
+    """The bf16 CPU runner keeps q4_k / q5_0 / q5_1 projections packed for decode (torch's int4
+    kernel); with the native kernels q4_k is int4, and every other block format int8 codes (q6_k
+    with a scale per 16 inputs, q5_1 with zeros)."""
+    from ninfer.engine.ops.cpu_native_ops import NativeLinear
+    from ninfer.kernels.cpu_native import INT4, INT8
+
     _, artifact, _ = tiny_kquant("q4_k_m")
-    for kernels in ("torch", "auto"):  # the torch ops' packed copies, and the native kernels' (q4_k)
+    for kernels in ("torch", "auto"):
         runner = TorchModelRunner(artifact, num_pages=8, page_size=16, cpu_kernels=kernels)
         layer = runner.model.layers[0]
-        assert layer.mlp.gate_up.decode_packed  # q4_k
-        assert layer.attn.o_proj.repeat == 2  # q5_1: high bit and low nibble side by side (torch's layout)
-        assert not layer.mlp.down.decode_packed  # q6_k: dense
+        gate_up, o_proj, down = layer.mlp.gate_up, layer.attn.o_proj, layer.mlp.down
+        assert gate_up.decode_packed  # q4_k
+        if not isinstance(down, NativeLinear):  # "torch", or no kernels on this CPU
+            assert o_proj.repeat == 2  # q5_1: high bit and low nibble side by side (torch's layout)
+            assert not down.decode_packed  # q6_k: dense
+            continue
+        assert gate_up.native.kind == INT4
+        # q / k in q4_k, v in q6_k, fused: int8 codes, a scale per 16, q4_k's zeros (0 for v's rows)
+        assert (layer.attn.qkv.native.kind, layer.attn.qkv.native.group) == (INT8, 16)
+        assert (o_proj.native.kind, o_proj.native.group, o_proj.native.zeros is not None) == (INT8, 32, True)
+        assert (down.native.kind, down.native.group, down.native.zeros is None) == (INT8, 16, True)
 
 
 def test_unsupported_block_type_names_it(tmp_path: Path) -> None:

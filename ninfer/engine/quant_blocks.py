@@ -69,16 +69,19 @@ def _q5_high(qh: torch.Tensor) -> torch.Tensor:
     return _bits(qh, range(8), 1).transpose(1, 2).reshape(qh.shape[0], 32)
 
 
-def _dequant_blocks(fmt: str, b: torch.Tensor) -> torch.Tensor:
-    """b [n, bytes] uint8, one block per row -> [n, elements] float32."""
+def _codes(fmt: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """b [n, bytes] uint8, one block per row -> the block's integer codes q [n, groups, G] (float32,
+    each within int8), and per group its scale and zero [n, groups] float32 (zero None where the
+    format has none), with w = scale * q (+ zero) exactly as gguf-py dequantizes (G: 32, or 16 for
+    q6_k, q2_k, q3_k)."""
     n = b.shape[0]
     if fmt in ("q5_0", "q5_1"):
         off = 4 if fmt == "q5_1" else 2
-        q = (_nibbles(b[:, off + 4:off + 20]).reshape(n, 32) | (_q5_high(b[:, off:off + 4]) << 4)).float()
-        return _f16(b, 0) * (q - 16.0) if fmt == "q5_0" else _f16(b, 0) * q + _f16(b, 2)
+        q = (_nibbles(b[:, off + 4:off + 20]).reshape(n, 1, 32) | (_q5_high(b[:, off:off + 4]) << 4).reshape(n, 1, 32)).float()
+        return (q - 16.0, _f16(b, 0), None) if fmt == "q5_0" else (q, _f16(b, 0), _f16(b, 2))
     if fmt == "iq4_nl":
         kv = torch.tensor(KVALUES, dtype=torch.float32, device=b.device)
-        return _f16(b, 0) * kv[_nibbles(b[:, 2:18]).reshape(n, 32).long()]
+        return kv[_nibbles(b[:, 2:18]).reshape(n, 1, 32).long()], _f16(b, 0), None
     if fmt in ("q4_k", "q5_k"):
         d, dmin = _f16(b, 0), _f16(b, 2)
         sc, m = _k_scale_min(b[:, 4:16])
@@ -86,19 +89,16 @@ def _dequant_blocks(fmt: str, b: torch.Tensor) -> torch.Tensor:
         q = _bits(qs.reshape(n, 4, 32), [0, 4], 15).reshape(n, 8, 32)  # [n, pair, nibble, 32] -> sub-blocks
         if fmt == "q5_k":
             q = q | (_bits(b[:, 16:48], range(8), 1) << 4)
-        return (d.unsqueeze(-1) * sc.unsqueeze(-1) * q.float() - (dmin * m).unsqueeze(-1)).reshape(n, 256)
+        return q.float(), d * sc, -(dmin * m)
     if fmt == "q6_k":
         ql = _bits(b[:, 0:128].reshape(n, 2, 64), [0, 4], 15).reshape(n, 2, 128)
         qh = _bits(b[:, 128:192].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 2, 128)
         q = (ql | (qh << 4)).reshape(n, 16, 16).float() - 32.0
-        s = b[:, 192:208].contiguous().view(torch.int8).float()
-        return (_f16(b, 208).unsqueeze(-1) * s.unsqueeze(-1) * q).reshape(n, 256)
+        return q, _f16(b, 208) * b[:, 192:208].contiguous().view(torch.int8).float(), None
     if fmt == "q2_k":
         s = b[:, 0:16]
         q = _bits(b[:, 16:80].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 16, 16).float()
-        dl = _f16(b, 80) * (s & 15).float()
-        ml = _f16(b, 82) * (s >> 4).float()
-        return (dl.unsqueeze(-1) * q - ml.unsqueeze(-1)).reshape(n, 256)
+        return q, _f16(b, 80) * (s & 15).float(), -(_f16(b, 82) * (s >> 4).float())
     if fmt == "q3_k":
         sc = b[:, 96:108]
         low = torch.cat((sc[:, 0:8] & 15, sc[:, 0:8] >> 4), dim=1)  # [n, 16]
@@ -107,16 +107,22 @@ def _dequant_blocks(fmt: str, b: torch.Tensor) -> torch.Tensor:
         ql = _bits(b[:, 32:96].reshape(n, 2, 32), [0, 2, 4, 6], 3).reshape(n, 256)
         hbit = _bits(b[:, 0:32], range(8), 1).reshape(n, 256)
         q = (ql.float() - 4.0 * (1 - hbit).float()).reshape(n, 16, 16)
-        return (_f16(b, 108).unsqueeze(-1) * scales.unsqueeze(-1) * q).reshape(n, 256)
+        return q, _f16(b, 108) * scales, None
     if fmt == "iq4_xs":
         sh = b[:, 2:4].contiguous().view(torch.int16).int() & 0xFFFF  # [n, 1]
         sl = torch.stack((b[:, 4:8] & 15, b[:, 4:8] >> 4), dim=-1).reshape(n, 8).int()
         hi = (sh >> torch.arange(0, 16, 2, device=b.device, dtype=torch.int32)) & 3
         ls = (sl | (hi << 4)).float() - 32.0
         kv = torch.tensor(KVALUES, dtype=torch.float32, device=b.device)
-        q = kv[_nibbles(b[:, 8:136]).long()]  # [n, 8, 32]
-        return (_f16(b, 0).unsqueeze(-1) * ls.unsqueeze(-1) * q).reshape(n, 256)
+        return kv[_nibbles(b[:, 8:136]).long()], _f16(b, 0) * ls, None  # q [n, 8, 32]
     raise ValueError(f"not a block format: {fmt!r}")
+
+
+def _dequant_blocks(fmt: str, b: torch.Tensor) -> torch.Tensor:
+    """b [n, bytes] uint8, one block per row -> [n, elements] float32."""
+    q, scale, zero = _codes(fmt, b)
+    w = scale.unsqueeze(-1) * q
+    return (w if zero is None else w + zero.unsqueeze(-1)).reshape(b.shape[0], -1)
 
 
 def dequantize_blocks(fmt: TensorFormat, data: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -228,3 +234,34 @@ def quantize_blocks(fmt: TensorFormat, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"input width {cols} is not a multiple of the {fmt.format} block size {elements}")
     blocks = _QUANTIZERS[fmt.format](w.float().reshape(-1, elements))
     return blocks.reshape(rows, cols // elements * nbytes).contiguous()
+
+
+def code_group(fmt: TensorFormat) -> int:
+    """Inputs per scale (and zero) of a block format's codes (`int8_codes`)."""
+    return 16 if fmt.format in ("q6_k", "q2_k", "q3_k") else 32
+
+
+def int8_codes(fmt: TensorFormat, data: torch.Tensor,
+               max_elements: int = 1 << 24) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Stored blocks [out, in/QK * bytes] of any block format -> (q [out, in] int8, scale [out, in/G]
+    float32, zero [out, in/G] float32 or None), G = code_group(fmt): w = scale * q (+ zero) exactly
+    (the int8 form of the CPU decode kernel), a slab of rows at a time."""
+    elements, nbytes = BLOCK_FORMATS[fmt.format]
+    rows, width = data.shape
+    k = width // nbytes * elements
+    g = code_group(fmt)
+    q = torch.empty(rows, k, dtype=torch.int8, device=data.device)
+    scale = torch.empty(rows, k // g, dtype=torch.float32, device=data.device)
+    zero = None
+    step = max(1, max_elements // max(1, k))
+    for r in range(0, rows, step):
+        slab = data[r:r + step]
+        cq, cs, cz = _codes(fmt.format, slab.reshape(-1, nbytes))
+        n = slab.shape[0]
+        q[r:r + n] = cq.reshape(n, k).to(torch.int8)
+        scale[r:r + n] = cs.reshape(n, k // g)
+        if cz is not None:
+            if zero is None:
+                zero = torch.empty(rows, k // g, dtype=torch.float32, device=data.device)
+            zero[r:r + n] = cz.reshape(n, k // g)
+    return q, scale, zero

@@ -107,9 +107,10 @@ typedef struct {
     const uint16_t *x;
     int rows, k, n;
     const uint8_t *q;
-    const uint16_t *scales, *zeros;  /* [n/16][k/32][16] bf16 (zeros: int4 only) */
+    const uint16_t *scales, *zeros;  /* [n/16][k/group][16] bf16 (zeros: int4; int8 where given) */
+    int group;  /* inputs per scale: 32 (int4), 32 or 16 (int8) */
     const float *xf;  /* x as float32 [rows][k] */
-    const float *xsum;  /* sum of x over each block of 32 inputs, [rows][k/32] */
+    const float *xsum;  /* sum of x over each group of inputs, [rows][k/group] */
 } matmul;
 
 /* ---- int4 tile: y[r][lane] = sum over blocks of scale * sum (q - 8) x + zero * sum x ------------- */
@@ -223,26 +224,27 @@ static inline void int4_tile(const matmul *m, int t, float *y) {
     int4_tile_plain(m, t, y);
 }
 
-/* ---- int8 tile: y[r][lane] = sum over blocks of scale * sum q x ---------------------------------- */
+/* ---- int8 tile: y[r][lane] = sum over groups of scale * sum q x (+ zero * sum x) ---------------- */
 
 #if defined(__x86_64__)
 __attribute__((target("avx512f,avx512bw"), always_inline))
-static inline void int8_tile_avx512_rows(const matmul *m, int t, float *y, const int rows) {
-    const int blocks = m->k / BLOCK;
+static inline void int8_tile_avx512_rows(const matmul *m, int t, float *y, const int rows, const int group) {
+    const int groups = m->k / group;
     const int8_t *q = (const int8_t *)m->q + (size_t)t * TILE * m->k;
-    const uint16_t *s = m->scales + (size_t)t * blocks * TILE;
+    const uint16_t *s = m->scales + (size_t)t * groups * TILE;
+    const uint16_t *z = m->zeros ? m->zeros + (size_t)t * groups * TILE : NULL;
     __m512 total[MAX_ROWS];
     for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
-    for (int b = 0; b < blocks; b++) {
+    for (int b = 0; b < groups; b++) {
         __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];
         for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-        for (int j = 0; j < BLOCK; j += 2) {
-            const int8_t *w = q + (size_t)(BLOCK * b + j) * TILE;
+        for (int j = 0; j < group; j += 2) {
+            const int8_t *w = q + (size_t)(group * b + j) * TILE;
             _mm_prefetch((const char *)w + PREFETCH, _MM_HINT_T0);
             __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
             __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + TILE))));
             for (int r = 0; r < rows; r++) {
-                const float *x = m->xf + (size_t)r * m->k + BLOCK * b + j;
+                const float *x = m->xf + (size_t)r * m->k + group * b + j;
                 acc0[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(x[0]), acc0[r]);
                 acc1[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(x[1]), acc1[r]);
             }
@@ -250,38 +252,53 @@ static inline void int8_tile_avx512_rows(const matmul *m, int t, float *y, const
         __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(
             _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + b * TILE))), 16));
         for (int r = 0; r < rows; r++) total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc0[r], acc1[r]), sv, total[r]);
+        if (z) {
+            __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(z + b * TILE))), 16));
+            for (int r = 0; r < rows; r++)
+                total[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(m->xsum[(size_t)r * groups + b]), total[r]);
+        }
     }
     for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * TILE, total[r]);
 }
 
 __attribute__((target("avx512f,avx512bw")))
 static void int8_tile_avx512(const matmul *m, int t, float *y) {
+    const int g16 = m->group == 16;  /* the group a constant in each instance: its loop unrolled */
     switch (m->rows) {
-        case 1: int8_tile_avx512_rows(m, t, y, 1); break;
-        case 2: int8_tile_avx512_rows(m, t, y, 2); break;
-        default: int8_tile_avx512_rows(m, t, y, m->rows); break;
+        case 1: g16 ? int8_tile_avx512_rows(m, t, y, 1, 16) : int8_tile_avx512_rows(m, t, y, 1, BLOCK); break;
+        case 2: g16 ? int8_tile_avx512_rows(m, t, y, 2, 16) : int8_tile_avx512_rows(m, t, y, 2, BLOCK); break;
+        default:
+            g16 ? int8_tile_avx512_rows(m, t, y, m->rows, 16) : int8_tile_avx512_rows(m, t, y, m->rows, BLOCK);
+            break;
     }
 }
 #endif
 
 CLONES
 static void int8_tile_plain(const matmul *m, int t, float *y) {
-    const int blocks = m->k / BLOCK;
+    const int group = m->group, groups = m->k / group;
     const int8_t *q = (const int8_t *)m->q + (size_t)t * TILE * m->k;
-    const uint16_t *s = m->scales + (size_t)t * blocks * TILE;
+    const uint16_t *s = m->scales + (size_t)t * groups * TILE;
+    const uint16_t *z = m->zeros ? m->zeros + (size_t)t * groups * TILE : NULL;
     for (int r = 0; r < m->rows; r++) {
         const float *x = m->xf + (size_t)r * m->k;
         float total[TILE] = {0};
-        for (int b = 0; b < blocks; b++) {
+        for (int b = 0; b < groups; b++) {
             float acc[TILE] = {0};
-            for (int j = 0; j < BLOCK; j++) {
-                const float xj = x[BLOCK * b + j];
-                const int8_t *w = q + (size_t)(BLOCK * b + j) * TILE;
+            for (int j = 0; j < group; j++) {
+                const float xj = x[group * b + j];
+                const int8_t *w = q + (size_t)(group * b + j) * TILE;
 #pragma omp simd
                 for (int lane = 0; lane < TILE; lane++) acc[lane] += xj * (float)w[lane];
             }
 #pragma omp simd
             for (int lane = 0; lane < TILE; lane++) total[lane] += acc[lane] * bf16_to_f32(s[b * TILE + lane]);
+            if (z) {
+                const float xs = m->xsum[(size_t)r * groups + b];
+#pragma omp simd
+                for (int lane = 0; lane < TILE; lane++) total[lane] += bf16_to_f32(z[b * TILE + lane]) * xs;
+            }
         }
         memcpy(y + r * TILE, total, sizeof total);
     }
@@ -302,9 +319,10 @@ static inline void int8_tile(const matmul *m, int t, float *y) {
 CLONES
 static void prepare_inputs(matmul *m, float *xf, float *xsum) {
     for (int i = 0; i < m->rows * m->k; i++) xf[i] = bf16_to_f32(m->x[i]);
-    for (int i = 0; i < m->rows * (m->k / BLOCK); i++) {
+    const int g = m->group;
+    for (int i = 0; i < m->rows * (m->k / g); i++) {
         float a = 0.0f;
-        for (int j = 0; j < BLOCK; j++) a += xf[BLOCK * i + j];
+        for (int j = 0; j < g; j++) a += xf[g * i + j];
         xsum[i] = a;
     }
     m->xf = xf;
@@ -324,7 +342,7 @@ static void my_tiles(int n, int *t0, int *t1) {
 
 /* ---- entry points -------------------------------------------------------------------------------- */
 
-EXPORT int nf_abi(void) { return 3; }
+EXPORT int nf_abi(void) { return 4; }
 
 EXPORT int nf_isa(void) {
 #if defined(__x86_64__)
@@ -336,12 +354,13 @@ EXPORT int nf_isa(void) {
 
 EXPORT void nf_allow_avx512bf16(int allow) { avx512bf16_allowed = allow; }
 
-/* y = x @ w^T over an int4 (kind 4) or int8 (kind 8) weight: y_bf16 [rows][n] rounded to bf16, and/or
- * y_f32 [rows][n] (the bf16-rounded value widened, as the torch route's `.to(float32)` gives). */
+/* y = x @ w^T over an int4 (kind 4, group 32) or int8 (kind 8, group 32 or 16, zeros or NULL) weight:
+ * y_bf16 [rows][n] rounded to bf16, and/or y_f32 [rows][n] (the bf16-rounded value widened, as the
+ * torch route's `.to(float32)` gives). */
 EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
-                      const uint16_t *zeros, int n, uint16_t *y_bf16, float *y_f32) {
-    matmul m = {x, rows, k, n, q, scales, zeros, NULL, NULL};
-    float *xf = malloc(sizeof(float) * (size_t)rows * (k + k / BLOCK));
+                      const uint16_t *zeros, int n, int group, uint16_t *y_bf16, float *y_f32) {
+    matmul m = {x, rows, k, n, q, scales, zeros, kind == 4 ? BLOCK : group, NULL, NULL};
+    float *xf = malloc(sizeof(float) * (size_t)rows * (k + k / m.group));
     prepare_inputs(&m, xf, xf + (size_t)rows * k);
     size_t bytes = (size_t)n * k / (kind == 4 ? 2 : 1);
 #pragma omp parallel if (bytes >= PARALLEL_BYTES)
@@ -368,7 +387,7 @@ EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_
  * product rounded to bf16 as torch's bf16 ops round: silu(bf16 gate) -> bf16, times bf16 up -> bf16. */
 EXPORT void nf_gated_silu(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
                           const uint16_t *zeros, int n, uint16_t *out) {
-    matmul m = {x, rows, k, n, q, scales, zeros, NULL, NULL};
+    matmul m = {x, rows, k, n, q, scales, zeros, BLOCK, NULL, NULL};
     float *xf = malloc(sizeof(float) * (size_t)rows * (k + k / BLOCK));
     prepare_inputs(&m, xf, xf + (size_t)rows * k);
     const int half = n / 2;
@@ -407,7 +426,7 @@ static void rms_norm_row(const float *x, const float *weight, int d, float eps, 
 EXPORT void nf_linear_add_rms_norm(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
                                    const uint16_t *zeros, int n, float *residual, const float *norm, float eps,
                                    uint16_t *out) {
-    nf_linear(4, x, rows, k, q, scales, zeros, n, out, NULL);
+    nf_linear(4, x, rows, k, q, scales, zeros, n, BLOCK, out, NULL);
     for (int r = 0; r < rows; r++) {
         float *h = residual + (size_t)r * n;
         const uint16_t *y = out + (size_t)r * n;

@@ -24,9 +24,9 @@ import torch
 log = logging.getLogger("ninfer.engine")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_decode.c"
-ABI = 3  # nf_abi() of a library this module can call
+ABI = 4  # nf_abi() of a library this module can call
 FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi")
-BLOCK = 32  # inputs per scale in the kernels' weight layouts
+BLOCK = 32  # inputs per scale in the kernels' weight layouts (16 also for int8)
 TILE = 16  # output rows the kernels take together
 MAX_ROWS = 8  # rows one launch takes (decode rows; prefill takes torch's dense matmul)
 INT4, INT8 = 4, 8  # NativeWeight.kind: cpu_decode.c's weight kinds
@@ -36,7 +36,7 @@ _SIGNATURES = {
     "nf_abi": ((), _I),
     "nf_isa": ((), _I),
     "nf_allow_avx512bf16": ((_I,), None),
-    "nf_linear": ((_I, _P, _I, _I, _P, _P, _P, _I, _P, _P), None),
+    "nf_linear": ((_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P), None),
     "nf_gated_silu": ((_P, _I, _I, _P, _P, _P, _I, _P), None),
     "nf_linear_add_rms_norm": ((_P, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P), None),
     "nf_attention_decode": ((_P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P), None),
@@ -116,14 +116,15 @@ def decode_kernels(cache_dir: Path) -> CpuKernels | None:
 class NativeWeight:
     """A weight in the kernels' layout (cpu_decode.c: tiles of 16 output rows): kind 4, int4 codes
     with bf16 scales and zeros per 32 inputs (w = (q - 8) * scale + zero); kind 8, int8 codes with a
-    bf16 scale per 32 inputs (w = q * scale)."""
+    bf16 scale, and optionally a zero, per 32 or per 16 inputs (w = q * scale [+ zero])."""
 
     kind: int
     q: torch.Tensor  # uint8 (int4, two codes a byte) or int8, n * k / 2 or n * k bytes
-    scales: torch.Tensor  # bf16 [n/16, k/32, 16]
-    zeros: torch.Tensor | None  # bf16 [n/16, k/32, 16] (int4)
+    scales: torch.Tensor  # bf16 [n/16, k/group, 16]
+    zeros: torch.Tensor | None  # bf16 [n/16, k/group, 16] (int4; int8 where it has them)
     n: int
     k: int
+    group: int = BLOCK  # inputs per scale in this layout: 32, or 16 (int8)
 
     @classmethod
     def int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> NativeWeight:
@@ -139,22 +140,27 @@ class NativeWeight:
         return cls(INT4, packed, _tiled(scales, group_size), _tiled(zeros, group_size), n, k)
 
     @classmethod
-    def int8(cls, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> NativeWeight:
-        """q [n, k] int8, scales [n, k/group_size]."""
+    def int8(cls, q: torch.Tensor, scales: torch.Tensor, group_size: int,
+             zeros: torch.Tensor | None = None) -> NativeWeight:
+        """q [n, k] int8, scales (and zeros) [n, k/group_size]: w = q * scale (+ zero)."""
         n, k = q.shape
-        assert cls.fits(n, k, group_size), (n, k, group_size)
+        assert cls.fits(n, k, group_size, INT8), (n, k, group_size)
+        unit = 16 if group_size == 16 else BLOCK
         tiled = q.to(torch.int8).view(n // TILE, TILE, k).transpose(1, 2).contiguous()  # [tile, k, lane]
-        return cls(INT8, tiled, _tiled(scales, group_size), None, n, k)
+        return cls(INT8, tiled, _tiled(scales, group_size, unit),
+                   _tiled(zeros, group_size, unit) if zeros is not None else None, n, k, unit)
 
     @staticmethod
-    def fits(n: int, k: int, group_size: int) -> bool:
-        return n % TILE == 0 and k % BLOCK == 0 and group_size % BLOCK == 0 and k % group_size == 0
+    def fits(n: int, k: int, group_size: int, kind: int = INT4) -> bool:
+        """Whether a weight [n, k] with a scale per group_size inputs has a layout (int8 also takes 16)."""
+        unit = 16 if kind == INT8 and group_size == 16 else BLOCK
+        return n % TILE == 0 and k % BLOCK == 0 and group_size % unit == 0 and k % group_size == 0
 
 
-def _tiled(t: torch.Tensor, group_size: int) -> torch.Tensor:
-    # [n, k/group_size] -> bf16 [n/16, k/32, 16]: one per 32 inputs, the 16 rows of a tile side by side
-    per_block = t.to(torch.bfloat16).repeat_interleave(group_size // BLOCK, dim=1)
-    return per_block.view(t.shape[0] // TILE, TILE, -1).transpose(1, 2).contiguous()
+def _tiled(t: torch.Tensor, group_size: int, unit: int = BLOCK) -> torch.Tensor:
+    # [n, k/group_size] -> bf16 [n/16, k/unit, 16]: one per `unit` inputs, the 16 rows of a tile side by side
+    per_unit = t.to(torch.bfloat16).repeat_interleave(group_size // unit, dim=1)
+    return per_unit.view(t.shape[0] // TILE, TILE, -1).transpose(1, 2).contiguous()
 
 
 def _check_rows(x: torch.Tensor, w: NativeWeight) -> None:
@@ -187,7 +193,7 @@ class CpuKernels:
         y = torch.empty(x.shape[0], w.n, dtype=out_dtype)
         bf16, f32 = (y.data_ptr(), None) if out_dtype == torch.bfloat16 else (None, y.data_ptr())
         self.lib.nf_linear(w.kind, x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
-                           w.zeros.data_ptr() if w.zeros is not None else None, w.n, bf16, f32)
+                           w.zeros.data_ptr() if w.zeros is not None else None, w.n, w.group, bf16, f32)
         return y
 
     def gated_silu(self, x: torch.Tensor, w: NativeWeight) -> torch.Tensor:

@@ -14,12 +14,15 @@ import torch
 
 from ninfer.engine.ops.torch_ops import Linear, TorchOps
 from ninfer.engine.quant import TensorFormat
-from ninfer.kernels.cpu_native import INT4, MAX_ROWS, CpuKernels, NativeWeight
+from ninfer.engine.quant_blocks import code_group, int8_codes
+from ninfer.kernels.cpu_native import INT4, INT8, MAX_ROWS, CpuKernels, NativeWeight
 
 
 class NativeLinear(Linear):
-    """A Linear whose quantized decode copy is in the kernels' layout (falls back to torch's packed
-    layout for weights the kernels do not take: int4 halves of q5 blocks, odd shapes)."""
+    """A Linear whose quantized decode copy is in the kernels' layout: int4 (our int4, q4_k), int8
+    (our int8, and llama.cpp's other block formats as int8 codes with a scale, and a zero where the
+    format has one, per 32 or 16 inputs). Odd shapes fall back to torch's packed layout or the
+    dense weight."""
 
     __slots__ = ("kernels", "native")
 
@@ -41,6 +44,30 @@ class NativeLinear(Linear):
         q = torch.cat([p[""] for p in parts_list])
         # bf16 scales, as the torch route's packed halves keep them
         self.native = NativeWeight.int8(q, torch.cat([p[".scales"] for p in parts_list]), fmt.group_size)
+
+    def attach_blocks(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
+        if fmt.format == "q4_k" or not self._attach_codes([(fmt, parts) for parts in parts_list]):
+            super().attach_blocks(fmt, parts_list)  # q4_k: int4 codes, half the bytes of int8
+
+    def attach_mixed_blocks(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
+        self._attach_codes(items)
+
+    def _attach_codes(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> bool:
+        """The parts (rows in order, each in its block format) as one int8 weight: a scale per 16
+        inputs if any part's format has that, else per 32, and zeros if any part has them (0 for
+        the others). False where the shape has no int8 layout."""
+        g = min(code_group(fmt) for fmt, _ in items)
+        if not NativeWeight.fits(*self.weight.shape, g, INT8):
+            return False
+        codes = [(int8_codes(fmt, parts[""]), code_group(fmt) // g) for fmt, parts in items]
+        q = torch.cat([q for (q, _, _), _ in codes])
+        scales = torch.cat([s.repeat_interleave(r, dim=1) for (_, s, _), r in codes])
+        zeros = None
+        if any(z is not None for (_, _, z), _ in codes):
+            zeros = torch.cat([(z if z is not None else torch.zeros_like(s)).repeat_interleave(r, dim=1)
+                               for (_, s, z), r in codes])
+        self.native = NativeWeight.int8(q, scales, g, zeros)
+        return True
 
     @property
     def decode_packed(self) -> bool:

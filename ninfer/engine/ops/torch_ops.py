@@ -19,6 +19,7 @@ from ninfer.engine.rope import Rope
 from ninfer.engine.ops import gdn_torch
 from ninfer.engine.quant import TensorFormat, dequantize, unpack_int4
 from ninfer.engine.quant_blocks import INT4_CODED, int4_codes
+from ninfer.formats import BLOCK_FORMATS
 
 # At most this many rows take the packed int4 kernel (decode); more rows (prefill) take the
 # dense matmul, which is ~4x faster than the packed kernel at 128 rows on CPU.
@@ -28,9 +29,10 @@ PACKED_GROUP_SIZES = (32, 64, 128, 256)
 
 def packable(fmt: TensorFormat, shape: tuple[int, ...]) -> bool:
     """Whether a weight of this stored format and logical [out, in] shape can take the packed CPU
-    kernel (it wants out % 16 == 0 and one of its group sizes)."""
-    if fmt.format in INT4_CODED:  # llama.cpp blocks that are int4 codes in groups of 32
-        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % fmt.group_size == 0
+    kernel (it wants out % 16 == 0 and one of its group sizes); llama.cpp blocks: int4 codes in
+    groups of 32 for torch's kernel (INT4_CODED), int8 codes for the native one (any block format)."""
+    if fmt.format in BLOCK_FORMATS:
+        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % 32 == 0
     if fmt.format not in ("int8", "int4") or fmt.group_size not in PACKED_GROUP_SIZES or len(shape) != 2:
         return False
     if fmt.format == "int8" and not fmt.symmetric:
@@ -154,12 +156,19 @@ class Linear:
     def attach_blocks(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
         """Keep a packed copy of llama.cpp blocks that are int4 codes (q4_k: one packed weight;
         q5_0/q5_1: two, high bit and low nibble; quant_blocks.int4_codes). Exact up to bf16
-        rounding of scales and zeros, and each half's bf16 output."""
+        rounding of scales and zeros, and each half's bf16 output. Other block formats keep only
+        the dense weight here (NativeLinear reads them all as int8 codes)."""
+        if fmt.format not in INT4_CODED:
+            return
         halves = [int4_codes(fmt, p[""]) for p in parts_list]  # per part: (q, scales, zeros) per half
         rows = [[torch.cat(t) for t in zip(*(h[i] for h in halves))] for i in range(len(halves[0]))]
         # two halves (q5_0 / q5_1) side by side along the input, read in one call as attach_int8's
         q, scales, zeros = (torch.cat([r[j] for r in rows], dim=1) for j in range(3))
         self._attach(q, scales, zeros, 32, repeat=len(rows))
+
+    def attach_mixed_blocks(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
+        """Parts in different llama.cpp block formats, fused: torch's packed kernel takes one format
+        and group size, so the dense weight serves here (NativeLinear reads them as int8 codes)."""
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [rows, in] -> [rows, out] in out_dtype (default x's dtype)."""
@@ -551,6 +560,8 @@ class TorchOps:
                 attach = (lin.attach_int4 if fmt.format == "int4" else lin.attach_int8 if fmt.format == "int8"
                           else lin.attach_blocks)
                 attach(fmt, [parts for _, parts in items])
+        elif self.pack and all(packable(fmt, tuple(weight.shape)) for fmt in fmts):
+            lin.attach_mixed_blocks(items)  # a Q4_K_M's q/k in q4_k and v in q6_k, fused
         return lin
 
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Linear:
