@@ -55,6 +55,25 @@ def dequantize(fmt: TensorFormat, parts: dict[str, torch.Tensor], dtype: torch.d
     return w.reshape(out, inp).to(dtype)
 
 
+def int_codes(fmt: TensorFormat, parts: dict[str, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """A quantized weight's stored parts as integer codes within int8, with a float32 scale and, where
+    the format has one, a zero per group of g inputs: w = scale * q (+ zero), `dequantize`'s value
+    exactly. -> (q [out, in] int8, scale [out, in/g], zero [out, in/g] or None, g)."""
+    if fmt.blocks:
+        from ninfer.engine.quant_blocks import code_group, int8_codes
+
+        q, scale, zero = int8_codes(fmt, parts[""])
+        return q, scale, zero, code_group(fmt)
+    scale = parts[".scales"].to(torch.float32)
+    if fmt.format == "int8":
+        return parts[""].to(torch.int8), scale, None, fmt.group_size
+    q = unpack_int4(parts[""]).to(torch.int8)
+    if fmt.symmetric:
+        return q - 8, scale, None, fmt.group_size
+    return q, scale, parts[".mins"].to(torch.float32), fmt.group_size
+
+
 def quantize(w: torch.Tensor, fmt: TensorFormat) -> dict[str, torch.Tensor]:
     """Quantize a logical [out, in] float tensor into stored parts (round to nearest)."""
     if not fmt.quantized:

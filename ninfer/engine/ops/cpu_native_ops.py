@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from ninfer.engine.ops.torch_ops import Linear, TorchOps
-from ninfer.engine.quant import TensorFormat
-from ninfer.engine.quant_blocks import code_group, int8_codes
+from ninfer.engine.quant import TensorFormat, int_codes
 from ninfer.kernels.cpu_native import INT4, INT8, MAX_ROWS, CpuKernels, NativeWeight
 
 
@@ -49,23 +48,23 @@ class NativeLinear(Linear):
         if fmt.format == "q4_k" or not self._attach_codes([(fmt, parts) for parts in parts_list]):
             super().attach_blocks(fmt, parts_list)  # q4_k: int4 codes, half the bytes of int8
 
-    def attach_mixed_blocks(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
+    def attach_mixed(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
         self._attach_codes(items)
 
     def _attach_codes(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> bool:
-        """The parts (rows in order, each in its block format) as one int8 weight: a scale per 16
-        inputs if any part's format has that, else per 32, and zeros if any part has them (0 for
-        the others). False where the shape has no int8 layout."""
-        g = min(code_group(fmt) for fmt, _ in items)
-        if not NativeWeight.fits(*self.weight.shape, g, INT8):
+        """The parts (rows in order, each in its quantized format) as one int8 weight: a scale per
+        the smallest group of the parts' (16 or a multiple of 32), and zeros if any part has them (0
+        for the others). False where the shape has no int8 layout."""
+        codes = [int_codes(fmt, parts) for fmt, parts in items]
+        g = min(c[3] for c in codes)
+        if any(c[3] % g for c in codes) or not NativeWeight.fits(*self.weight.shape, g, INT8):
             return False
-        codes = [(int8_codes(fmt, parts[""]), code_group(fmt) // g) for fmt, parts in items]
-        q = torch.cat([q for (q, _, _), _ in codes])
-        scales = torch.cat([s.repeat_interleave(r, dim=1) for (_, s, _), r in codes])
+        q = torch.cat([c[0] for c in codes])
+        scales = torch.cat([s.repeat_interleave(cg // g, dim=1) for _, s, _, cg in codes])
         zeros = None
-        if any(z is not None for (_, _, z), _ in codes):
-            zeros = torch.cat([(z if z is not None else torch.zeros_like(s)).repeat_interleave(r, dim=1)
-                               for (_, s, z), r in codes])
+        if any(z is not None for _, _, z, _ in codes):
+            zeros = torch.cat([(z if z is not None else torch.zeros_like(s)).repeat_interleave(cg // g, dim=1)
+                               for _, s, z, cg in codes])
         self.native = NativeWeight.int8(q, scales, g, zeros)
         return True
 

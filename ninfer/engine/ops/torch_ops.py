@@ -166,9 +166,10 @@ class Linear:
         q, scales, zeros = (torch.cat([r[j] for r in rows], dim=1) for j in range(3))
         self._attach(q, scales, zeros, 32, repeat=len(rows))
 
-    def attach_mixed_blocks(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
-        """Parts in different llama.cpp block formats, fused: torch's packed kernel takes one format
-        and group size, so the dense weight serves here (NativeLinear reads them as int8 codes)."""
+    def attach_mixed(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
+        """Parts in different quantized formats, fused (a Q4_K_M's q/k in q4_k, v in q6_k or q8_0):
+        torch's packed kernel takes one format and group size, so the dense weight serves here
+        (NativeLinear reads them as one weight of int8 codes)."""
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x: [rows, in] -> [rows, out] in out_dtype (default x's dtype)."""
@@ -561,7 +562,7 @@ class TorchOps:
                           else lin.attach_blocks)
                 attach(fmt, [parts for _, parts in items])
         elif self.pack and all(packable(fmt, tuple(weight.shape)) for fmt in fmts):
-            lin.attach_mixed_blocks(items)  # a Q4_K_M's q/k in q4_k and v in q6_k, fused
+            lin.attach_mixed(items)  # a Q4_K_M's q/k in q4_k and v in q6_k, fused
         return lin
 
     def embedding_weight(self, fmt: TensorFormat, parts: dict[str, torch.Tensor], lm_head: bool) -> Linear:
