@@ -93,6 +93,22 @@ def test_int8_linear(route, rows, group, with_zeros):
     assert torch.equal(y, y.to(torch.bfloat16).float())  # bf16-rounded, as the torch route's logits
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("kind", [5, 6])
+def test_5_and_6_bit_linear(route, rows, kind):
+    """5-bit codes with a scale and zero per 32 inputs (q5_0, q5_1, q5_k), 6-bit ones per 16 (q6_k)."""
+    gen = torch.Generator().manual_seed(rows + 10 * kind)
+    n, k, group = 320, 576, 16 if kind == 6 else 32
+    q = torch.randint(0, 1 << kind, (n, k), generator=gen, dtype=torch.int32)
+    scales = torch.rand(n, k // group, generator=gen) * 0.01
+    zeros = torch.randn(n, k // group, generator=gen) * 0.05
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    y = route.linear(x, NativeWeight.wide(q, scales, zeros, kind), torch.float32)
+    w = (q.float() * scales.to(torch.bfloat16).float().repeat_interleave(group, dim=1)
+         + zeros.to(torch.bfloat16).float().repeat_interleave(group, dim=1))
+    close_bf16(y, x.float() @ w.t())
+
+
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gated_silu(route, rows):
     gen = torch.Generator().manual_seed(7 + rows)

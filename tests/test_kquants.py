@@ -166,10 +166,10 @@ def decode_logits(runner: TorchModelRunner, ids: list[int], pages: list[int]) ->
 
 def test_tiny_kquant_packed_decode_is_taken(tiny_kquant) -> None:
     """The bf16 CPU runner keeps q4_k / q5_0 / q5_1 projections packed for decode (torch's int4
-    kernel); with the native kernels q4_k is int4, and every other block format int8 codes (q6_k
-    with a scale per 16 inputs, q5_1 with zeros)."""
+    kernel); with the native kernels q4_k is int4, q5_* 5-bit and q6_k 6-bit codes, and fused parts
+    of mixed formats int8 codes."""
     from ninfer.engine.ops.cpu_native_ops import NativeLinear
-    from ninfer.kernels.cpu_native import INT4, INT8
+    from ninfer.kernels.cpu_native import INT4, INT5, INT6, INT8
 
     _, artifact, _ = tiny_kquant("q4_k_m")
     for kernels in ("torch", "auto"):
@@ -184,8 +184,8 @@ def test_tiny_kquant_packed_decode_is_taken(tiny_kquant) -> None:
         assert gate_up.native.kind == INT4
         # q / k in q4_k, v in q6_k, fused: int8 codes, a scale per 16, q4_k's zeros (0 for v's rows)
         assert (layer.attn.qkv.native.kind, layer.attn.qkv.native.group) == (INT8, 16)
-        assert (o_proj.native.kind, o_proj.native.group, o_proj.native.zeros is not None) == (INT8, 32, True)
-        assert (down.native.kind, down.native.group, down.native.zeros is None) == (INT8, 16, True)
+        assert (o_proj.native.kind, o_proj.native.group) == (INT5, 32)  # q5_1: 5-bit codes
+        assert (down.native.kind, down.native.group) == (INT6, 16)  # q6_k: 6-bit codes
 
 
 def test_unsupported_block_type_names_it(tmp_path: Path) -> None:

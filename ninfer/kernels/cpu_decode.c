@@ -314,6 +314,126 @@ static inline void int8_tile(const matmul *m, int t, float *y) {
     int8_tile_plain(m, t, y);
 }
 
+/* ---- 5- and 6-bit tiles (kind 5: q5_0 / q5_1 / q5_k, group 32; kind 6: q6_k, group 16) --------------
+ * Codes 0 <= q < 2^kind, w = scale * q + zero per group. Layout per tile: int4's low nibbles (the
+ * same words), then the high bits: kind 5, one 64-byte vector per block whose word holds bit
+ * 4i + n for iteration i, nibble n; kind 6, two vectors per block, vector i / 2 holding 2 bits at
+ * 8 (i % 2) + 2n. bf16 bits 0x4300 | q are 128 + q (q < 128): sum w x = scale (sum (128 + q) x -
+ * 128 sum x) + zero sum x. */
+
+#if defined(__x86_64__)
+/* the high bits of nibble n of iteration i, moved to bits 4.. of each 16-bit word */
+__attribute__((target("avx512f,avx512bw"), always_inline))
+static inline __m512i high_bits(__m512i h, const int kind, const int i, const int n) {
+    const int hb = kind - 4, at = hb == 1 ? 4 * i + n : 8 * (i % 2) + 2 * n;
+    const __m512i mask = _mm512_set1_epi16((short)(((1 << hb) - 1) << 4));
+    const __m512i moved = at <= 4 ? _mm512_slli_epi16(h, 4 - at) : _mm512_srli_epi16(h, at - 4);
+    return _mm512_and_si512(moved, mask);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
+static inline void wide_tile_avx512bf16_rows(const matmul *m, int t, float *y, const int rows, const int kind) {
+    const __m512i low4 = _mm512_set1_epi16(0x0f), bias = _mm512_set1_epi16(0x4300);
+    const int blocks = m->k / BLOCK, hvec = kind - 4;  /* high-bit vectors a block */
+    const int group = kind == 6 ? 16 : BLOCK, gpb = BLOCK / group, groups = m->k / group;
+    const uint8_t *q = m->q + (size_t)t * TILE * (m->k / 2);
+    const uint8_t *hq = m->q + (size_t)m->n * (m->k / 2) + (size_t)t * blocks * hvec * 64;
+    const uint16_t *s = m->scales + (size_t)t * groups * TILE, *z = m->zeros + (size_t)t * groups * TILE;
+    __m512 total[MAX_ROWS];
+    for (int r = 0; r < rows; r++) total[r] = _mm512_setzero_ps();
+    for (int b = 0; b < blocks; b++) {
+        __m512 acc0[MAX_ROWS], acc1[MAX_ROWS];  /* group 16: inputs 0..15, 16..31; group 32: halves of one sum */
+        for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            _mm_prefetch((const char *)(q + (4 * b + i) * 64 + PREFETCH), _MM_HINT_T0);
+            const __m512i w = _mm512_loadu_si512(q + (4 * b + i) * 64);
+            const __m512i h = _mm512_loadu_si512(hq + (size_t)(hvec * b + (kind == 6 ? i / 2 : 0)) * 64);
+            __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_ternarylogic_epi32(w, low4, bias, 0xea), high_bits(h, kind, i, 0));
+            __m512bh w1 = (__m512bh)_mm512_or_si512(
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low4, bias, 0xea), high_bits(h, kind, i, 1));
+            __m512bh w2 = (__m512bh)_mm512_or_si512(
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low4, bias, 0xea), high_bits(h, kind, i, 2));
+            __m512bh w3 = (__m512bh)_mm512_or_si512(_mm512_or_si512(_mm512_srli_epi16(w, 12), bias), high_bits(h, kind, i, 3));
+            for (int r = 0; r < rows; r++) {
+                const uint32_t *xw = (const uint32_t *)(m->x + (size_t)r * m->k) + 16 * b + i;  /* input pairs */
+                acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)_mm512_set1_epi32((int)xw[0]), w0);
+                acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)_mm512_set1_epi32((int)xw[4]), w1);
+                acc1[r] = _mm512_dpbf16_ps(acc1[r], (__m512bh)_mm512_set1_epi32((int)xw[8]), w2);
+                acc1[r] = _mm512_dpbf16_ps(acc1[r], (__m512bh)_mm512_set1_epi32((int)xw[12]), w3);
+            }
+        }
+        for (int g = 0; g < gpb; g++) {
+            const int at = b * gpb + g;
+            __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s + at * TILE))), 16));
+            __m512 zv = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(z + at * TILE))), 16));
+            zv = _mm512_fnmadd_ps(sv, _mm512_set1_ps(128.0f), zv);
+            for (int r = 0; r < rows; r++) {
+                __m512 acc = gpb == 1 ? _mm512_add_ps(acc0[r], acc1[r]) : g == 0 ? acc0[r] : acc1[r];
+                total[r] = _mm512_fmadd_ps(acc, sv, total[r]);
+                total[r] = _mm512_fmadd_ps(zv, _mm512_set1_ps(m->xsum[(size_t)r * groups + at]), total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * TILE, total[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512bf16")))
+static void wide_tile_avx512bf16(const matmul *m, int t, float *y, const int kind) {
+    switch (m->rows) {
+        case 1: kind == 6 ? wide_tile_avx512bf16_rows(m, t, y, 1, 6) : wide_tile_avx512bf16_rows(m, t, y, 1, 5); break;
+        case 2: kind == 6 ? wide_tile_avx512bf16_rows(m, t, y, 2, 6) : wide_tile_avx512bf16_rows(m, t, y, 2, 5); break;
+        default:
+            kind == 6 ? wide_tile_avx512bf16_rows(m, t, y, m->rows, 6) : wide_tile_avx512bf16_rows(m, t, y, m->rows, 5);
+            break;
+    }
+}
+#endif
+
+CLONES
+static void wide_tile_plain(const matmul *m, int t, float *y, const int kind) {
+    const int blocks = m->k / BLOCK, hvec = kind - 4, hb = kind - 4;
+    const int group = kind == 6 ? 16 : BLOCK, groups = m->k / group;
+    const uint8_t *q = m->q + (size_t)t * TILE * (m->k / 2);
+    const uint8_t *hq = m->q + (size_t)m->n * (m->k / 2) + (size_t)t * blocks * hvec * 64;
+    const uint16_t *s = m->scales + (size_t)t * groups * TILE, *z = m->zeros + (size_t)t * groups * TILE;
+    for (int r = 0; r < m->rows; r++) {
+        const float *x = m->xf + (size_t)r * m->k;
+        float total[TILE] = {0};
+        for (int g = 0; g < groups; g++) {
+            float acc[TILE] = {0};
+            for (int e = group * g; e < group * (g + 1); e++) {  /* input e: pair v = (e % 32) / 2 */
+                const int b = e / BLOCK, v = (e % BLOCK) / 2, p = e % 2, i = v % 4, n = v / 4;
+                uint16_t lo[2 * TILE], hi[2 * TILE];
+                memcpy(lo, q + (4 * b + i) * 64, sizeof lo);
+                memcpy(hi, hq + (size_t)(hvec * b + (kind == 6 ? i / 2 : 0)) * 64, sizeof hi);
+                const int at = hb == 1 ? 4 * i + n : 8 * (i % 2) + 2 * n;
+#pragma omp simd
+                for (int lane = 0; lane < TILE; lane++) {
+                    const int code = ((lo[2 * lane + p] >> (4 * n)) & 15) | (((hi[2 * lane + p] >> at) & ((1 << hb) - 1)) << 4);
+                    acc[lane] += (float)code * x[e];
+                }
+            }
+            const float xs = m->xsum[(size_t)r * groups + g];
+#pragma omp simd
+            for (int lane = 0; lane < TILE; lane++)
+                total[lane] += acc[lane] * bf16_to_f32(s[g * TILE + lane]) + bf16_to_f32(z[g * TILE + lane]) * xs;
+        }
+        memcpy(y + r * TILE, total, sizeof total);
+    }
+}
+
+static inline void wide_tile(const matmul *m, int t, float *y, const int kind) {
+#if defined(__x86_64__)
+    if (use_avx512bf16()) {
+        wide_tile_avx512bf16(m, t, y, kind);
+        return;
+    }
+#endif
+    wide_tile_plain(m, t, y, kind);
+}
+
 /* ---- inputs, and the split of tiles over the team ------------------------------------------------ */
 
 CLONES
@@ -354,15 +474,16 @@ EXPORT int nf_isa(void) {
 
 EXPORT void nf_allow_avx512bf16(int allow) { avx512bf16_allowed = allow; }
 
-/* y = x @ w^T over an int4 (kind 4, group 32) or int8 (kind 8, group 32 or 16, zeros or NULL) weight:
+/* y = x @ w^T over an int4 (kind 4, group 32), int8 (kind 8, group 32 or 16, zeros or NULL), 5-bit
+ * (kind 5, group 32) or 6-bit (kind 6, group 16) weight:
  * y_bf16 [rows][n] rounded to bf16, and/or y_f32 [rows][n] (the bf16-rounded value widened, as the
  * torch route's `.to(float32)` gives). */
 EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
                       const uint16_t *zeros, int n, int group, uint16_t *y_bf16, float *y_f32) {
-    matmul m = {x, rows, k, n, q, scales, zeros, kind == 4 ? BLOCK : group, NULL, NULL};
+    matmul m = {x, rows, k, n, q, scales, zeros, kind == 8 ? group : kind == 6 ? 16 : BLOCK, NULL, NULL};
     float *xf = malloc(sizeof(float) * (size_t)rows * (k + k / m.group));
     prepare_inputs(&m, xf, xf + (size_t)rows * k);
-    size_t bytes = (size_t)n * k / (kind == 4 ? 2 : 1);
+    size_t bytes = (size_t)n * k * kind / 8;
 #pragma omp parallel if (bytes >= PARALLEL_BYTES)
     {
         int t0, t1;
@@ -370,7 +491,8 @@ EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_
         float y[MAX_ROWS * TILE];
         for (int t = t0; t < t1; t++) {
             if (kind == 4) int4_tile(&m, t, y);
-            else int8_tile(&m, t, y);
+            else if (kind == 8) int8_tile(&m, t, y);
+            else wide_tile(&m, t, y, kind);
             for (int r = 0; r < rows; r++)
                 for (int lane = 0; lane < TILE; lane++) {
                     uint16_t h = f32_to_bf16(y[r * TILE + lane]);

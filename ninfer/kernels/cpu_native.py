@@ -29,7 +29,7 @@ FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wno-psa
 BLOCK = 32  # inputs per scale in the kernels' weight layouts (16 also for int8)
 TILE = 16  # output rows the kernels take together
 MAX_ROWS = 8  # rows one launch takes (decode rows; prefill takes torch's dense matmul)
-INT4, INT8 = 4, 8  # NativeWeight.kind: cpu_decode.c's weight kinds
+INT4, INT5, INT6, INT8 = 4, 5, 6, 8  # NativeWeight.kind: cpu_decode.c's weight kinds (bits a code)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -116,7 +116,9 @@ def decode_kernels(cache_dir: Path) -> CpuKernels | None:
 class NativeWeight:
     """A weight in the kernels' layout (cpu_decode.c: tiles of 16 output rows): kind 4, int4 codes
     with bf16 scales and zeros per 32 inputs (w = (q - 8) * scale + zero); kind 8, int8 codes with a
-    bf16 scale, and optionally a zero, per 32 or per 16 inputs (w = q * scale [+ zero])."""
+    bf16 scale, and optionally a zero, per 32 or per 16 inputs (w = q * scale [+ zero]); kinds 5 and
+    6, 5- and 6-bit codes 0 <= q < 2^kind with a bf16 scale and zero per 32 (kind 5) or 16 (kind 6)
+    inputs (w = q * scale + zero): int4's nibbles, then the high bits."""
 
     kind: int
     q: torch.Tensor  # uint8 (int4, two codes a byte) or int8, n * k / 2 or n * k bytes
@@ -131,13 +133,26 @@ class NativeWeight:
         """q [n, k] 0..15, scales / zeros [n, k/group_size] (`fits` says which shapes)."""
         n, k = q.shape
         assert cls.fits(n, k, group_size), (n, k, group_size)
-        # [tile, lane, block, v, p] -> [tile, block, v, lane, p]: vector v of a block is inputs 2v, 2v + 1
-        # of the 16 rows; vectors i, i + 4, i + 8, i + 12 share 16-bit words (nibbles low to high)
-        codes = q.to(torch.int32).view(n // TILE, TILE, k // BLOCK, 16, 2).permute(0, 2, 3, 1, 4)
-        codes = codes.reshape(n // TILE, k // BLOCK, 4, 4, 2 * TILE)  # [tile, block, nibble, i, code]
-        words = sum(codes[:, :, j] << (4 * j) for j in range(4))
-        packed = words.to(torch.int16).contiguous().view(torch.uint8)  # little-endian words
-        return cls(INT4, packed, _tiled(scales, group_size), _tiled(zeros, group_size), n, k)
+        return cls(INT4, _nibble_words(q), _tiled(scales, group_size),
+                   _tiled(zeros, group_size), n, k)
+
+    @classmethod
+    def wide(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, kind: int) -> NativeWeight:
+        """q [n, k] codes 0..2^kind - 1 (kind 5 or 6), scales and zeros [n, k/group] (group 32 for kind
+        5, 16 for kind 6): w = q * scale + zero."""
+        n, k = q.shape
+        group = 16 if kind == INT6 else BLOCK
+        assert kind in (INT5, INT6) and cls.fits(n, k, group, INT8), (n, k, kind)
+        high = _vectors(q.to(torch.int32) >> 4)  # [tile, block, n, i, word]
+        tb = high.shape[:2]
+        if kind == INT5:  # one vector a block: bit 4i + n of each word (field f = 4n + i)
+            hi = _words(high.reshape(*tb, 16, 2 * TILE), [4 * (f % 4) + f // 4 for f in range(16)])
+        else:  # two vectors a block: vector i // 2, 2 bits at 8 (i % 2) + 2n (field f = 2n + i % 2)
+            fields = high.reshape(*tb, 4, 2, 2, 2 * TILE).permute(0, 1, 3, 2, 4, 5).reshape(*tb, 2, 8, 2 * TILE)
+            hi = _words(fields, [8 * (f % 2) + 2 * (f // 2) for f in range(8)])
+        lo = _nibble_words(q.to(torch.int32) & 15)
+        return cls(kind, torch.cat((lo.flatten(), hi.flatten())), _tiled(scales, group, group),
+                   _tiled(zeros, group, group), n, k, group)
 
     @classmethod
     def int8(cls, q: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -155,6 +170,27 @@ class NativeWeight:
         """Whether a weight [n, k] with a scale per group_size inputs has a layout (int8 also takes 16)."""
         unit = 16 if kind == INT8 and group_size == 16 else BLOCK
         return n % TILE == 0 and k % BLOCK == 0 and group_size % unit == 0 and k % group_size == 0
+
+
+def _vectors(q: torch.Tensor) -> torch.Tensor:
+    """Codes [n, k] -> [tile, block, nibble, i, 2 * TILE]: vector v = 4 nibble + i of a block is its
+    inputs 2v, 2v + 1 of the tile's 16 rows (row-major pairs); the kernels read iteration i's
+    vectors (nibbles 0..3) from the same 16-bit words."""
+    n, k = q.shape
+    codes = q.to(torch.int32).view(n // TILE, TILE, k // BLOCK, 16, 2).permute(0, 2, 3, 1, 4)
+    return codes.reshape(n // TILE, k // BLOCK, 4, 4, 2 * TILE)
+
+
+def _words(fields: torch.Tensor, shifts: list[int]) -> torch.Tensor:
+    """[..., F, words] -> the uint8 bytes of little-endian 16-bit words [..., words]: the sum of field
+    j << shifts[j]."""
+    words = sum(fields[..., j, :] << s for j, s in enumerate(shifts))
+    return words.to(torch.int16).contiguous().view(torch.uint8)
+
+
+def _nibble_words(q: torch.Tensor) -> torch.Tensor:
+    """Codes [n, k] 0..15 -> int4's words: [tile, block, i, word], nibble j holding vector 4j + i."""
+    return _words(_vectors(q).transpose(2, 3), [4 * j for j in range(4)])
 
 
 def _tiled(t: torch.Tensor, group_size: int, unit: int = BLOCK) -> torch.Tensor:

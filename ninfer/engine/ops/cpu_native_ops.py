@@ -14,14 +14,17 @@ import torch
 
 from ninfer.engine.ops.torch_ops import Linear, TorchOps
 from ninfer.engine.quant import TensorFormat, int_codes
-from ninfer.kernels.cpu_native import INT4, INT8, MAX_ROWS, CpuKernels, NativeWeight
+from ninfer.kernels.cpu_native import INT4, INT5, INT6, INT8, MAX_ROWS, CpuKernels, NativeWeight
+
+# llama.cpp block formats read as 5- / 6-bit codes: (kind, the offset that makes their codes unsigned)
+WIDE = {"q5_0": (INT5, 16), "q5_1": (INT5, 0), "q5_k": (INT5, 0), "q6_k": (INT6, 32)}
 
 
 class NativeLinear(Linear):
-    """A Linear whose quantized decode copy is in the kernels' layout: int4 (our int4, q4_k), int8
-    (our int8, and llama.cpp's other block formats as int8 codes with a scale, and a zero where the
-    format has one, per 32 or 16 inputs). Odd shapes fall back to torch's packed layout or the
-    dense weight."""
+    """A Linear whose quantized decode copy is in the kernels' layout: int4 (our int4, q4_k), 5- and
+    6-bit codes (q5_0, q5_1, q5_k; q6_k), int8 (our int8, llama.cpp's other block formats, and
+    fused parts of mixed formats, as int8 codes with a scale, and a zero where a format has one, per
+    32 or 16 inputs). Odd shapes fall back to torch's packed layout or the dense weight."""
 
     __slots__ = ("kernels", "native")
 
@@ -45,8 +48,26 @@ class NativeLinear(Linear):
         self.native = NativeWeight.int8(q, torch.cat([p[".scales"] for p in parts_list]), fmt.group_size)
 
     def attach_blocks(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
+        if fmt.format in WIDE and self._attach_wide(fmt, parts_list):
+            return
         if fmt.format == "q4_k" or not self._attach_codes([(fmt, parts) for parts in parts_list]):
             super().attach_blocks(fmt, parts_list)  # q4_k: int4 codes, half the bytes of int8
+
+    def _attach_wide(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> bool:
+        """5- or 6-bit codes q + offset (unsigned), the offset folded into the zero: w = scale * q
+        (+ zero) = bf16(scale) * (q + offset) + (zero - offset * bf16(scale)), the last term exact in
+        bf16 where the format has no zero of its own (the offset is a power of two)."""
+        kind, offset = WIDE[fmt.format]
+        if not NativeWeight.fits(*self.weight.shape, 16 if kind == INT6 else 32, INT8):
+            return False
+        codes = [int_codes(fmt, parts) for parts in parts_list]
+        q = torch.cat([c[0] for c in codes]).to(torch.int32) + offset
+        scales = torch.cat([c[1] for c in codes]).to(torch.bfloat16).float()
+        zeros = -offset * scales
+        if codes[0][2] is not None:
+            zeros = zeros + torch.cat([c[2] for c in codes])
+        self.native = NativeWeight.wide(q, scales, zeros, kind)
+        return True
 
     def attach_mixed(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
         self._attach_codes(items)
