@@ -434,6 +434,15 @@ static inline void wide_tile(const matmul *m, int t, float *y, const int kind) {
     wide_tile_plain(m, t, y, kind);
 }
 
+/* A tile of any kind (4, 5, 6, 8), and the inputs per scale of a kind (int8: as given). */
+static inline void tile_of(const matmul *m, int kind, int t, float *y) {
+    if (kind == 4) int4_tile(m, t, y);
+    else if (kind == 8) int8_tile(m, t, y);
+    else wide_tile(m, t, y, kind);
+}
+
+static inline int group_of(int kind, int group) { return kind == 8 ? group : kind == 6 ? 16 : BLOCK; }
+
 /* ---- inputs, and the split of tiles over the team ------------------------------------------------ */
 
 CLONES
@@ -462,7 +471,7 @@ static void my_tiles(int n, int *t0, int *t1) {
 
 /* ---- entry points -------------------------------------------------------------------------------- */
 
-EXPORT int nf_abi(void) { return 4; }
+EXPORT int nf_abi(void) { return 5; }
 
 EXPORT int nf_isa(void) {
 #if defined(__x86_64__)
@@ -480,7 +489,7 @@ EXPORT void nf_allow_avx512bf16(int allow) { avx512bf16_allowed = allow; }
  * torch route's `.to(float32)` gives). */
 EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
                       const uint16_t *zeros, int n, int group, uint16_t *y_bf16, float *y_f32) {
-    matmul m = {x, rows, k, n, q, scales, zeros, kind == 8 ? group : kind == 6 ? 16 : BLOCK, NULL, NULL};
+    matmul m = {x, rows, k, n, q, scales, zeros, group_of(kind, group), NULL, NULL};
     float *xf = malloc(sizeof(float) * (size_t)rows * (k + k / m.group));
     prepare_inputs(&m, xf, xf + (size_t)rows * k);
     size_t bytes = (size_t)n * k * kind / 8;
@@ -490,9 +499,7 @@ EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_
         my_tiles(n / TILE, &t0, &t1);
         float y[MAX_ROWS * TILE];
         for (int t = t0; t < t1; t++) {
-            if (kind == 4) int4_tile(&m, t, y);
-            else if (kind == 8) int8_tile(&m, t, y);
-            else wide_tile(&m, t, y, kind);
+            tile_of(&m, kind, t, y);
             for (int r = 0; r < rows; r++)
                 for (int lane = 0; lane < TILE; lane++) {
                     uint16_t h = f32_to_bf16(y[r * TILE + lane]);
@@ -505,22 +512,22 @@ EXPORT void nf_linear(int kind, const uint16_t *x, int rows, int k, const uint8_
     free(xf);
 }
 
-/* out [rows][n/2] = silu(gate) * up over an int4 weight whose rows are [gate; up] (n rows), each
+/* out [rows][n/2] = silu(gate) * up over a weight of any kind whose rows are [gate; up] (n rows), each
  * product rounded to bf16 as torch's bf16 ops round: silu(bf16 gate) -> bf16, times bf16 up -> bf16. */
-EXPORT void nf_gated_silu(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
-                          const uint16_t *zeros, int n, uint16_t *out) {
-    matmul m = {x, rows, k, n, q, scales, zeros, BLOCK, NULL, NULL};
-    float *xf = malloc(sizeof(float) * (size_t)rows * (k + k / BLOCK));
+EXPORT void nf_gated_silu(int kind, const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
+                          const uint16_t *zeros, int n, int group, uint16_t *out) {
+    matmul m = {x, rows, k, n, q, scales, zeros, group_of(kind, group), NULL, NULL};
+    float *xf = malloc(sizeof(float) * (size_t)rows * (k + k / m.group));
     prepare_inputs(&m, xf, xf + (size_t)rows * k);
     const int half = n / 2;
-#pragma omp parallel if ((size_t)n * k / 2 >= PARALLEL_BYTES)
+#pragma omp parallel if ((size_t)n * k * kind / 8 >= PARALLEL_BYTES)
     {
         int t0, t1;
         my_tiles(half / TILE, &t0, &t1);
         float g[MAX_ROWS * TILE], u[MAX_ROWS * TILE];
         for (int t = t0; t < t1; t++) {
-            int4_tile(&m, t, g);
-            int4_tile(&m, half / TILE + t, u);
+            tile_of(&m, kind, t, g);
+            tile_of(&m, kind, half / TILE + t, u);
             for (int r = 0; r < rows; r++)
                 for (int lane = 0; lane < TILE; lane++) {
                     float gate = round_bf16(g[r * TILE + lane]);
@@ -545,10 +552,10 @@ static void rms_norm_row(const float *x, const float *weight, int d, float eps, 
 
 /* residual [rows][n] += x @ w^T (the product rounded to bf16 first, as the torch route's), then
  * out [rows][n] = bf16(RMSNorm(residual) * norm). */
-EXPORT void nf_linear_add_rms_norm(const uint16_t *x, int rows, int k, const uint8_t *q, const uint16_t *scales,
-                                   const uint16_t *zeros, int n, float *residual, const float *norm, float eps,
-                                   uint16_t *out) {
-    nf_linear(4, x, rows, k, q, scales, zeros, n, BLOCK, out, NULL);
+EXPORT void nf_linear_add_rms_norm(int kind, const uint16_t *x, int rows, int k, const uint8_t *q,
+                                   const uint16_t *scales, const uint16_t *zeros, int n, int group, float *residual,
+                                   const float *norm, float eps, uint16_t *out) {
+    nf_linear(kind, x, rows, k, q, scales, zeros, n, group, out, NULL);
     for (int r = 0; r < rows; r++) {
         float *h = residual + (size_t)r * n;
         const uint16_t *y = out + (size_t)r * n;

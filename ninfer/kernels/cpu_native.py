@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger("ninfer.engine")
 
 SOURCE = Path(__file__).resolve().parent / "cpu_decode.c"
-ABI = 4  # nf_abi() of a library this module can call
+ABI = 5  # nf_abi() of a library this module can call
 FLAGS = ("-O2", "-shared", "-fPIC", "-fopenmp", "-fvisibility=hidden", "-Wno-psabi")
 BLOCK = 32  # inputs per scale in the kernels' weight layouts (16 also for int8)
 TILE = 16  # output rows the kernels take together
@@ -37,8 +37,8 @@ _SIGNATURES = {
     "nf_isa": ((), _I),
     "nf_allow_avx512bf16": ((_I,), None),
     "nf_linear": ((_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P), None),
-    "nf_gated_silu": ((_P, _I, _I, _P, _P, _P, _I, _P), None),
-    "nf_linear_add_rms_norm": ((_P, _I, _I, _P, _P, _P, _I, _P, _P, _F, _P), None),
+    "nf_gated_silu": ((_I, _P, _I, _I, _P, _P, _P, _I, _I, _P), None),
+    "nf_linear_add_rms_norm": ((_I, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _F, _P), None),
     "nf_attention_decode": ((_P, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, _P), None),
 }
 ISA_NAMES = {2: "avx512-bf16", 1: "avx2", 0: "baseline"}
@@ -199,6 +199,10 @@ def _tiled(t: torch.Tensor, group_size: int, unit: int = BLOCK) -> torch.Tensor:
     return per_unit.view(t.shape[0] // TILE, TILE, -1).transpose(1, 2).contiguous()
 
 
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
 def _check_rows(x: torch.Tensor, w: NativeWeight) -> None:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
         raise ValueError(f"x must be a contiguous 2-d bf16 CPU tensor, got {x.dtype} {tuple(x.shape)}")
@@ -229,30 +233,28 @@ class CpuKernels:
         y = torch.empty(x.shape[0], w.n, dtype=out_dtype)
         bf16, f32 = (y.data_ptr(), None) if out_dtype == torch.bfloat16 else (None, y.data_ptr())
         self.lib.nf_linear(w.kind, x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
-                           w.zeros.data_ptr() if w.zeros is not None else None, w.n, w.group, bf16, f32)
+                           _ptr(w.zeros), w.n, w.group, bf16, f32)
         return y
 
     def gated_silu(self, x: torch.Tensor, w: NativeWeight) -> torch.Tensor:
-        """x [rows, k] bf16 times an int4 [gate; up] weight -> silu(gate) * up [rows, n/2] bf16."""
+        """x [rows, k] bf16 times a [gate; up] weight -> silu(gate) * up [rows, n/2] bf16."""
         _check_rows(x, w)
-        if w.kind != INT4 or w.n % (2 * TILE):
-            raise ValueError("gated_silu wants an int4 weight of [gate; up] rows, 16 rows a tile in each half")
+        if w.n % (2 * TILE):
+            raise ValueError("gated_silu wants a weight of [gate; up] rows, 16 rows a tile in each half")
         out = torch.empty(x.shape[0], w.n // 2, dtype=torch.bfloat16)
-        self.lib.nf_gated_silu(x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
-                               w.zeros.data_ptr(), w.n, out.data_ptr())
+        self.lib.nf_gated_silu(w.kind, x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
+                               _ptr(w.zeros), w.n, w.group, out.data_ptr())
         return out
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: NativeWeight, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float) -> torch.Tensor:
         """residual [rows, n] float32 += x @ w^T (bf16-rounded); -> bf16 RMSNorm(residual) * norm."""
         _check_rows(x, w)
-        if w.kind != INT4:
-            raise ValueError("linear_add_rms_norm wants an int4 weight")
         _check_f32(residual, (x.shape[0], w.n), "residual")
         _check_f32(norm, (w.n,), "norm")
         out = torch.empty(x.shape[0], w.n, dtype=torch.bfloat16)
-        self.lib.nf_linear_add_rms_norm(x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
-                                        w.zeros.data_ptr(), w.n, residual.data_ptr(), norm.data_ptr(), eps,
+        self.lib.nf_linear_add_rms_norm(w.kind, x.data_ptr(), x.shape[0], w.k, w.q.data_ptr(), w.scales.data_ptr(),
+                                        _ptr(w.zeros), w.n, w.group, residual.data_ptr(), norm.data_ptr(), eps,
                                         out.data_ptr())
         return out
 

@@ -14,7 +14,7 @@ import torch
 
 from ninfer.engine.ops.torch_ops import Linear, TorchOps
 from ninfer.engine.quant import TensorFormat, int_codes
-from ninfer.kernels.cpu_native import INT4, INT5, INT6, INT8, MAX_ROWS, CpuKernels, NativeWeight
+from ninfer.kernels.cpu_native import INT5, INT6, INT8, MAX_ROWS, CpuKernels, NativeWeight
 
 # llama.cpp block formats read as 5- / 6-bit codes: (kind, the offset that makes their codes unsigned)
 WIDE = {"q5_0": (INT5, 16), "q5_1": (INT5, 0), "q5_k": (INT5, 0), "q6_k": (INT6, 32)}
@@ -93,10 +93,9 @@ class NativeLinear(Linear):
     def decode_packed(self) -> bool:
         return self.native is not None or self.packed is not None
 
-    def decodes(self, x: torch.Tensor, kind: int | None = None) -> bool:
-        """Whether x's rows take the kernels (kind: and the weight is of that kind)."""
-        return (self.native is not None and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_ROWS
-                and (kind is None or (self.native.kind == kind and self.bias is None)))
+    def decodes(self, x: torch.Tensor) -> bool:
+        """Whether x's rows take the kernels."""
+        return self.native is not None and x.dtype == torch.bfloat16 and x.shape[0] <= MAX_ROWS
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if not self.decodes(x):
@@ -121,12 +120,14 @@ class NativeCpuOps(TorchOps):
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Linear, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float) -> torch.Tensor:
-        if isinstance(w, NativeLinear) and w.decodes(x, INT4) and residual.is_contiguous() and norm.is_contiguous():
+        if isinstance(w, NativeLinear) and w.decodes(x) and w.bias is None and residual.is_contiguous() \
+                and norm.is_contiguous():
             return self.kernels.linear_add_rms_norm(x.contiguous(), w.native, residual, norm, eps)
         return super().linear_add_rms_norm(x, w, residual, norm, eps)
 
     def gated_linear(self, x: torch.Tensor, w: Linear, activation: str = "silu") -> torch.Tensor:
-        if activation == "silu" and isinstance(w, NativeLinear) and w.decodes(x, INT4) and w.native.n % 32 == 0:
+        if activation == "silu" and isinstance(w, NativeLinear) and w.decodes(x) and w.bias is None \
+                and w.native.n % 32 == 0:
             return self.kernels.gated_silu(x.contiguous(), w.native)
         return super().gated_linear(x, w, activation)
 
