@@ -107,8 +107,8 @@ typedef struct {
     const uint16_t *x;
     int rows, k, n;
     const uint8_t *q;
-    const uint16_t *scales, *zeros;  /* [n/16][k/group][16] bf16 (zeros: int4; int8 where given) */
-    int group;  /* inputs per scale: 32 (int4), 32 or 16 (int8) */
+    const uint16_t *scales, *zeros;  /* [n/16][k/group][16] bf16 (zeros: int4, 5- / 6-bit; int8 where given) */
+    int group;  /* inputs per scale: 32 (int4, 5-bit), 16 (6-bit), 32 or 16 (int8) */
     const float *xf;  /* x as float32 [rows][k] */
     const float *xsum;  /* sum of x over each group of inputs, [rows][k/group] */
 } matmul;
@@ -322,13 +322,14 @@ static inline void int8_tile(const matmul *m, int t, float *y) {
  * 128 sum x) + zero sum x. */
 
 #if defined(__x86_64__)
-/* the high bits of nibble n of iteration i, moved to bits 4.. of each 16-bit word */
+/* low | the high bits of nibble n of iteration i (moved to bits 4.. of each 16-bit word): one shift
+ * and one ternary-logic op ((moved & mask) | low) */
 __attribute__((target("avx512f,avx512bw"), always_inline))
-static inline __m512i high_bits(__m512i h, const int kind, const int i, const int n) {
+static inline __m512i with_high_bits(__m512i low, __m512i h, const int kind, const int i, const int n) {
     const int hb = kind - 4, at = hb == 1 ? 4 * i + n : 8 * (i % 2) + 2 * n;
     const __m512i mask = _mm512_set1_epi16((short)(((1 << hb) - 1) << 4));
-    const __m512i moved = at <= 4 ? _mm512_slli_epi16(h, 4 - at) : _mm512_srli_epi16(h, at - 4);
-    return _mm512_and_si512(moved, mask);
+    const __m512i moved = at == 4 ? h : at < 4 ? _mm512_slli_epi16(h, 4 - at) : _mm512_srli_epi16(h, at - 4);
+    return _mm512_ternarylogic_epi32(moved, mask, low, 0xea);
 }
 
 __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
@@ -348,12 +349,12 @@ static inline void wide_tile_avx512bf16_rows(const matmul *m, int t, float *y, c
             _mm_prefetch((const char *)(q + (4 * b + i) * 64 + PREFETCH), _MM_HINT_T0);
             const __m512i w = _mm512_loadu_si512(q + (4 * b + i) * 64);
             const __m512i h = _mm512_loadu_si512(hq + (size_t)(hvec * b + (kind == 6 ? i / 2 : 0)) * 64);
-            __m512bh w0 = (__m512bh)_mm512_or_si512(_mm512_ternarylogic_epi32(w, low4, bias, 0xea), high_bits(h, kind, i, 0));
-            __m512bh w1 = (__m512bh)_mm512_or_si512(
-                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low4, bias, 0xea), high_bits(h, kind, i, 1));
-            __m512bh w2 = (__m512bh)_mm512_or_si512(
-                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low4, bias, 0xea), high_bits(h, kind, i, 2));
-            __m512bh w3 = (__m512bh)_mm512_or_si512(_mm512_or_si512(_mm512_srli_epi16(w, 12), bias), high_bits(h, kind, i, 3));
+            __m512bh w0 = (__m512bh)with_high_bits(_mm512_ternarylogic_epi32(w, low4, bias, 0xea), h, kind, i, 0);
+            __m512bh w1 = (__m512bh)with_high_bits(
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low4, bias, 0xea), h, kind, i, 1);
+            __m512bh w2 = (__m512bh)with_high_bits(
+                _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low4, bias, 0xea), h, kind, i, 2);
+            __m512bh w3 = (__m512bh)with_high_bits(_mm512_or_si512(_mm512_srli_epi16(w, 12), bias), h, kind, i, 3);
             for (int r = 0; r < rows; r++) {
                 const uint32_t *xw = (const uint32_t *)(m->x + (size_t)r * m->k) + 16 * b + i;  /* input pairs */
                 acc0[r] = _mm512_dpbf16_ps(acc0[r], (__m512bh)_mm512_set1_epi32((int)xw[0]), w0);

@@ -157,7 +157,7 @@ class Linear:
         """Keep a packed copy of llama.cpp blocks that are int4 codes (q4_k: one packed weight;
         q5_0/q5_1: two, high bit and low nibble; quant_blocks.int4_codes). Exact up to bf16
         rounding of scales and zeros, and each half's bf16 output. Other block formats keep only
-        the dense weight here (NativeLinear reads them all as int8 codes)."""
+        the dense weight here (NativeLinear reads every block format as 4- to 8-bit codes)."""
         if fmt.format not in INT4_CODED:
             return
         halves = [int4_codes(fmt, p[""]) for p in parts_list]  # per part: (q, scales, zeros) per half
