@@ -45,15 +45,4 @@ for r in 1 2; do
     done
   done
 done
-"$PY" - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/*_[12].json")):
-    try:
-        rows = json.load(open(f))
-    except ValueError as e:
-        print(f"{f}: no result ({e})")
-        continue
-    for r in rows:
-        test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
-        print(f"{f.split('/')[-1]:45s} {test:6s} {r['avg_ts']:9.2f} ± {r['stddev_ts']:.2f}")
-PY
+"$PY" scripts/bench_table.py "$OUT"

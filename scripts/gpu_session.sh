@@ -70,18 +70,7 @@ compare)
         -r 5 -o json) > "$OUT/base_$r.json" 2> "$OUT/base_$r.log"
     fi
   done
-  python3 - "$OUT" <<'PY'
-import glob, json, sys
-for f in sorted(glob.glob(sys.argv[1] + "/*_[12].json")):
-    try:
-        rows = json.load(open(f))
-    except ValueError as e:
-        print(f"{f}: no result ({e})")
-        continue
-    for r in rows:
-        test = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
-        print(f"{f.split('/')[-1]:18s} {test:6s} {r['avg_ts']:9.1f} ± {r['stddev_ts']:.1f}")
-PY
+  python3 scripts/bench_table.py "$OUT"
   ;;
 *)
   echo "usage: scripts/gpu_session.sh start|compare OUTDIR ..."; exit 2 ;;
