@@ -121,12 +121,12 @@ class NativeWeight:
     inputs (w = q * scale + zero): int4's nibbles, then the high bits."""
 
     kind: int
-    q: torch.Tensor  # uint8 (int4, two codes a byte) or int8, n * k / 2 or n * k bytes
+    q: torch.Tensor  # uint8 (int4: two codes a byte; 5- / 6-bit: those nibbles, then the high bits) or int8
     scales: torch.Tensor  # bf16 [n/16, k/group, 16]
-    zeros: torch.Tensor | None  # bf16 [n/16, k/group, 16] (int4; int8 where it has them)
+    zeros: torch.Tensor | None  # bf16 [n/16, k/group, 16] (int4, 5- / 6-bit; int8 where it has them)
     n: int
     k: int
-    group: int = BLOCK  # inputs per scale in this layout: 32, or 16 (int8)
+    group: int = BLOCK  # inputs per scale in this layout: 32, or 16 (6-bit; int8)
 
     @classmethod
     def int4(cls, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> NativeWeight:
