@@ -167,7 +167,7 @@ def decode_logits(runner: TorchModelRunner, ids: list[int], pages: list[int]) ->
 def test_tiny_kquant_packed_decode_is_taken(tiny_kquant) -> None:
     """The bf16 CPU runner keeps q4_k / q5_0 / q5_1 projections packed for decode (torch's int4
     kernel); with the native kernels q4_k is int4, q5_* 5-bit and q6_k 6-bit codes, and fused parts
-    of mixed formats int8 codes."""
+    of mixed formats the narrowest codes that hold them all."""
     from ninfer.engine.ops.cpu_native_ops import NativeLinear
     from ninfer.kernels.cpu_native import INT4, INT5, INT6, INT8
 
@@ -182,8 +182,12 @@ def test_tiny_kquant_packed_decode_is_taken(tiny_kquant) -> None:
             assert not down.decode_packed  # q6_k: dense
             continue
         assert gate_up.native.kind == INT4
-        # q / k in q4_k, v in q6_k, fused: int8 codes, a scale per 16, q4_k's zeros (0 for v's rows)
-        assert (layer.attn.qkv.native.kind, layer.attn.qkv.native.group) == (INT8, 16)
+        # q / k in q4_k, v in q6_k, fused: 6-bit codes, a scale per 16, q6_k's offset in its zeros
+        assert (layer.attn.qkv.native.kind, layer.attn.qkv.native.group) == (INT6, 16)
+    # q2_k / q3_k / iq4_nl fused: iq4's codes need 8 bits, so int8 codes with q2_k's zeros (0 elsewhere)
+    qkv = TorchModelRunner(tiny_kquant("others")[1], num_pages=8, page_size=16).model.layers[0].attn.qkv
+    if isinstance(qkv, NativeLinear):
+        assert (qkv.native.kind, qkv.native.group, qkv.native.zeros is not None) == (INT8, 16, True)
         assert (o_proj.native.kind, o_proj.native.group) == (INT5, 32)  # q5_1: 5-bit codes
         assert (down.native.kind, down.native.group) == (INT6, 16)  # q6_k: 6-bit codes
 

@@ -16,15 +16,22 @@ from ninfer.engine.ops.torch_ops import Linear, TorchOps
 from ninfer.engine.quant import TensorFormat, int_codes
 from ninfer.kernels.cpu_native import INT5, INT6, INT8, MAX_ROWS, CpuKernels, NativeWeight
 
-# llama.cpp block formats read as 5- / 6-bit codes: (kind, the offset that makes their codes unsigned)
-WIDE = {"q5_0": (INT5, 16), "q5_1": (INT5, 0), "q5_k": (INT5, 0), "q6_k": (INT6, 32)}
+# the bits of a format's codes (others: 8, read as int8 codes), and the offset that makes signed ones
+# unsigned for the 5- / 6-bit kernels (code_offset)
+CODE_BITS = {"q2_k": 2, "q3_k": 3, "q4_k": 4, "int4": 4, "q5_0": 5, "q5_1": 5, "q5_k": 5, "q6_k": 6}
+CODE_OFFSETS = {"q3_k": 4, "q5_0": 16, "q6_k": 32}
+
+
+def code_offset(fmt: TensorFormat) -> int:
+    """What makes `int_codes`' codes of this format unsigned (a power of two)."""
+    return 8 if fmt.format == "int4" and fmt.symmetric else CODE_OFFSETS.get(fmt.format, 0)
 
 
 class NativeLinear(Linear):
-    """A Linear whose quantized decode copy is in the kernels' layout: int4 (our int4, q4_k), 5- and
-    6-bit codes (q5_0, q5_1, q5_k; q6_k), int8 (our int8, llama.cpp's other block formats, and
-    fused parts of mixed formats, as int8 codes with a scale, and a zero where a format has one, per
-    32 or 16 inputs). Odd shapes fall back to torch's packed layout or the dense weight."""
+    """A Linear whose quantized decode copy is in the kernels' layout: int4 (our int4, q4_k); the
+    other llama.cpp block formats, and fused parts of mixed formats, as the narrowest codes that hold
+    them (5-bit: q5_*; 6-bit: q6_k, q2_k, q3_k, q4_k with q6_k; int8 codes: iq4_*, and with our
+    int8 / q8_0). Odd shapes fall back to torch's packed layout or the dense weight."""
 
     __slots__ = ("kernels", "native")
 
@@ -48,45 +55,41 @@ class NativeLinear(Linear):
         self.native = NativeWeight.int8(q, torch.cat([p[".scales"] for p in parts_list]), fmt.group_size)
 
     def attach_blocks(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> None:
-        if fmt.format in WIDE and self._attach_wide(fmt, parts_list):
-            return
         if fmt.format == "q4_k" or not self._attach_codes([(fmt, parts) for parts in parts_list]):
-            super().attach_blocks(fmt, parts_list)  # q4_k: int4 codes, half the bytes of int8
-
-    def _attach_wide(self, fmt: TensorFormat, parts_list: list[dict[str, torch.Tensor]]) -> bool:
-        """5- or 6-bit codes q + offset (unsigned), the offset folded into the zero: w = scale * q
-        (+ zero) = bf16(scale) * (q + offset) + (zero - offset * bf16(scale)), the last term exact in
-        bf16 where the format has no zero of its own (the offset is a power of two)."""
-        kind, offset = WIDE[fmt.format]
-        if not NativeWeight.fits(*self.weight.shape, 16 if kind == INT6 else 32, INT8):
-            return False
-        codes = [int_codes(fmt, parts) for parts in parts_list]
-        q = torch.cat([c[0] for c in codes]).to(torch.int32) + offset
-        scales = torch.cat([c[1] for c in codes]).to(torch.bfloat16).float()
-        zeros = -offset * scales
-        if codes[0][2] is not None:
-            zeros = zeros + torch.cat([c[2] for c in codes])
-        self.native = NativeWeight.wide(q, scales, zeros, kind)
-        return True
+            super().attach_blocks(fmt, parts_list)  # q4_k: int4 codes, the fewest bytes
 
     def attach_mixed(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> None:
         self._attach_codes(items)
 
     def _attach_codes(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]]) -> bool:
-        """The parts (rows in order, each in its quantized format) as one int8 weight: a scale per
-        the smallest group of the parts' (16 or a multiple of 32), and zeros if any part has them (0
-        for the others). False where the shape has no int8 layout."""
+        """The parts (rows in order, each in its quantized format) as one weight of the narrowest codes
+        that hold them all: 5-bit (a scale and zero per 32 inputs), 6-bit (per 16), else int8 (per the
+        smallest group of the parts', zeros if any part has them). A format's offset that makes its
+        codes unsigned goes into the zero: bf16(scale) * (q + offset) + (zero - offset * bf16(scale)),
+        exact in bf16 (the offsets are powers of two, on formats without a zero of their own).
+        False where the shape has no layout."""
         codes = [int_codes(fmt, parts) for fmt, parts in items]
         g = min(c[3] for c in codes)
+        bits = max(CODE_BITS.get(fmt.format, 8) for fmt, _ in items)
+        kind = INT5 if bits <= 5 and g % 32 == 0 else INT6 if bits <= 6 else INT8
+        g = {INT5: 32, INT6: 16}.get(kind, g)
         if any(c[3] % g for c in codes) or not NativeWeight.fits(*self.weight.shape, g, INT8):
             return False
         q = torch.cat([c[0] for c in codes])
         scales = torch.cat([s.repeat_interleave(cg // g, dim=1) for _, s, _, cg in codes])
-        zeros = None
-        if any(z is not None for _, _, z, _ in codes):
-            zeros = torch.cat([(z if z is not None else torch.zeros_like(s)).repeat_interleave(cg // g, dim=1)
-                               for _, s, z, cg in codes])
-        self.native = NativeWeight.int8(q, scales, g, zeros)
+        if kind == INT8:
+            zeros = None
+            if any(z is not None for _, _, z, _ in codes):
+                zeros = torch.cat([(z if z is not None else torch.zeros_like(s)).repeat_interleave(cg // g, dim=1)
+                                   for _, s, z, cg in codes])
+            self.native = NativeWeight.int8(q, scales, g, zeros)
+            return True
+        offsets = [code_offset(fmt) for fmt, _ in items]
+        q = torch.cat([c[0].to(torch.int32) + off for c, off in zip(codes, offsets)])
+        scales = scales.to(torch.bfloat16).float()
+        zeros = torch.cat([((z if z is not None else 0) - off * s.to(torch.bfloat16).float()).repeat_interleave(cg // g, dim=1)
+                           for (_, s, z, cg), off in zip(codes, offsets)])
+        self.native = NativeWeight.wide(q, scales, zeros, kind)
         return True
 
     @property
