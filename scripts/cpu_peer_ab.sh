@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CPU decode of Q4_K_M GGUFs beside llama.cpp (docs/PERF.md, "Q4_K_M files decoded from int8 codes"):
+# CPU decode of Q4_K_M GGUFs beside llama.cpp (docs/PERF.md, "Q4_K_M files decoded from their codes"):
 #
 #   scripts/cpu_peer_ab.sh [BASE_DIR] [OUTDIR]
 #
