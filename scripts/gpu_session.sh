@@ -5,13 +5,15 @@
 # for the tests that need it: carry them in earlier calls, /tmp/gg keeps them):
 #
 #   scripts/gpu_session.sh start OUTDIR [pytest args]   # carry .whl .peer
-#       starts llama.cpp's llama-bench build (~6 min on 16 cores) and a synthetic Q4_K_M 8B GGUF in
-#       the background, then runs the GPU tests (default: pytest -m gpu tests/gpu) meanwhile
+#       starts llama.cpp's llama-bench build (~6 min on 16 cores) and synthetic 8B GGUFs in the
+#       background, then runs the GPU tests (default: pytest -m gpu tests/gpu) meanwhile
 #   scripts/gpu_session.sh compare OUTDIR [BASE_DIR]    # carry .whl
 #       waits for the build, then runs llama-bench and `ninfer bench FILE` (tg128 also with
 #       --decode-ahead on; and BASE_DIR's ninfer, an
 #       unpacked `git archive` of another commit) alternated, two rounds, pp512 and tg128, and prints
 #       one table
+# NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
+# q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:?usage: scripts/gpu_session.sh start|compare OUTDIR ...}"
@@ -19,7 +21,9 @@ OUT="${2:?usage: scripts/gpu_session.sh start|compare OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
-GGUF=/tmp/llama-8b.Q4_K_M.gguf
+TYPES="${NINFER_PEER_TYPES:-q4_k_m}"
+P="${NINFER_PEER_P:-512}"
+gguf() { echo "/tmp/llama-8b.$1.gguf"; }
 if [ ! -f /tmp/site/.done ] && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.done
@@ -41,13 +45,15 @@ start)
     setsid bash -c "cd $PEER && cmake -S src -B src/build-peer -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
       -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
       -DLLAMA_BUILD_APP=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER=$NVCC > cmake.log 2>&1 \
-      && cmake --build src/build-peer --target llama-bench -j\$(nproc) > build.log 2>&1; echo done > built" \
+      && nice -n 19 cmake --build src/build-peer --target llama-bench llama-batched-bench -j\$(nproc) > build.log 2>&1; echo done > built" \
       > /dev/null 2>&1 < /dev/null &
   fi
-  if [ ! -f "$GGUF" ]; then
-    setsid bash -c "python3 scripts/synthetic_gguf.py llama-8b $GGUF.part > /tmp/synth.log 2>&1 && mv $GGUF.part $GGUF" \
-      > /dev/null 2>&1 < /dev/null &
-  fi
+  make=""
+  for t in $TYPES; do
+    f=$(gguf "$t")
+    [ -f "$f" ] || make+="python3 scripts/synthetic_gguf.py llama-8b $f.part --type $t >> /tmp/synth.log 2>&1 && mv $f.part $f; "
+  done
+  [ -n "$make" ] && setsid nice -n 19 bash -c "$make" > /dev/null 2>&1 < /dev/null &
   [ $# -eq 0 ] && set -- -m gpu tests/gpu
   # stopped before a 10-minute call limit would lose the log (NINFER_TEST_TIMEOUT seconds)
   timeout "${NINFER_TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
@@ -56,19 +62,24 @@ start)
   ;;
 compare)
   BASE="${1:-}"
-  for _ in $(seq 120); do [ -f "$PEER/built" ] && [ -f "$GGUF" ] && break; sleep 5; done
+  for _ in $(seq 120); do [ -f "$PEER/built" ] && break; sleep 5; done
   BENCH="$PEER/src/build-peer/bin/llama-bench"
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
-  for r in 1 2; do
-    "$BENCH" -m "$GGUF" -p 512 -n 128 -ngl 99 -r 5 -o json > "$OUT/llamacpp_$r.json" 2> "$OUT/llamacpp_$r.log"
-    python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 512 -n 128 -r 5 -o json \
-      > "$OUT/ninfer_$r.json" 2> "$OUT/ninfer_$r.log"
-    python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 0 -n 128 -r 5 -o json --decode-ahead on \
-      > "$OUT/ahead_$r.json" 2> "$OUT/ahead_$r.log"
-    if [ -n "$BASE" ]; then
-      (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE" python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 512 -n 128 \
-        -r 5 -o json) > "$OUT/base_$r.json" 2> "$OUT/base_$r.log"
-    fi
+  for t in $TYPES; do
+    GGUF=$(gguf "$t")
+    for _ in $(seq 60); do [ -f "$GGUF" ] && break; sleep 5; done
+    [ -f "$GGUF" ] || { echo "$GGUF was not written: $(tail -n 2 /tmp/synth.log)"; continue; }
+    for r in 1 2; do
+      "$BENCH" -m "$GGUF" -p "$P" -n 128 -ngl 99 -r 5 -o json > "$OUT/llamacpp_${t}_$r.json" 2> "$OUT/llamacpp_${t}_$r.log"
+      python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p "$P" -n 128 -r 5 -o json \
+        > "$OUT/ninfer_${t}_$r.json" 2> "$OUT/ninfer_${t}_$r.log"
+      python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 0 -n 128 -r 5 -o json --decode-ahead on \
+        > "$OUT/ahead_${t}_$r.json" 2> "$OUT/ahead_${t}_$r.log"
+      if [ -n "$BASE" ]; then
+        (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE" python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p "$P" \
+          -n 128 -r 5 -o json) > "$OUT/base_${t}_$r.json" 2> "$OUT/base_${t}_$r.log"
+      fi
+    done
   done
   python3 scripts/bench_table.py "$OUT"
   ;;

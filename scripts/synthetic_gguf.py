@@ -1,12 +1,13 @@
 """Write a random-weight llama GGUF of a named shape (ninfer.engine.synthetic.SHAPES) in llama.cpp's
-Q4_K_M mix, or all in one block type, so that ninfer and llama.cpp benchmark the very same file:
+Q4_K_M mix, or all in one type (F16, or one block type), so that ninfer and llama.cpp benchmark the
+very same file:
 
-    python scripts/synthetic_gguf.py llama-8b /tmp/llama-8b.Q4_K_M.gguf [--type q4_k_m|q4_k|q6_k|q8_0]
+    python scripts/synthetic_gguf.py llama-8b /tmp/llama-8b.Q4_K_M.gguf [--type q4_k_m|q4_k|q6_k|q8_0|q4_1|f16]
     ninfer bench /tmp/llama-8b.Q4_K_M.gguf --backend cuda -p 512 -n 128
     llama-bench -m /tmp/llama-8b.Q4_K_M.gguf -p 512 -n 128 -ngl 99
 
 Blocks are random bits with their f16 scales set so that weights are of size ~0.02 (finite; the
-model's output is noise, its speed is a real model's). Q4_K_M: as llama.cpp's quantize tool
+model's output is noise, its speed is a real model's); F16 weights are normal, of size 0.02. Q4_K_M: as llama.cpp's quantize tool
 assigns types (Q6_K for output.weight, or token_embd when tied, and for attn_v / ffn_down of its
 `use_more_bits` layers, Q4_K elsewhere; where an input width is not a multiple of 256, Q5_0 for
 Q4_K and Q8_0 for Q6_K): for smollm2-135m the same type counts as llama-quantize's Q4_K_M of the
@@ -30,9 +31,9 @@ from ninfer.engine.synthetic import SHAPES  # noqa: E402
 # per type: (offset of the f16 d, mean |code product| per unit of d, offset of the min field or None,
 # min / d that centres the weights)
 FIELDS = {Q.Q4_K: (0, 256.0, 2, 7.5), Q.Q6_K: (208, 1024.0, None, 0.0), Q.Q5_0: (0, 8.0, None, 0.0),
-          Q.Q8_0: (0, 64.0, None, 0.0)}
+          Q.Q8_0: (0, 64.0, None, 0.0), Q.Q4_1: (0, 4.0, 2, -7.5)}
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}
-TYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0}
+TYPES = {"q4_k": Q.Q4_K, "q6_k": Q.Q6_K, "q8_0": Q.Q8_0, "q4_1": Q.Q4_1, "f16": Q.F16}
 
 
 def use_more_bits(i: int, n: int) -> bool:
@@ -53,6 +54,11 @@ def tensor_type(gname: str, cols: int, layers: int, kind: str, tied: bool) -> Q:
 
 
 def random_blocks(rng: np.random.Generator, qtype: Q, rows: int, cols: int, scale: float = 0.02) -> np.ndarray:
+    if qtype == Q.F16:  # row by row: memory for one row's float32 at a time
+        out = np.empty((rows, cols), dtype=np.float16)
+        for r in range(0, rows, 1024):
+            out[r:r + 1024] = rng.standard_normal((min(1024, rows - r), cols), dtype=np.float32) * scale
+        return out.view(np.uint8)
     elements, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // elements, nbytes), dtype=np.uint8)
     d_at, unit, min_at, ratio = FIELDS[qtype]
@@ -98,7 +104,8 @@ def main() -> None:
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(c["rope_theta"])
     w.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-5))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if args.type == "q4_k_m" else gguf.LlamaFileType.GUESSED)
+    w.add_file_type({"q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M, "f16": gguf.LlamaFileType.MOSTLY_F16}.get(
+        args.type, gguf.LlamaFileType.GUESSED))
     tokens, types, merges = vocabulary(vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
