@@ -14,6 +14,8 @@
 #       one table
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
 # q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
+# One type's two rounds take ~3-4 min of an 8B file: `start` with all types, then one `compare` call per
+# one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE="${1:?usage: scripts/gpu_session.sh start|compare OUTDIR ...}"
