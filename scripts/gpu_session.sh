@@ -9,7 +9,7 @@
 #       background, then runs the GPU tests (default: pytest -m gpu tests/gpu) meanwhile
 #   scripts/gpu_session.sh compare OUTDIR [BASE_DIR]    # carry .whl
 #       waits for the build, then runs llama-bench and `ninfer bench FILE` (tg128 also with
-#       --decode-ahead on; and BASE_DIR's ninfer, an
+#       --decode-ahead off; and BASE_DIR's ninfer, an
 #       unpacked `git archive` of another commit) alternated, two rounds, pp512 and tg128, and prints
 #       one table
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
@@ -75,8 +75,8 @@ compare)
       "$BENCH" -m "$GGUF" -p "$P" -n 128 -ngl 99 -r 5 -o json > "$OUT/llamacpp_${t}_$r.json" 2> "$OUT/llamacpp_${t}_$r.log"
       python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p "$P" -n 128 -r 5 -o json \
         > "$OUT/ninfer_${t}_$r.json" 2> "$OUT/ninfer_${t}_$r.log"
-      python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 0 -n 128 -r 5 -o json --decode-ahead on \
-        > "$OUT/ahead_${t}_$r.json" 2> "$OUT/ahead_${t}_$r.log"
+      python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p 0 -n 128 -r 5 -o json --decode-ahead off \
+        > "$OUT/stepwise_${t}_$r.json" 2> "$OUT/stepwise_${t}_$r.log"
       if [ -n "$BASE" ]; then
         (cd "$BASE" && PYTHONPATH="/tmp/site:$BASE" python3 -m ninfer.cli.main bench "$GGUF" --backend cuda -p "$P" \
           -n 128 -r 5 -o json) > "$OUT/base_${t}_$r.json" 2> "$OUT/base_${t}_$r.log"

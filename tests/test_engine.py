@@ -332,7 +332,7 @@ def test_decode_ahead_lets_a_new_request_in_and_keeps_lanes_apart() -> None:
         engine.shutdown()
 
 
-def test_no_decode_ahead_where_the_next_sample_needs_the_last_token_or_unless_asked() -> None:
+def test_no_decode_ahead_where_the_next_sample_needs_the_last_token_or_when_turned_off() -> None:
     runner = LaunchingRunner()
     engine = engine_over(runner, decode_ahead=True)
     try:
@@ -342,7 +342,7 @@ def test_no_decode_ahead_where_the_next_sample_needs_the_last_token_or_unless_as
     finally:
         engine.shutdown()
     runner = LaunchingRunner()
-    engine = engine_over(runner)  # SchedulerConfig.decode_ahead is off by default
+    engine = engine_over(runner, decode_ahead=False)  # SchedulerConfig.decode_ahead on is the default
     try:
         ids, _, _ = collect(engine.submit(req("a", [3], max_tokens=5)))
         assert ids == [4, 5, 6, 7, 8] and runner.most_in_flight == 0

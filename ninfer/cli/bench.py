@@ -158,7 +158,7 @@ def bench(
     device_profile: str = DEVICE_PROFILE,
     device_profile_path: Optional[str] = DEVICE_PROFILE_PATH,
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="KV-cache storage: auto, bf16, int8, fp8 (cuda)."),
-    decode_ahead: str = typer.Option("off", "--decode-ahead",
+    decode_ahead: str = typer.Option("on", "--decode-ahead",
                                      help="on: launch each decode step before the last one's tokens are read "
                                           "(cuda backend); off: step by step."),
 ) -> None:

@@ -194,9 +194,9 @@ class SchedulerConfig:
     default_max_tokens: int | None = None
     prefix_reuse: bool = True
     max_private_continuations: int | None = None  # None: 2 * max_concurrency
-    # Engine._decode_ahead where the runner has launch / collect (the cuda runner): off until
-    # tests/gpu/test_decode_ahead_cuda.py and test_suspend_fixed_cuda.py pass with it on a GPU machine
-    decode_ahead: bool = False
+    # Engine._decode_ahead where the runner has launch / collect (the cuda runner; the torch runner
+    # has none and steps one at a time)
+    decode_ahead: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -449,7 +449,9 @@ class CudaModelRunner:
                 for other in self.stage_states[:-1]:
                     copy_across(other.ids[:n], st.ids[:n])
             self.graphs.run(rows, parts)
-        with torch.cuda.device(st.tokens.device):  # the last stage's: where the sampler wrote them
+        # the last stage's device: where the sampler wrote them. In inference mode: a runner built
+        # again by restore_memory (itself in inference mode) made _drawn an inference tensor
+        with torch.cuda.device(st.tokens.device), torch.inference_mode():
             self._drawn[slot][:n].copy_(st.tokens[:n], non_blocking=True)
             self._drawn_at[slot].record()
         return seqs, slot
