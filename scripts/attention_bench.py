@@ -1,8 +1,7 @@
 """Decode attention alone (llama-8b's 32 query / 8 kv heads x 128, bf16, 64-token pages): time per
-layer call and GB/s of K/V read, per variant (compile defines, split cap, partition), at 1 and 8
-rows and contexts 512..64k; 50 calls captured in one CUDA graph (launch cost excluded). The cuda
-backend only. Usage: PYTHONPATH=. python scripts/attention_bench.py [base]
-(base: only the partitions 512/256/128, for a tree before the split cap)."""
+layer call and GB/s of K/V read, per variant (route, compile defines, split cap, partition), at 1
+and 8 rows and contexts 512..64k; 50 calls captured in one CUDA graph (launch cost excluded). The
+cuda backend only. Usage: PYTHONPATH=. python scripts/attention_bench.py"""
 import sys, torch
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler
@@ -10,7 +9,7 @@ from pathlib import Path; kc = KernelCompiler(Path('/tmp/kc_mb'), device=0)
 dev = torch.device('cuda')
 Hq, Hkv, D, page = 32, 8, 128, 64
 orig_checks = L._attention_checks
-def run(ctx, rows, extra, split, part, threads, reps=50):
+def run(ctx, rows, route, extra, split, part, threads, reps=50):
     L.ATTN_MAX_SPLIT, L.ATTN_THREADS = split, threads
     L._attention_checks = lambda *a, **k: {**orig_checks(*a, **k), **extra}
     pages = -(-ctx // page)
@@ -20,30 +19,28 @@ def run(ctx, rows, extra, split, part, threads, reps=50):
     q = torch.randn(rows, Hq, D, device=dev).to(torch.bfloat16); out = torch.empty_like(q)
     tables = torch.arange(rows * pages, dtype=torch.int32, device=dev).view(rows, pages)
     lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
-    parts = L.attention_parts(ctx, part) if hasattr(L, 'attention_parts') else -(-ctx // part)
+    parts = L.attention_parts(ctx, part)
     ws = (torch.empty(rows, Hq, parts, D, device=dev), torch.empty(rows, Hq, parts, 2, device=dev))
-    for kcache, vcache in caches: L.paged_attention_decode(kc, q, kcache, vcache, tables, lens, ctx, out, D ** -0.5, part, ws)
+    for kcache, vcache in caches: L.paged_attention_decode(kc, q, kcache, vcache, tables, lens, ctx, out, D ** -0.5, part, ws, route=route)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for i in range(reps):
             kcache, vcache = caches[i % copies]
-            L.paged_attention_decode(kc, q, kcache, vcache, tables, lens, ctx, out, D ** -0.5, part, ws)
+            L.paged_attention_decode(kc, q, kcache, vcache, tables, lens, ctx, out, D ** -0.5, part, ws, route=route)
     g.replay(); torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
     t = e0.elapsed_time(e1) / reps * 1e-3
     nbytes = 2 * rows * ctx * Hkv * D * 2
     return t, nbytes / t / 1e9
-variants = [("auto kl8 w4", {}, 32, 64, 128), ("auto p512", {}, 32, 512, 128), ("auto p256", {}, 32, 256, 128), ("split64", {}, 64, 64, 128), ("split128", {}, 128, 64, 128),
-            ("kl16 split64", {"KL": 16}, 64, 64, 128), ("kl16 split128", {"KL": 16}, 128, 64, 128),
-            ("w8 split64", {"NWARPS": 8}, 64, 64, 256), ("kl16 w8 split64", {"KL": 16, "NWARPS": 8}, 64, 64, 256),
-            ("kl32 split64", {"KL": 32}, 64, 64, 128)]
-if len(sys.argv) > 1: variants = [("base p512", {}, 32, 512, 128), ("base p256", {}, 32, 256, 128), ("base p128", {}, 32, 128, 128)]
+variants = [("warp p64", "warp", {}, 32, 64, 128), ("mma p64", "mma", {}, 32, 64, 128),
+            ("mma p128", "mma", {}, 32, 128, 128), ("mma p256", "mma", {}, 32, 256, 128),
+            ("mma split64 p64", "mma", {}, 64, 64, 128), ("mma split16 p64", "mma", {}, 16, 64, 128)]
 for ctx, rows in ((512, 1), (4096, 1), (16384, 1), (16384, 8), (65536, 1)):
-    for name, extra, split, part, threads in variants:
+    for name, route, extra, split, part, threads in variants:
         try:
-            t, bw = run(ctx, rows, extra, split, part, threads)
+            t, bw = run(ctx, rows, route, extra, split, part, threads)
             print(f"ctx {ctx:6d} rows {rows} {name:18s} {t*1e6:8.1f} us {bw:7.0f} GB/s", flush=True)
         except Exception as e:
             print(f"ctx {ctx} rows {rows} {name}: {type(e).__name__} {e}"[:200], flush=True)

@@ -100,6 +100,7 @@ def test_defaults_are_the_former_constants() -> None:
     assert p.gemv == {"bf16": "mma", "int8": "warp", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
     assert set(p.gemv) == set(GEMV_FORMATS)
     assert (p.attention_partition, p.prompt_rows, p.graph_rows) == (64, 128, tuple(range(1, 9)))
+    assert p.decode_attention == "mma"
     assert p.gemv_route(TensorFormat("int4", 32, symmetric=False)) == "tiled"
     assert [p.graph_size(n) for n in range(1, 9)] == list(range(1, 9))
     assert p.gemv_route(TensorFormat("f16")) == "warp"  # a format no gemv kernel names
@@ -111,6 +112,7 @@ def test_defaults_are_the_former_constants() -> None:
     ({"gemv": {"bf16": "tiles"}}, "not one of this build's routes"),
     ({"gemv": {"q5_k": "warp"}}, "unknown gemv formats"),
     ({"attention_partition": 0}, "attention_partition"),
+    ({"decode_attention": "tensor"}, "decode_attention"),
     ({"prompt_rows": 100}, "prompt_rows"),
     ({"graph_rows": (1, 4)}, "graph_rows"),
     ({"graph_rows": (4, 2, 8)}, "graph_rows"),
@@ -122,8 +124,8 @@ def test_profile_validation(fields: dict, message: str) -> None:
 
 def test_yaml_round_trip(tmp_path: Path) -> None:
     measured = {"gemv": {"bf16": {"warp": {1: 1.234567e-05, 8: 2e-05}}}, "attention": {512: {"r1/c512": 3e-06}}}
-    p = DeviceProfile(gemv={"bf16": "cublas"}, attention_partition=1024, prompt_rows=64, graph_rows=(4, 8),
-                      device=KEY, calibrated_on="x (llama)", measured=measured)
+    p = DeviceProfile(gemv={"bf16": "cublas"}, attention_partition=1024, decode_attention="warp", prompt_rows=64,
+                      graph_rows=(4, 8), device=KEY, calibrated_on="x (llama)", measured=measured)
     path = p.save(profile_path(tmp_path, KEY))
     assert path.parent == tmp_path / "device-profiles" and path.name == "NVIDIA_H200-sm9.0-driver12.8-ninfer0.1.0.yaml"
     back = DeviceProfile.load(path)
@@ -131,6 +133,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     assert dataclasses.replace(back, source="defaults", measured={}) == dataclasses.replace(p, measured={})
     assert back.measured["gemv"]["bf16"]["warp"] == {1: 1.235e-05, 8: 2e-05}
     assert str(path) in back.describe() and "bf16 cublas" in back.describe()
+    assert back.decode_attention == "warp" and "decode attention warp" in back.describe()
 
 
 def test_bad_profile_files(tmp_path: Path) -> None:
@@ -288,7 +291,8 @@ def test_calibrator_loops_on_cpu_with_the_kernels_stubbed(monkeypatch: pytest.Mo
         assert cal.L.gemv_route_ok(route, fmt, x.shape[1], x.dtype)
         gemv_calls.append((fmt.format, fmt.symmetric, route))
 
-    def fake_attention(kc, q, k_cache, v_cache, tables, lens, max_len, out, scale, partition, ws):
+    def fake_attention(kc, q, k_cache, v_cache, tables, lens, max_len, out, scale, partition, ws, route="warp"):
+        assert route == "mma"  # the route this model runs: bf16, head_dim 64, 2 query heads per kv head
         parts = -(-max_len // partition)
         assert ws[0].shape == (q.shape[0], 4, parts, 64) and ws[1].shape == (q.shape[0], 4, parts, 2)
         assert tables.shape[0] == q.shape[0] and int(lens[0]) == max_len

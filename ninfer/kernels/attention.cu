@@ -26,6 +26,7 @@
 // rounded to act), so the output is bit-equal to rope_kv_write + paged_attention. Only where a
 // token's keys are all in the cache before the step or its own (not speculative verification).
 #include "common.cuh"
+#include "attention_split.cuh"
 #ifndef KV_QUANT
 #define KV_QUANT 0
 #endif
@@ -110,15 +111,6 @@ __device__ __forceinline__ int token_keys(int t, const i32* cu_seqlens, const i3
   while (b + 1 < num_seqs && cu_seqlens[b + 1] <= t) ++b;
   *seq = b;
   return lens[b] + (t - cu_seqlens[b]) + 1;
-}
-
-// The first key a token sees: 0, or the first of its window.
-__device__ __forceinline__ int first_key(int n_keys, int window) { return window > 0 ? max(0, n_keys - window) : 0; }
-
-// Keys per partition of a token's n keys (the last partition may hold fewer): n <= 0 gives 1.
-__device__ __forceinline__ int split_size(int n, int partition) {
-  const int parts = min(MAX_SPLIT, max(1, (n + partition - 1) / partition));
-  return max(1, (n + parts - 1) / parts);
 }
 
 // Score soft-capping (Gemma 2 style); softcap <= 0: none.

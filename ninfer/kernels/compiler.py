@@ -28,7 +28,7 @@ import torch
 from ninfer.errors import ConfigError, NInferError
 
 KERNEL_DIR = Path(__file__).resolve().parent
-HEADERS = ("common.cuh", "kv_codes.cuh")
+HEADERS = ("common.cuh", "kv_codes.cuh", "attention_split.cuh")
 
 
 class KernelError(NInferError, ValueError):

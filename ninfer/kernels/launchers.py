@@ -23,7 +23,7 @@ BF16, F16, F32_DT, I32_DT = torch.bfloat16, torch.float16, torch.float32, torch.
 MAX_GEMV_ROWS = 8
 TOPK_MAX = 20
 GEMV_WARPS = 8  # gemv.cu
-ATTN_THREADS = 128  # attention.cu: NWARPS * 32
+ATTN_THREADS = 128  # attention.cu NWARPS * 32, attention_decode_mma.cu NW * 32
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
@@ -345,17 +345,36 @@ def attention_parts(max_context_len: int, partition: int) -> int:
     return max(1, min(ATTN_MAX_SPLIT, math.ceil(max_context_len / partition)))
 
 
+ATTN_DECODE_ROUTES = ("warp", "mma")  # attention.cu (CUDA cores) or attention_decode_mma.cu (tensor cores)
+
+
+def attention_decode_route_ok(route: str, act_dtype: torch.dtype, head_dim: int, gqa: int, page_size: int,
+                              compressed: bool = False) -> bool:
+    """Whether the decode attention `route` takes activations of act_dtype at this head_dim, group size
+    (query heads per kv head) and page size, over a compressed (int8 / fp8 codes) cache or not."""
+    if route == "mma":
+        return (act_dtype == BF16 and head_dim in (64, 128) and 1 <= gqa <= 8 and not compressed
+                and page_size > 0 and page_size & (page_size - 1) == 0)
+    return route == "warp"
+
+
 def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
                max_context_len: int, out: torch.Tensor, scale: float, partition: int,
                workspace: tuple[torch.Tensor, torch.Tensor] | None, window: int = 0, softcap: float = 0.0,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-               rope: list | None = None) -> None:
+               rope: list | None = None, route: str = "warp") -> None:
     defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, lens, out, k_scale, v_scale)
     if rope is not None:  # rope_attention_decode's arguments, checked there
         defines["ROPE_KV"] = 1
     T, Hq, D = q.shape
     _, page_size, Hkv, _ = k_cache.shape
+    if route not in ATTN_DECODE_ROUTES:
+        raise KernelError(f"decode attention route must be one of {', '.join(ATTN_DECODE_ROUTES)}, got {route!r}")
+    if route == "mma" and not attention_decode_route_ok(route, q.dtype, D, Hq // Hkv, page_size, k_scale is not None):
+        raise KernelError(f"the mma decode attention takes bfloat16 caches (not compressed), head_dim 64 or 128, "
+                          f"at most 8 query heads per kv head and pages of a power of two keys; got {k_cache.dtype}, "
+                          f"head_dim {D}, {Hq // Hkv} heads per kv head, pages of {page_size}")
     B = block_tables.shape[0]
     if partition <= 0 or max_context_len < 0:
         raise KernelError("partition must be positive and max_context_len non-negative")
@@ -374,12 +393,18 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
             raise KernelError(f"workspace must be [>= {T}, {Hq}, {max_parts}, {D}] and [.., 2]")
     part_out, part_ml = workspace if max_parts > 1 else (None, None)
     seq_args = [ptr(cu_seqlens), ptr(lens), I32(B)]
-    kc.kernel("attention.cu", "paged_attention", defines).launch(
-        (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
-        [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale), ptr(block_tables),
-         I32(block_tables.shape[1]),
-         *seq_args, ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv),
-         I32(page_size), I32(partition), F32(scale), I32(window), F32(softcap), *(rope or [])])
+    head = [ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv)]
+    tail = [I32(partition), F32(scale), I32(window), F32(softcap), *(rope or [])]
+    if route == "mma":  # decode only (the callers pass cu_seqlens=None)
+        kc.kernel("attention_decode_mma.cu", "paged_attention_decode_mma", defines).launch(
+            (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
+            [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
+             ptr(lens), *head, I32(page_size.bit_length() - 1), *tail])
+    else:
+        kc.kernel("attention.cu", "paged_attention", defines).launch(
+            (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
+            [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale), ptr(block_tables),
+             I32(block_tables.shape[1]), *seq_args, *head, I32(page_size), *tail])
     if max_parts > 1:
         kc.kernel("attention.cu", "paged_attention_combine", defines).launch(
             (Hq, T, 1), (D, 1, 1),
@@ -392,7 +417,7 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
                            out: torch.Tensor, scale: float, partition: int = 512,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
                            softcap: float = 0.0, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> None:
+                           v_scale: torch.Tensor | None = None, route: str = "warp") -> None:
     """One query token per sequence attends its whole context (context_lens[b] keys, this token's included).
 
     q, out [B, Hq, D] and caches [pages, page_size, Hkv, D]: all bf16 or all fp32; block_tables [B, max_pages] int32;
@@ -403,9 +428,10 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
     graphs): fp32 [>= B, Hq, attention_parts(max_context_len, partition), D] and [.., 2].
     window > 0: each sequence sees only its last `window` keys; softcap > 0: scores soft-capped.
     A compressed cache (int8 or float8_e4m3fn codes) comes with k_scale/v_scale f16 [pages, page_size, Hkv].
+    route: ATTN_DECODE_ROUTES ("mma" where attention_decode_route_ok; its bits differ from "warp"'s).
     """
     _attention(kc, q, k_cache, v_cache, block_tables, None, context_lens, max_context_len, out, scale,
-               partition, workspace, window, softcap, k_scale, v_scale)
+               partition, workspace, window, softcap, k_scale, v_scale, route=route)
 
 
 def rope_attention_decode_ok(q: torch.Tensor, k_cache: torch.Tensor, rotary_dim: int, norms: bool) -> bool:
@@ -419,9 +445,9 @@ def rope_attention_decode(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, 
                           k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, max_context_len: int, out: torch.Tensor, scale: float,
                           partition: int = 512, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          window: int = 0, softcap: float = 0.0) -> None:
-    """rope_kv_write (no q/k norms, rotary_dim = head_dim) then paged_attention_decode in one kernel
-    launch, with the same bits (attention.cu ROPE_KV): q [B, Hq, D] is read and rotated, not written;
+                          window: int = 0, softcap: float = 0.0, route: str = "warp") -> None:
+    """rope_kv_write (no q/k norms, rotary_dim = head_dim) then paged_attention_decode (on the same
+    route) in one kernel launch, with the same bits (ROPE_KV): q [B, Hq, D] is read and rotated, not written;
     the rotated k and v [B, Hkv, D] of each token are stored at slot_mapping[b] (negative: not stored)
     before its attention reads the cache. Every token's other keys must already be in the cache (one
     new token per sequence: not speculative verification, whose rows see each other's keys)."""
@@ -439,7 +465,7 @@ def rope_attention_decode(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, 
     _check(slot_mapping, "slot_mapping", I32_DT, [T], kc.device)
     rope = [ptr(k), I64(k.stride(0)), ptr(v), I64(v.stride(0)), ptr(cos), ptr(sin), ptr(positions), ptr(slot_mapping)]
     _attention(kc, q, k_cache, v_cache, block_tables, None, context_lens, max_context_len, out, scale, partition,
-               workspace, window, softcap, rope=rope)
+               workspace, window, softcap, rope=rope, route=route)
 
 
 ATTN_PREFILL_ROUTES = ("warp", "mma")  # attention.cu (CUDA cores, any dtype) or attention_mma.cu (tensor cores)

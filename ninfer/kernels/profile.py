@@ -12,12 +12,15 @@ What a profile chooses, and why each choice keeps results batch-invariant:
 - attention_partition: the least keys a split-K partition of decode attention holds (a context of
   n keys is cut into min(32, ceil(n / partition)) partitions). A sequence's split depends only on
   its own length and this constant, fixed for the whole run.
+- decode_attention: the decode attention route (launchers.ATTN_DECODE_ROUTES) where it takes the
+  layer (bf16 caches, head_dim 64 / 128, at most 8 query heads per kv head for "mma"; else "warp"),
+  one route for the whole run.
 - prompt_rows: the row block of every prompt matmul (cuBLAS sees only [prompt_rows, K] blocks),
   fixed for the whole run.
 - graph_rows: the decode row counts that get their own CUDA graph; a step of n rows runs the graph
   of the smallest listed count >= n, padded rows computing nothing any real row reads.
-The defaults: DEFAULT_GEMV_ROUTES, DEFAULT_PARTITION (64), DEFAULT_PROMPT_ROWS (128), graph rows
-1..8. A profile is passed explicitly (CudaOps, the cuda runner); nothing reads it from a module
+The defaults: DEFAULT_GEMV_ROUTES, DEFAULT_PARTITION (64), DEFAULT_DECODE_ATTENTION ("mma"),
+DEFAULT_PROMPT_ROWS (128), graph rows 1..8. A profile is passed explicitly (CudaOps, the cuda runner); nothing reads it from a module
 global.
 """
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, Mapping
 
 from ninfer.errors import ConfigError
 from ninfer.formats import TensorFormat
-from ninfer.kernels.launchers import GEMV_FORMATS, GEMV_ROUTES, MAX_GEMV_ROWS
+from ninfer.kernels.launchers import ATTN_DECODE_ROUTES, GEMV_FORMATS, GEMV_ROUTES, MAX_GEMV_ROWS
 
 PROFILE_VERSION = 1
 CUBLAS = "cublas"  # the decode route through torch.mm (unquantized weights only)
@@ -39,6 +42,7 @@ DENSE_FORMATS = ("bf16", "f32")
 # int8 they win rows 4..8 but lose a third at one row, which decides
 DEFAULT_GEMV_ROUTES = {"bf16": "mma", "int8": "warp", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
 DEFAULT_PARTITION = 64
+DEFAULT_DECODE_ATTENTION = "mma"  # tensor cores for Q K^T and P V (docs/PERF.md, decode attention on tensor cores)
 DEFAULT_PROMPT_ROWS = 128
 ALL_ROWS = tuple(range(1, MAX_GEMV_ROWS + 1))
 
@@ -76,6 +80,7 @@ class DeviceProfile:
 
     gemv: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_GEMV_ROUTES))
     attention_partition: int = DEFAULT_PARTITION
+    decode_attention: str = DEFAULT_DECODE_ATTENTION
     prompt_rows: int = DEFAULT_PROMPT_ROWS
     graph_rows: tuple[int, ...] = ALL_ROWS
     device: DeviceKey | None = None
@@ -94,6 +99,9 @@ class DeviceProfile:
                 raise ConfigError(f"device profile: gemv route {route!r} for {key} is not one of this build's "
                                   f"routes ({', '.join(GEMV_ROUTES + (CUBLAS,))}); recalibrate")
         object.__setattr__(self, "gemv", {**DEFAULT_GEMV_ROUTES, **self.gemv})
+        if self.decode_attention not in ATTN_DECODE_ROUTES:
+            raise ConfigError(f"device profile: decode_attention must be one of {', '.join(ATTN_DECODE_ROUTES)}, "
+                              f"got {self.decode_attention!r}")
         for name in ("attention_partition", "prompt_rows"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % 16:
@@ -116,12 +124,13 @@ class DeviceProfile:
         """One line for the log: where it came from and what it chose."""
         routes = ", ".join(f"{k} {v}" for k, v in self.gemv.items())
         return (f"device profile {self.source}: gemv [{routes}], attention partition {self.attention_partition}, "
-                f"prompt rows {self.prompt_rows}, graph rows {list(self.graph_rows)}")
+                f"decode attention {self.decode_attention}, prompt rows {self.prompt_rows}, graph rows {list(self.graph_rows)}")
 
     def to_dict(self) -> dict:
         return {"version": PROFILE_VERSION, "device": self.device.to_dict() if self.device else None,
                 "calibrated_on": self.calibrated_on, "gemv": dict(self.gemv),
-                "attention_partition": self.attention_partition, "prompt_rows": self.prompt_rows,
+                "attention_partition": self.attention_partition, "decode_attention": self.decode_attention,
+                "prompt_rows": self.prompt_rows,
                 "graph_rows": list(self.graph_rows), "measured": _plain(self.measured)}
 
     @classmethod
@@ -133,6 +142,7 @@ class DeviceProfile:
             dev = d.get("device")
             return cls(gemv=dict(d.get("gemv") or {}),
                        attention_partition=d.get("attention_partition", DEFAULT_PARTITION),
+                       decode_attention=d.get("decode_attention", DEFAULT_DECODE_ATTENTION),
                        prompt_rows=d.get("prompt_rows", DEFAULT_PROMPT_ROWS),
                        graph_rows=tuple(d.get("graph_rows", ALL_ROWS)),
                        device=DeviceKey(**dev) if dev else None, calibrated_on=str(d.get("calibrated_on") or ""),

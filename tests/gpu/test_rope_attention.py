@@ -1,6 +1,6 @@
 """RoPE + the K/V write + decode attention in one launch (launchers.rope_attention_decode, attention.cu
-ROPE_KV) on fresh random data: bit-equal to rope_kv_write followed by paged_attention_decode (output
-and both caches), against fp64 (rotated k in the cache, the attention output), for head dims 64 /
+and attention_decode_mma.cu ROPE_KV) on fresh random data, on both decode routes: bit-equal to
+rope_kv_write followed by paged_attention_decode on the same route (output and both caches), against fp64 (rotated k in the cache, the attention output), for head dims 64 /
 128 / 256, GQA groups, one and several split-K partitions, a sliding window, soft-capping, padding
 rows; batch invariant; what it refuses."""
 from __future__ import annotations
@@ -32,11 +32,18 @@ def setup(g: torch.Generator, Hq: int, Hkv: int, D: int, act: torch.dtype):
     return qkv, q, k, v, cos, sin, positions, slots, k_cache, v_cache, tables, lens
 
 
+def route_or_skip(route: str, act: torch.dtype, D: int, Hq: int, Hkv: int) -> None:
+    if not L.attention_decode_route_ok(route, act, D, Hq // Hkv, PAGE):
+        pytest.skip(f"the {route} decode route does not take {act}, head_dim {D}, {Hq // Hkv} heads per kv head")
+
+
+@pytest.mark.parametrize("route", L.ATTN_DECODE_ROUTES)
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (300, 0.0), (0, 2.0)])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8), (256, 8, 4), (64, 4, 4)])
 @ACTS
 def test_rope_attention_decode_equals_two_kernels(kc, D: int, Hq: int, Hkv: int, window: int, softcap: float,
-                                                  act: torch.dtype) -> None:
+                                                  act: torch.dtype, route: str) -> None:
+    route_or_skip(route, act, D, Hq, Hkv)
     g = gen(D + Hq + window)
     qkv, q, k, v, cos, sin, positions, slots, k_cache, v_cache, tables, lens = setup(g, Hq, Hkv, D, act)
     T, scale, max_ctx = len(LENS), D ** -0.5, max(LENS)
@@ -44,13 +51,14 @@ def test_rope_attention_decode_equals_two_kernels(kc, D: int, Hq: int, Hkv: int,
     kc2, vc2 = k_cache.clone(), v_cache.clone()
     fused = torch.full((T, Hq, D), float("nan"), dtype=act, device=DEV)
     L.rope_attention_decode(kc, q, k, v, cos, sin, positions, slots, k_cache, v_cache, tables, lens, max_ctx, fused,
-                            scale, 512, window=window, softcap=softcap)
+                            scale, 512, window=window, softcap=softcap, route=route)
     assert torch.equal(qkv, qkv0), "the fused kernel must not write q, k or v"
     # the two kernels it replaces, on copies
     q2, k2, v2 = (t.clone() for t in (q, k, v))
     L.rope_kv_write(kc, q2, k2, v2, cos, sin, positions, slots, kc2, vc2)
     two = torch.full((T, Hq, D), float("nan"), dtype=act, device=DEV)
-    L.paged_attention_decode(kc, q2, kc2, vc2, tables, lens, max_ctx, two, scale, 512, window=window, softcap=softcap)
+    L.paged_attention_decode(kc, q2, kc2, vc2, tables, lens, max_ctx, two, scale, 512, window=window, softcap=softcap,
+                             route=route)
     assert torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2), "caches differ from rope_kv_write's"
     assert torch.equal(fused.nan_to_num(7.0), two.nan_to_num(7.0)), "output differs from the two kernels'"
     assert torch.equal(fused[LENS.index(0)], torch.zeros_like(fused[0])), "a padding row writes zeros"
@@ -71,7 +79,8 @@ def test_rope_attention_decode_equals_two_kernels(kc, D: int, Hq: int, Hkv: int,
             assert rel(fused[b], ref) < TOL[act], f"token {b} ({n} keys)"
 
 
-def test_rope_attention_decode_batch_invariant(kc) -> None:
+@pytest.mark.parametrize("route", L.ATTN_DECODE_ROUTES)
+def test_rope_attention_decode_batch_invariant(kc, route: str) -> None:
     """A token's output and cache rows do not depend on the other tokens of the batch."""
     g = gen(3)
     Hq, Hkv, D = 8, 2, 128
@@ -80,12 +89,12 @@ def test_rope_attention_decode_batch_invariant(kc) -> None:
     base_k, base_v = k_cache.clone(), v_cache.clone()
     batch = torch.empty((T, Hq, D), dtype=torch.bfloat16, device=DEV)
     L.rope_attention_decode(kc, q, k, v, cos, sin, positions, slots, k_cache, v_cache, tables, lens, max(LENS), batch,
-                            D ** -0.5)
+                            D ** -0.5, route=route)
     for b in range(T):
         kb, vb = base_k.clone(), base_v.clone()
         one = torch.empty((1, Hq, D), dtype=torch.bfloat16, device=DEV)
         L.rope_attention_decode(kc, q[b:b + 1], k[b:b + 1], v[b:b + 1], cos, sin, positions[b:b + 1], slots[b:b + 1],
-                                kb, vb, tables[b:b + 1], lens[b:b + 1], max(LENS), one, D ** -0.5)
+                                kb, vb, tables[b:b + 1], lens[b:b + 1], max(LENS), one, D ** -0.5, route=route)
         assert torch.equal(one[0], batch[b])
 
 

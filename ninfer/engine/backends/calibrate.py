@@ -8,7 +8,9 @@ What is timed, all in bf16 activations, each figure the best of a few samples:
   matmul shapes weighted by how often a step runs each; beside them cuBLAS (torch.mm on the
   dequantized bf16 weight, rows padded to 8). Each sample runs enough copies of a weight to
   exceed the L2 cache, captured in a CUDA graph, as a decode step reads them.
-- attention_partition: split-K decode attention over context lengths, 1 and 8 rows.
+- attention_partition: split-K decode attention over context lengths, 1 and 8 rows, on the decode
+  attention route the model runs (DEFAULT_DECODE_ATTENTION where it takes the model; the route
+  itself is not timed against the other yet).
 - prompt_rows: the prompt route's cuBLAS row block over prompt lengths and the model's shapes.
 - graph_rows: the whole decode step replayed from its CUDA graph per row count (models without
   recurrent state; with it, every count keeps its own graph).
@@ -30,8 +32,8 @@ from ninfer.engine.quant import DEFAULT_GROUP_SIZE
 from ninfer.errors import ConfigError
 from ninfer.formats import TensorFormat
 from ninfer.kernels import launchers as L
-from ninfer.kernels.profile import (ALL_ROWS, CUBLAS, DEFAULT_GEMV_ROUTES, DEFAULT_PARTITION, DEFAULT_PROMPT_ROWS,
-                                    DeviceKey, DeviceProfile, ProfileRequest, device_key, profile_path)
+from ninfer.kernels.profile import (ALL_ROWS, CUBLAS, DEFAULT_DECODE_ATTENTION, DEFAULT_GEMV_ROUTES, DEFAULT_PARTITION,
+                                    DEFAULT_PROMPT_ROWS, DeviceKey, DeviceProfile, ProfileRequest, device_key, profile_path)
 from ninfer.kernels.selection import pick, pick_first_point, pick_graph_rows
 from ninfer.kernels.timing import sample_seconds
 
@@ -205,6 +207,9 @@ class Calibrator:
         """{partition: {"r<rows>/c<context>": seconds}} for one layer's decode attention."""
         c, dev, plan = self.config, self.device, self.plan
         hq, hkv, d, page = c.num_attention_heads, c.num_key_value_heads, c.head_dim, 64
+        route = DEFAULT_DECODE_ATTENTION
+        if not L.attention_decode_route_ok(route, torch.bfloat16, d, hq // hkv, page):
+            route = "warp"
         table: dict[int, dict[str, float]] = {}
         for rows in plan.attention_rows:
             for ctx in plan.contexts:
@@ -225,7 +230,7 @@ class Calibrator:
                     def run(part=part, ws=ws) -> None:
                         for k_cache, v_cache in caches:
                             L.paged_attention_decode(self.kc, q, k_cache, v_cache, tables, lens, ctx, out,
-                                                     d ** -0.5, part, ws)
+                                                     d ** -0.5, part, ws, route=route)
                     table.setdefault(part, {})[f"r{rows}/c{ctx}"] = _best(run, dev, plan.reps) / len(caches)
                 del caches
         return table

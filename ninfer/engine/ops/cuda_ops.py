@@ -5,7 +5,8 @@ Two routes, chosen by the step context, not by row count:
 - decode (one new token per sequence, at most 8 rows, replayed from a CUDA graph): gemv over the
   stored weight format (llama.cpp block formats read in place by kernels/blocks.cu: on tensor
   cores with bf16 activations, route "blocks_tile" for blocks.TILE_FORMATS (q2_k / q3_k, and q5_0 /
-  iq4_nl at K not in 64s: "blocks_mma"), else "blocks"), split-K paged decode attention,
+  iq4_nl at K not in 64s: "blocks_mma"), else "blocks"), split-K paged decode attention (on tensor
+  cores, attention_decode_mma.cu, where the profile's decode_attention route takes the layer),
   one delta-rule step per sequence. Fewer launches per layer: a gated MLP's activation runs in the
   gate_up gemv's epilogue (gated_linear over a glu weight, on the routes whose epilogue is
   common.cuh's tile_epilogue), and RoPE + the K/V write run inside the decode attention kernel
@@ -19,7 +20,8 @@ each run of one format as it is, as segments of one weight.
 Every kernel computes a row from that row alone and cuBLAS always sees prompt_rows-row blocks, so
 a row's bits do not depend on the other rows of its batch or on where a prefix hit starts. The
 device profile (kernels/profile.py) fixes the decode route per weight format, the attention
-partition and prompt_rows for the whole run (its defaults: DEFAULT_GEMV_ROUTES, 512 keys, 128 rows).
+partition and decode route, and prompt_rows for the whole run (its defaults: DEFAULT_GEMV_ROUTES,
+64 keys, mma, 128 rows).
 
 Speculative verification runs on the decode route too: a verify row of width W (its last token and
 W - 1 drafts) is W decode rows, sequence-major, each query attending over its own context; the
@@ -375,7 +377,7 @@ class CudaOps:
             L.rope_attention_decode(self.kc, q, k, v, cos, sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
                                     ctx.v_cache[layer], ctx.block_tables, ctx.seq_lens, ctx.max_context, out,
                                     self.scale, self.profile.attention_partition, ctx.workspace,
-                                    window=window, softcap=softcap)
+                                    window=window, softcap=softcap, route=self._decode_route(layer))
             return out.view(T, -1)
         if scales[0] is None:
             L.rope_kv_write(self.kc, q, k, v, cos, sin, ctx.positions, ctx.kv_slots, ctx.k_cache[layer],
@@ -391,13 +393,22 @@ class CudaOps:
             L.paged_attention_decode(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
                                      ctx.seq_lens, ctx.max_context, out, self.scale,
                                      self.profile.attention_partition, ctx.workspace,
-                                     window=window, softcap=softcap, k_scale=scales[0], v_scale=scales[1])
+                                     window=window, softcap=softcap, k_scale=scales[0], v_scale=scales[1],
+                                     route=self._decode_route(layer))
         else:  # the mma route reads bf16 caches only: a compressed cache (or a window / soft-cap) takes warp
             route = self.prefill_attention if not (window or softcap or scales[0] is not None) else "warp"
             L.paged_attention_prefill(self.kc, q, ctx.k_cache[layer], ctx.v_cache[layer], ctx.block_tables,
                                       ctx.cu_seqlens, ctx.seq_lens, ctx.max_context, out, self.scale, route,
                                       window=window, softcap=softcap, k_scale=scales[0], v_scale=scales[1])
         return out.view(T, -1)
+
+    def _decode_route(self, layer: int) -> str:
+        """The profile's decode attention route where it takes this layer's cache, else warp."""
+        c, cache = self.config, self.ctx.k_cache[layer]
+        route = self.profile.decode_attention
+        ok = L.attention_decode_route_ok(route, self.dtype, c.head_dim, c.num_attention_heads // c.num_key_value_heads,
+                                         cache.shape[1], compressed=bool(self.ctx.k_scale))
+        return route if ok else "warp"
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
