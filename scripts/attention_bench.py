@@ -20,7 +20,7 @@ def run(ctx, rows, route, extra, split, part, threads, reps=50):
     tables = torch.arange(rows * pages, dtype=torch.int32, device=dev).view(rows, pages)
     lens = torch.full((rows,), ctx, dtype=torch.int32, device=dev)
     parts = L.attention_parts(ctx, part)
-    ws = L.attention_workspace(rows, Hq, parts, D, dev)
+    ws = (torch.empty(rows, Hq, parts, D, device=dev), torch.empty(rows, Hq, parts, 2, device=dev))
     for kcache, vcache in caches: L.paged_attention_decode(kc, q, kcache, vcache, tables, lens, ctx, out, D ** -0.5, part, ws, route=route)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

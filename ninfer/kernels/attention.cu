@@ -335,6 +335,15 @@ extern "C" __global__ void paged_attention_combine(const float* __restrict__ par
   const int nparts = (n + size - 1) / size;
   if (nparts <= 1) return;  // written by paged_attention directly
   const i64 base = ((i64)t * Hq + head) * max_parts;
-  for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x)
-    out[t * out_stride + (i64)head * HEAD_DIM + d] = to_act(merge_partials(part_out, part_ml, base, nparts, HEAD_DIM, d));
+  float M = NEG_INF;
+  for (int p = 0; p < nparts; ++p) M = fmaxf(M, part_ml[(base + p) * 2]);
+  for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+    float num = 0.0f, den = 0.0f;
+    for (int p = 0; p < nparts; ++p) {
+      const float w = expf(part_ml[(base + p) * 2] - M) * part_ml[(base + p) * 2 + 1];
+      num += w * part_out[(base + p) * HEAD_DIM + d];
+      den += w;
+    }
+    out[t * out_stride + (i64)head * HEAD_DIM + d] = to_act(num / den);
+  }
 }

@@ -18,9 +18,6 @@
 // values); the warps merge in warp order through shared memory. A token's result depends only on its
 // own keys and partition (fixed steps, fixed mma order; keys past the partition are clamped reads with
 // probability exactly 0), so it is batch-invariant, like attention.cu.
-// With `counters` (u32 [T, Hkv], zero between launches) the block that finishes a token's kv head last
-// merges its partitions itself (merge_partials, the combine kernel's bits) and zeroes the counter: no
-// combine launch. Without, paged_attention_combine runs after.
 // -DROPE_KV=1: as attention.cu's (q rotated as it is loaded, rounded to bf16; the block of the last
 // partition writes the rotated new k and v at slots[t] before any warp reads the cache).
 #include "common.cuh"
@@ -62,7 +59,7 @@ paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cac
                            const i32* __restrict__ block_tables, int max_pages, const i32* __restrict__ lens,
                            act* __restrict__ out, i64 out_stride, float* __restrict__ part_out,
                            float* __restrict__ part_ml, int max_parts, int Hkv, int page_shift, int partition,
-                           float scale, int window, float softcap, u32* __restrict__ counters
+                           float scale, int window, float softcap
 #if ROPE_KV
                            , const act* __restrict__ k_new, i64 k_stride, const act* __restrict__ v_new, i64 v_stride,
                            const float* __restrict__ cos_t, const float* __restrict__ sin_t,
@@ -258,19 +255,4 @@ paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cac
       }
     }
   }
-  if (nparts == 1 || counters == nullptr) return;
-  __shared__ u32 last;
-  __threadfence();  // this block's partials reach L2 before it is counted
-  __syncthreads();
-  u32* counter = counters + (i64)tok * Hkv + kvh;
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == (u32)(nparts - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // every other partition's partials are visible
-  for (int i = threadIdx.x; i < GQA * D; i += blockDim.x) {
-    const int head = kvh * GQA + i / D, d = i % D;
-    const i64 base = ((i64)tok * Hq + head) * max_parts;
-    out[tok * out_stride + (i64)head * D + d] = to_act(merge_partials(part_out, part_ml, base, nparts, D, d));
-  }
-  if (threadIdx.x == 0) *counter = 0u;  // every partition has counted: ready for the next launch
 }

@@ -358,19 +358,10 @@ def attention_decode_route_ok(route: str, act_dtype: torch.dtype, head_dim: int,
     return route == "warp"
 
 
-def attention_workspace(rows: int, heads: int, parts: int, head_dim: int, device) -> tuple[torch.Tensor, ...]:
-    """Split-K scratch for decode attention over `rows` tokens: partial outputs fp32 [rows, heads,
-    parts, head_dim], their (max, sum) [rows, heads, parts, 2], and the mma route's arrival counters
-    int32 [rows * heads] (>= rows * kv heads), zero between launches (the kernel leaves them zero)."""
-    return (torch.empty((rows, heads, parts, head_dim), dtype=F32_DT, device=device),
-            torch.empty((rows, heads, parts, 2), dtype=F32_DT, device=device),
-            torch.zeros(rows * heads, dtype=I32_DT, device=device))
-
-
 def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                block_tables: torch.Tensor, cu_seqlens: torch.Tensor | None, lens: torch.Tensor,
                max_context_len: int, out: torch.Tensor, scale: float, partition: int,
-               workspace: tuple[torch.Tensor, ...] | None, window: int = 0, softcap: float = 0.0,
+               workspace: tuple[torch.Tensor, torch.Tensor] | None, window: int = 0, softcap: float = 0.0,
                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                rope: list | None = None, route: str = "warp") -> None:
     defines = _attention_checks(kc, q, k_cache, v_cache, block_tables, cu_seqlens, lens, out, k_scale, v_scale)
@@ -393,36 +384,27 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
         return
     max_parts = attention_parts(max_context_len, partition)
     if workspace is None and max_parts > 1:
-        workspace = attention_workspace(T, Hq, max_parts, D, q.device)
-    counters = None
+        workspace = (torch.empty((T, Hq, max_parts, D), dtype=F32_DT, device=q.device),
+                     torch.empty((T, Hq, max_parts, 2), dtype=F32_DT, device=q.device))
     if max_parts > 1:
-        if len(workspace) not in (2, 3):
-            raise KernelError("workspace must be (part_out, part_ml) or (part_out, part_ml, counters)")
         _check(workspace[0], "workspace[0]", F32_DT, [None, Hq, None, D], kc.device)
         _check(workspace[1], "workspace[1]", F32_DT, [None, Hq, None, 2], kc.device)
         if workspace[0].shape[0] < T or workspace[0].shape[2] != max_parts or workspace[1].shape[:3] != workspace[0].shape[:3]:
             raise KernelError(f"workspace must be [>= {T}, {Hq}, {max_parts}, {D}] and [.., 2]")
-        if len(workspace) == 3 and route == "mma":  # the warp kernel has no in-kernel merge: it takes the combine
-            counters = workspace[2]
-            _check(counters, "workspace[2]", I32_DT, [None], kc.device)
-            if counters.shape[0] < T * Hkv:
-                raise KernelError(f"workspace[2] (counters) must hold >= {T * Hkv} entries, got {counters.shape[0]}")
-    part_out, part_ml = workspace[:2] if max_parts > 1 else (None, None)
+    part_out, part_ml = workspace if max_parts > 1 else (None, None)
     seq_args = [ptr(cu_seqlens), ptr(lens), I32(B)]
     head = [ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv)]
-    tail = [I32(partition), F32(scale), I32(window), F32(softcap)]
+    tail = [I32(partition), F32(scale), I32(window), F32(softcap), *(rope or [])]
     if route == "mma":  # decode only (the callers pass cu_seqlens=None)
         kc.kernel("attention_decode_mma.cu", "paged_attention_decode_mma", defines).launch(
             (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
             [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
-             ptr(lens), *head, I32(page_size.bit_length() - 1), *tail, ptr(counters), *(rope or [])])
-        if counters is not None:
-            return  # merged in the kernel
+             ptr(lens), *head, I32(page_size.bit_length() - 1), *tail])
     else:
         kc.kernel("attention.cu", "paged_attention", defines).launch(
             (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
             [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(k_scale), ptr(v_scale), ptr(block_tables),
-             I32(block_tables.shape[1]), *seq_args, *head, I32(page_size), *tail, *(rope or [])])
+             I32(block_tables.shape[1]), *seq_args, *head, I32(page_size), *tail])
     if max_parts > 1:
         kc.kernel("attention.cu", "paged_attention_combine", defines).launch(
             (Hq, T, 1), (D, 1, 1),
@@ -433,7 +415,7 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
 def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
                            out: torch.Tensor, scale: float, partition: int = 512,
-                           workspace: tuple[torch.Tensor, ...] | None = None, window: int = 0,
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
                            softcap: float = 0.0, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, route: str = "warp") -> None:
     """One query token per sequence attends its whole context (context_lens[b] keys, this token's included).
@@ -443,9 +425,7 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
     Contexts longer than `partition` keys are split into min(ATTN_MAX_SPLIT, ceil(n / partition))
     equal partitions and merged in a fixed order; the split depends only on each sequence's own
     length, so results are batch-invariant. `workspace` (optional, reusable, e.g. under CUDA
-    graphs): fp32 [>= B, Hq, attention_parts(max_context_len, partition), D] and [.., 2], and for the
-    mma route int32 counters [>= B * Hkv], zero (attention_workspace): with them the kernel merges the
-    partitions itself, without them a combine kernel runs (the same bits).
+    graphs): fp32 [>= B, Hq, attention_parts(max_context_len, partition), D] and [.., 2].
     window > 0: each sequence sees only its last `window` keys; softcap > 0: scores soft-capped.
     A compressed cache (int8 or float8_e4m3fn codes) comes with k_scale/v_scale f16 [pages, page_size, Hkv].
     route: ATTN_DECODE_ROUTES ("mma" where attention_decode_route_ok; its bits differ from "warp"'s).
@@ -464,7 +444,7 @@ def rope_attention_decode(kc: KernelCompiler, q: torch.Tensor, k: torch.Tensor, 
                           sin: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           context_lens: torch.Tensor, max_context_len: int, out: torch.Tensor, scale: float,
-                          partition: int = 512, workspace: tuple[torch.Tensor, ...] | None = None,
+                          partition: int = 512, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
                           window: int = 0, softcap: float = 0.0, route: str = "warp") -> None:
     """rope_kv_write (no q/k norms, rotary_dim = head_dim) then paged_attention_decode (on the same
     route) in one kernel launch, with the same bits (ROPE_KV): q [B, Hq, D] is read and rotated, not written;

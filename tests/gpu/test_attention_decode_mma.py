@@ -1,8 +1,7 @@
 """Decode attention on tensor cores (route "mma", attention_decode_mma.cu) on fresh random data:
 against fp64 for head dims 64 / 128, groups of 1..8 query heads, one and many split-K partitions,
 page sizes, a sliding window and soft-capping; close to the warp route; batch invariant; what it
-refuses; the in-kernel merge of the partitions. (Its RoPE + K/V write fusion: test_rope_attention.py,
-both routes.)"""
+refuses. (Its RoPE + K/V write fusion: test_rope_attention.py, both routes.)"""
 from __future__ import annotations
 
 import pytest
@@ -66,39 +65,6 @@ def test_batch_invariant(kc, D: int, Hq: int, Hkv: int) -> None:
     for b in (0, 4, 7):
         one = run(kc, q[b:b + 1], k_cache, v_cache, tables[b:b + 1], ctx[b:b + 1], lens[b:b + 1], D ** -0.5, "mma")
         assert torch.equal(one[0], out8[b]), f"row {b}"
-
-
-@pytest.mark.parametrize("rope", [False, True])
-def test_the_in_kernel_merge_gives_the_combine_kernels_bits(kc, rope: bool) -> None:
-    """With counters in the workspace the last block of a token's kv head merges its partitions; without
-    them paged_attention_combine does: the same bits, and the counters are zero again after."""
-    g = gen(11)
-    D, Hq, Hkv, page = 128, 32, 8, 16
-    lens = [1, 17, 600, 1500, 513, 0, 4100]
-    k_cache, v_cache, tables = make_cache(g, [max(n, 1) for n in lens], Hkv, D, page)
-    q, k, v = randn((len(lens), Hq, D), g), randn((len(lens), Hkv, D), g), randn((len(lens), Hkv, D), g)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    parts = L.attention_parts(max(lens), 64)
-    outs = []
-    for with_counters in (True, False):
-        ws = L.attention_workspace(len(lens), Hq, parts, D, DEV)
-        ws[2].fill_(0)
-        kcache, vcache = k_cache.clone(), v_cache.clone()
-        out = poisoned((len(lens), Hq, D))
-        if rope:
-            cos, sin = L.rope_cos_sin(D, 8192, 10000.0, DEV)
-            positions = (ctx - 1).clamp(min=0)
-            slots = torch.tensor([int(tables[b, (n - 1) // page]) * page + (n - 1) % page if n else -1
-                                  for b, n in enumerate(lens)], dtype=torch.int32, device=DEV)
-            L.rope_attention_decode(kc, q, k, v, cos, sin, positions, slots, kcache, vcache, tables, ctx, max(lens),
-                                    out, D ** -0.5, 64, ws if with_counters else ws[:2], route="mma")
-        else:
-            L.paged_attention_decode(kc, q, kcache, vcache, tables, ctx, max(lens), out, D ** -0.5, 64,
-                                     ws if with_counters else ws[:2], route="mma")
-        if with_counters:
-            assert int(ws[2].abs().sum()) == 0, "the counters must be left at zero"
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
 
 
 def test_a_padding_row_writes_zeros(kc) -> None:

@@ -225,7 +225,7 @@ class Calibrator:
                 for part in plan.partitions:
                     self.progress(f"attention x{rows} ctx {ctx} partition {part}")
                     parts = L.attention_parts(ctx, part)
-                    ws = L.attention_workspace(rows, hq, parts, d, dev)
+                    ws = (torch.empty(rows, hq, parts, d, device=dev), torch.empty(rows, hq, parts, 2, device=dev))
 
                     def run(part=part, ws=ws) -> None:
                         for k_cache, v_cache in caches:

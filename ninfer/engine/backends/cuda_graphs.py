@@ -64,11 +64,9 @@ class DecodeState:
         self.masks = torch.full((R, (vocab + 31) // 32), -1, dtype=torch.int32, device=device)
         self.logits = torch.empty(R, vocab, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(R, dtype=torch.int32, device=device)
-        # split-K attention workspace, viewed per bucket as [n, heads, parts, head_dim] (+ [.., 2]),
-        # and the mma route's arrival counters (launchers.attention_workspace), zero between launches
+        # split-K attention workspace, viewed per bucket as [n, heads, parts, head_dim] (+ [.., 2])
         self._part_out = torch.empty(R * heads * max_parts * head_dim, dtype=torch.float32, device=device)
         self._part_ml = torch.empty(R * heads * max_parts * 2, dtype=torch.float32, device=device)
-        self._counters = torch.zeros(R * heads, dtype=torch.int32, device=device)
         self._heads, self._head_dim = heads, head_dim
         self.hidden_in, self.hidden_out, self.normed_in, self.normed_out = (
             torch.zeros(R if hidden else 0, hidden, dtype=hidden_dtype, device=device) for _ in range(4))
@@ -86,11 +84,11 @@ class DecodeState:
             self._uploaded = torch.cuda.Event()
         self._uploaded.record()
 
-    def workspace(self, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Contiguous fp32 views [n, heads, parts, head_dim] and [n, heads, parts, 2], and n * heads counters."""
+    def workspace(self, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contiguous fp32 views [n, heads, parts, head_dim] and [n, heads, parts, 2]."""
         h, d = self._heads, self._head_dim
         return (self._part_out[:n * h * parts * d].view(n, h, parts, d),
-                self._part_ml[:n * h * parts * 2].view(n, h, parts, 2), self._counters[:n * h])
+                self._part_ml[:n * h * parts * 2].view(n, h, parts, 2))
 
 
 class DecodeGraphs:

@@ -105,7 +105,7 @@ class CudaContext:
     conv: list[torch.Tensor]  # per linear-attention layer [slots, conv_dim, conv_kernel - 1]
     ssm: list[torch.Tensor]  # per linear-attention layer [slots, value_heads, key_dim, value_dim] fp32
     state_slots: torch.Tensor | None  # [B]
-    workspace: tuple[torch.Tensor, ...] | None = None  # decode split-K scratch (launchers.attention_workspace)
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None  # decode split-K scratch
     # speculative verification on the decode route: every sequence has verify_width rows
     # (sequence-major); cu_seqlens / state_slots then describe the B = T / verify_width sequences
     # with one row each, and verify_conv / verify_ssm (per linear-attention layer, indexed by row)
