@@ -10,7 +10,7 @@ dev = torch.device('cuda')
 Hq, Hkv, D, page = 32, 8, 128, 64
 orig_checks = L._attention_checks
 def run(ctx, rows, route, extra, split, part, threads, reps=50):
-    L.ATTN_MAX_SPLIT, L.ATTN_THREADS = split, threads
+    L.ATTN_MAX_SPLIT, L.ATTN_THREADS, L.ATTN_MMA_WARPS = split, threads, extra.get("NW", 4)
     L._attention_checks = lambda *a, **k: {**orig_checks(*a, **k), **extra}
     pages = -(-ctx // page)
     copies = 4
@@ -34,9 +34,9 @@ def run(ctx, rows, route, extra, split, part, threads, reps=50):
     t = e0.elapsed_time(e1) / reps * 1e-3
     nbytes = 2 * rows * ctx * Hkv * D * 2
     return t, nbytes / t / 1e9
-variants = [("warp p64", "warp", {}, 32, 64, 128), ("mma p64", "mma", {}, 32, 64, 128),
-            ("mma p128", "mma", {}, 32, 128, 128), ("mma p256", "mma", {}, 32, 256, 128),
-            ("mma split64 p64", "mma", {}, 64, 64, 128), ("mma split16 p64", "mma", {}, 16, 64, 128)]
+variants = [("warp p64", "warp", {}, 32, 64, 128), ("mma w4 p64", "mma", {"NW": 4}, 32, 64, 128),
+            ("mma w8 p64", "mma", {"NW": 8}, 32, 64, 128), ("mma w8 p128", "mma", {"NW": 8}, 32, 128, 128),
+            ("mma w8 split16", "mma", {"NW": 8}, 16, 64, 128), ("mma w8 free", "mma", {"NW": 8, "MMA_MIN_BLOCKS": 0}, 32, 64, 128)]
 for ctx, rows in ((512, 1), (4096, 1), (16384, 1), (16384, 8), (65536, 1)):
     for name, route, extra, split, part, threads in variants:
         try:

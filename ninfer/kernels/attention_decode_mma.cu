@@ -41,7 +41,9 @@
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM must be 64 or 128");
 static_assert(GQA >= 1 && GQA <= 8, "at most 8 query heads per kv head (the mma's n)");
 
-#define NW 4              // warps per block
+#ifndef NW
+#error "compile with -DNW=<warps per block> (launchers.ATTN_MMA_WARPS: one value per run, it orders the sums)"
+#endif
 #define D HEAD_DIM
 #define KC (D / 32)       // a lane's 16-byte pieces of a K row (dims 32 c + 8 t ..)
 #define VG (D / 64)       // a lane's 16-byte pieces of a V row (dims 64 h + 8 g ..)
@@ -54,7 +56,16 @@ typedef act* kv_ptr;  // written, then read, by the same kernel: not through the
 typedef const act* __restrict__ kv_ptr;
 #endif
 
-extern "C" __global__ void __launch_bounds__(NW * 32)
+#ifndef MMA_MIN_BLOCKS
+#define MMA_MIN_BLOCKS (NW >= 8 ? 2 : 0)  // 8 warps: <= 128 registers, so an SM holds 2 blocks
+#endif
+#if MMA_MIN_BLOCKS
+#define MMA_BOUNDS __launch_bounds__(NW * 32, MMA_MIN_BLOCKS)
+#else
+#define MMA_BOUNDS __launch_bounds__(NW * 32)
+#endif
+
+extern "C" __global__ void MMA_BOUNDS
 paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cache, kv_ptr v_cache,
                            const i32* __restrict__ block_tables, int max_pages, const i32* __restrict__ lens,
                            act* __restrict__ out, i64 out_stride, float* __restrict__ part_out,

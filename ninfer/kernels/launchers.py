@@ -23,7 +23,10 @@ BF16, F16, F32_DT, I32_DT = torch.bfloat16, torch.float16, torch.float32, torch.
 MAX_GEMV_ROWS = 8
 TOPK_MAX = 20
 GEMV_WARPS = 8  # gemv.cu
-ATTN_THREADS = 128  # attention.cu NWARPS * 32, attention_decode_mma.cu NW * 32
+ATTN_THREADS = 128  # attention.cu: NWARPS * 32
+# attention_decode_mma.cu's warps per block (a partition's 16-key steps go round them): fixed, since
+# it orders the sums (batch invariance); 8 keeps more K/V loads in flight on a long context's few blocks
+ATTN_MMA_WARPS = 8
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
@@ -396,8 +399,8 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     head = [ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv)]
     tail = [I32(partition), F32(scale), I32(window), F32(softcap), *(rope or [])]
     if route == "mma":  # decode only (the callers pass cu_seqlens=None)
-        kc.kernel("attention_decode_mma.cu", "paged_attention_decode_mma", defines).launch(
-            (Hkv, T, max_parts), (ATTN_THREADS, 1, 1),
+        kc.kernel("attention_decode_mma.cu", "paged_attention_decode_mma", {**defines, "NW": ATTN_MMA_WARPS}).launch(
+            (Hkv, T, max_parts), (32 * ATTN_MMA_WARPS, 1, 1),
             [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
              ptr(lens), *head, I32(page_size.bit_length() - 1), *tail])
     else:
