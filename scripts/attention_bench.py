@@ -36,7 +36,7 @@ def run(ctx, rows, route, extra, split, part, threads, reps=50):
     return t, nbytes / t / 1e9
 variants = [("warp p64", "warp", {}, 32, 64, 128), ("mma w4 p64", "mma", {"NW": 4}, 32, 64, 128),
             ("mma w8 p64", "mma", {"NW": 8}, 32, 64, 128), ("mma w8 p128", "mma", {"NW": 8}, 32, 128, 128),
-            ("mma w8 split16", "mma", {"NW": 8}, 16, 64, 128), ("mma w8 free", "mma", {"NW": 8, "MMA_MIN_BLOCKS": 0}, 32, 64, 128)]
+            ("mma w8 split16", "mma", {"NW": 8}, 16, 64, 128)]
 for ctx, rows in ((512, 1), (4096, 1), (16384, 1), (16384, 8), (65536, 1)):
     for name, route, extra, split, part, threads in variants:
         try:

@@ -56,16 +56,7 @@ typedef act* kv_ptr;  // written, then read, by the same kernel: not through the
 typedef const act* __restrict__ kv_ptr;
 #endif
 
-#ifndef MMA_MIN_BLOCKS
-#define MMA_MIN_BLOCKS (NW >= 8 ? 2 : 0)  // 8 warps: <= 128 registers, so an SM holds 2 blocks
-#endif
-#if MMA_MIN_BLOCKS
-#define MMA_BOUNDS __launch_bounds__(NW * 32, MMA_MIN_BLOCKS)
-#else
-#define MMA_BOUNDS __launch_bounds__(NW * 32)
-#endif
-
-extern "C" __global__ void MMA_BOUNDS
+extern "C" __global__ void __launch_bounds__(NW * 32)
 paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cache, kv_ptr v_cache,
                            const i32* __restrict__ block_tables, int max_pages, const i32* __restrict__ lens,
                            act* __restrict__ out, i64 out_stride, float* __restrict__ part_out,

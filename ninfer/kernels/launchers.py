@@ -24,9 +24,9 @@ MAX_GEMV_ROWS = 8
 TOPK_MAX = 20
 GEMV_WARPS = 8  # gemv.cu
 ATTN_THREADS = 128  # attention.cu: NWARPS * 32
-# attention_decode_mma.cu's warps per block (a partition's 16-key steps go round them): fixed, since
-# it orders the sums (batch invariance); 8 keeps more K/V loads in flight on a long context's few blocks
-ATTN_MMA_WARPS = 8
+# attention_decode_mma.cu's warps per block (a partition's 16-key steps go round them): one value for
+# every launch, since it orders the sums (batch invariance). 8 measured no faster than 4 (docs/PERF.md)
+ATTN_MMA_WARPS = 4
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
