@@ -306,17 +306,8 @@ paged_attention(const act* __restrict__ q, i64 q_stride, kv_ptr k_cache, kv_ptr 
       L += sm_l[w][g] * c;
       A += sm_acc[w][g][d] * c;
     }
-    const int head = kvh * GQA + g;
-    if (nparts == 1) {
-      out[t * out_stride + (i64)head * HEAD_DIM + d] = to_act(A / L);
-    } else {
-      const i64 p = ((i64)t * Hq + head) * max_parts + part;
-      part_out[p * HEAD_DIM + d] = A / L;
-      if (d == 0) {
-        part_ml[p * 2] = M;
-        part_ml[p * 2 + 1] = L;
-      }
-    }
+    write_partition(out, out_stride, part_out, part_ml, t, Hq, kvh * GQA + g, max_parts, part, nparts, HEAD_DIM, d, A,
+                    L, M);
   }
 }
 

@@ -245,16 +245,8 @@ paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cac
       L += sm_l[w][gh] * c;
       A += sm_o[w][gh][d] * c;
     }
-    const int head = kvh * GQA + gh;
-    if (nparts == 1) {
-      out[tok * out_stride + (i64)head * D + d] = to_act(A / L);
-    } else {
-      const i64 p = ((i64)tok * Hq + head) * max_parts + part;
-      part_out[p * D + d] = A / L;
-      if (d == 0) {
-        part_ml[p * 2] = M * LN2;  // the combine works in the natural base
-        part_ml[p * 2 + 1] = L;
-      }
-    }
+    // the combine works in the natural base
+    write_partition(out, out_stride, part_out, part_ml, tok, Hq, kvh * GQA + gh, max_parts, part, nparts, D, d, A, L,
+                    M * LN2);
   }
 }

@@ -12,3 +12,21 @@ __device__ __forceinline__ int split_size(int n, int partition) {
   return max(1, (n + parts - 1) / parts);
 }
 
+
+// A block's result for element d of query head `head` of token t over partition `part` of nparts:
+// with one partition the output itself (A / L), else the normalized partial and (max M in the natural
+// base, sum L) for the combine kernel.
+__device__ __forceinline__ void write_partition(act* out, i64 out_stride, float* part_out, float* part_ml, int t,
+                                                int Hq, int head, int max_parts, int part, int nparts, int D, int d,
+                                                float A, float L, float M) {
+  if (nparts == 1) {
+    out[t * out_stride + (i64)head * D + d] = to_act(A / L);
+  } else {
+    const i64 p = ((i64)t * Hq + head) * max_parts + part;
+    part_out[p * D + d] = A / L;
+    if (d == 0) {
+      part_ml[p * 2] = M;
+      part_ml[p * 2 + 1] = L;
+    }
+  }
+}
