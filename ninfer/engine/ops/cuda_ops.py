@@ -143,6 +143,7 @@ class CudaOps:
         self.prefill_attention = "mma" if L.attention_prefill_route_ok("mma", dtype, config.head_dim) else "warp"
         # the fused residual norm's arrival counter (launchers.norm_epilogue): zero between launches
         self.norm_counter = torch.zeros(1, dtype=torch.int32, device=device)
+        self._decode_routes: dict[tuple[int, bool], str] = {}  # (page size, compressed) -> _decode_route's answer
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -403,12 +404,16 @@ class CudaOps:
         return out.view(T, -1)
 
     def _decode_route(self, layer: int) -> str:
-        """The profile's decode attention route where it takes this layer's cache, else warp."""
-        c, cache = self.config, self.ctx.k_cache[layer]
-        route = self.profile.decode_attention
-        ok = L.attention_decode_route_ok(route, self.dtype, c.head_dim, c.num_attention_heads // c.num_key_value_heads,
-                                         cache.shape[1], compressed=bool(self.ctx.k_scale))
-        return route if ok else "warp"
+        """The profile's decode attention route where it takes this layer's cache, else warp (decided
+        once per cache layout: page size and compression are fixed for the runner's life)."""
+        cache = self.ctx.k_cache[layer]
+        key = (cache.shape[1], bool(self.ctx.k_scale))
+        if key not in self._decode_routes:
+            c, route = self.config, self.profile.decode_attention
+            ok = L.attention_decode_route_ok(route, self.dtype, c.head_dim,
+                                             c.num_attention_heads // c.num_key_value_heads, *key)
+            self._decode_routes[key] = route if ok else "warp"
+        return self._decode_routes[key]
 
     def short_conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
