@@ -11,9 +11,10 @@
 //            lens[b] + (t - cu_seqlens[b]) (lens = start_pos) and sees keys 0..that position.
 // window > 0 (sliding-window layers): a token sees only its last `window` keys (its own
 // included), keys n_keys - window .. n_keys - 1. softcap > 0: each score s -> softcap * tanh(s / softcap).
-// Split-K: a token's n keys (from its window's first) are cut into min(MAX_SPLIT, ceil(n / partition))
-// equal partitions (grid z; `partition` is the least a partition holds), so a short context still
-// spreads over several blocks and a long one over at most MAX_SPLIT. With one partition the block
+// Split-K: a token's n keys (from its window's first), when more than SPLIT_MIN, are cut into
+// min(MAX_SPLIT, ceil(n / partition)) equal partitions (grid z; `partition` is the least a partition
+// holds), so a mid-length context spreads over several blocks and a long one over at most MAX_SPLIT;
+// one of at most SPLIT_MIN keys is one block's (cheaper than a combine launch). With one partition the block
 // writes `out` itself; otherwise it writes its normalized partial output and (max, sum) and
 // paged_attention_combine merges them in partition order. The cut depends only on the token's own
 // n_keys, and every reduction has a fixed order, so a token's result does not depend on the other
@@ -56,6 +57,9 @@ typedef const kv_t* __restrict__ kv_ptr;
 #endif
 #ifndef MAX_SPLIT
 #error "compile with -DMAX_SPLIT=<most partitions of one token's keys>"
+#endif
+#ifndef SPLIT_MIN
+#error "compile with -DSPLIT_MIN=<most keys of a context that is not cut>"
 #endif
 #ifndef NWARPS
 #define NWARPS 4

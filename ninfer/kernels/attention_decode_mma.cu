@@ -32,6 +32,9 @@
 #ifndef MAX_SPLIT
 #error "compile with -DMAX_SPLIT=<most partitions of one token's keys>"
 #endif
+#ifndef SPLIT_MIN
+#error "compile with -DSPLIT_MIN=<most keys of a context that is not cut>"
+#endif
 #if ACT_F32
 #error "attention_decode_mma takes bf16 activations only"
 #endif

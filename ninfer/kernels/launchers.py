@@ -28,6 +28,7 @@ ATTN_THREADS = 128  # attention.cu: NWARPS * 32
 # every launch, since it orders the sums (batch invariance). 8 measured no faster than 4 (docs/PERF.md)
 ATTN_MMA_WARPS = 4
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
+ATTN_SPLIT_MIN = 256  # attention_split.cuh: a context of at most this many keys is one partition
 SAMPLE_THREADS = 512  # sampling.cu
 GEMV_FORMATS = {"bf16": 0, "int8": 1, "int4_sym": 2, "int4_asym": 3, "f32": 4}
 GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-byte load
@@ -319,7 +320,7 @@ def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor
     _, page_size, Hkv, _ = k_cache.shape
     B = block_tables.shape[0]
     act = q.dtype
-    defines = {"HEAD_DIM": D, "GQA": Hq // Hkv, "MAX_SPLIT": ATTN_MAX_SPLIT, **_act(act, "q")}
+    defines = {"HEAD_DIM": D, "GQA": Hq // Hkv, "MAX_SPLIT": ATTN_MAX_SPLIT, "SPLIT_MIN": ATTN_SPLIT_MIN, **_act(act, "q")}
     for name, t in (("q", q), ("out", out)):
         _check(t, name, act, [T, Hq, D], kc.device, contiguous=False, align16=True)
         if t.stride(1) != D or (t.stride(0) * t.element_size()) % 16:
@@ -344,7 +345,10 @@ def _attention_checks(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor
 
 def attention_parts(max_context_len: int, partition: int) -> int:
     """The split-K grid (and workspace) depth that covers every context up to max_context_len keys:
-    a context of n keys is cut into min(ATTN_MAX_SPLIT, ceil(n / partition)) partitions."""
+    a context of n keys is cut into min(ATTN_MAX_SPLIT, ceil(n / partition)) partitions, one of at
+    most ATTN_SPLIT_MIN keys is not cut."""
+    if max_context_len <= ATTN_SPLIT_MIN:
+        return 1
     return max(1, min(ATTN_MAX_SPLIT, math.ceil(max_context_len / partition)))
 
 
@@ -425,7 +429,7 @@ def paged_attention_decode(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.T
 
     q, out [B, Hq, D] and caches [pages, page_size, Hkv, D]: all bf16 or all fp32; block_tables [B, max_pages] int32;
     context_lens [B] int32; max_context_len: a host bound on context_lens, sizing the split-K grid.
-    Contexts longer than `partition` keys are split into min(ATTN_MAX_SPLIT, ceil(n / partition))
+    Contexts longer than ATTN_SPLIT_MIN and `partition` keys are split into min(ATTN_MAX_SPLIT, ceil(n / partition))
     equal partitions and merged in a fixed order; the split depends only on each sequence's own
     length, so results are batch-invariant. `workspace` (optional, reusable, e.g. under CUDA
     graphs): fp32 [>= B, Hq, attention_parts(max_context_len, partition), D] and [.., 2].

@@ -10,7 +10,7 @@ What a profile chooses, and why each choice keeps results batch-invariant:
   it takes it). One route per weight, never per row count: routes differ in
   summation order, so a row's bits would otherwise depend on how many rows share its step.
 - attention_partition: the least keys a split-K partition of decode attention holds (a context of
-  n keys is cut into min(32, ceil(n / partition)) partitions). A sequence's split depends only on
+  n > 256 keys is cut into min(32, ceil(n / partition)) partitions). A sequence's split depends only on
   its own length and this constant, fixed for the whole run.
 - decode_attention: the decode attention route (launchers.ATTN_DECODE_ROUTES) where it takes the
   layer (bf16 caches, head_dim 64 / 128, at most 8 query heads per kv head for "mma"; else "warp"),

@@ -12,7 +12,7 @@ from ninfer.kernels.compiler import KernelError
 from test_architectures_cuda import ref_window_attention
 from test_kernels import BF, DEV, TOL, gen, make_cache, poisoned, randn, rel
 
-LENS = [1, 15, 16, 17, 600, 1500, 513, 64, 4100]  # inside one 16-key step, at its bounds, split-K
+LENS = [1, 15, 16, 17, 600, 1500, 513, 64, 256, 257, 4100]  # inside one 16-key step, at its bounds, split-K (from 257)
 
 
 def run(kc, q, k_cache, v_cache, tables, ctx, lens, scale, route, partition=64, window=0, softcap=0.0):

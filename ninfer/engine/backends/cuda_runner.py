@@ -699,7 +699,7 @@ class CudaModelRunner:
         st.upload(head_len + rows * mp)
         for other in self.stage_states[:-1]:  # the earlier stages read the same inputs on their devices
             copy_across(other.i32, st.i32)
-        needed = -(-longest // self.partition)
+        needed = L.attention_parts(longest, self.partition)
         return min(1 << (needed - 1).bit_length(), st.max_parts)
 
     # -- forwards ----------------------------------------------------------------------------
