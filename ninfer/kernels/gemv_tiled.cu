@@ -19,7 +19,8 @@
 //
 // mma.m16n8k16: A = 16 weight rows x 16 k (lane g, t: rows g and g + 8), B = 16 k x 8 activation rows
 // (lane g: row g, zero beyond M). Per 32-k chunk two mmas; the group scale applies to the chunk's (g == 32)
-// or the slab's (g >= 64) result in fp32; asym adds m * sum(x), sum(x) by an mma with A = ones.
+// or the slab's (g >= 64) result in fp32; asym (which dequantizes 16 + q) adds (m - 16 s) * sum(x),
+// sum(x) by an mma with A = ones.
 // The T4_WARPS warps of a block split the tile's slabs (warp w: w, w + T4_WARPS, ...) and add their
 // partial sums in warp order: a column's result depends only on its own activation row (batch
 // invariant), and not on T4_STAGES.
@@ -43,7 +44,9 @@
 #endif
 
 #define T4_ASYM (T4_FMT == 3)
-#define T4_NEG (T4_ASYM ? 0xC300C300u : 0xC308C308u)  // (-128, -128) asym, (-136, -136) sym
+// A pair's nibbles as bf16: sym 128 + q (nibble in the mantissa's low bits) then an fma by -136; asym
+// 16 + q (nibble in the mantissa's top four bits) with no fma, the 16 s it adds taken off the min.
+#define T4_MASK (T4_ASYM ? 0x00780078u : 0x000F000Fu)
 
 #if T4_G32
 typedef uint2 scale_t;  // (row g, row g + 8) of chunk 0, then of chunk 1
@@ -80,14 +83,20 @@ __device__ __forceinline__ u32 ld_stream1(const void* p) {
   return v;
 }
 
-// Nibbles at bits 4 i and 16 + 4 i of w as two bf16, minus the format's offset (exact). `mask` is
-// 0x000F000F held in a register: as a literal, ptxas rematerializes it before most lop3s (one extra
+// Nibbles at bits 4 i and 16 + 4 i of w as two bf16 (exact): sym q - 8, asym 16 + q. `mask` is
+// T4_MASK held in a register: as a literal, ptxas rematerializes it before most lop3s (one extra
 // instruction per pair), so the kernel derives it from an argument ptxas cannot fold.
 __device__ __forceinline__ u32 pair(u32 w, int i, u32 mask) {
+#if T4_ASYM
+  // bits 3..6 of a bf16 above 16's exponent (0x4180) are eighths: q << 3 there is 16 + q
+  const u32 v = i == 0 ? w << 3 : w >> (4 * i - 3);
+  return (v & mask) | 0x41804180u;  // one lop3
+#else
   const u32 v = ((w >> (4 * i)) & mask) | 0x43004300u;  // 128 + q, one lop3
   u32 r;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(T4_NEG));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC308C308u));  // - 136
   return r;
+#endif
 }
 
 __device__ __forceinline__ void f16x2_to_f32(u32 w, float& lo, float& hi) {
@@ -117,6 +126,8 @@ __device__ __forceinline__ void scale_into(float* acc, const float* c, const flo
 #if T4_ASYM
   float m0, m1;
   f16x2_to_f32(m, m0, m1);
+  m0 = fmaf(-16.0f, s0, m0);  // c summed (16 + q) x
+  m1 = fmaf(-16.0f, s1, m1);
   acc[0] = fmaf(cx[0], m0, acc[0]);
   acc[1] = fmaf(cx[1], m0, acc[1]);
   acc[2] = fmaf(cx[0], m1, acc[2]);
@@ -172,7 +183,7 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   };
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const u32 mask = 0x000F000Fu | (((u32)group_size >> 31) << 4);  // group_size > 0: the literal
+  const u32 mask = T4_MASK | ((u32)group_size & 0x80000000u);  // group_size > 0: the literal
   auto compute = [&](const Stage& st, int i) {
 #if T4_XPRE
     const uint4 x0 = st.x0, x1 = st.x1;
