@@ -1,0 +1,55 @@
+"""Where a captured decode step's time goes: runs `ninfer bench` with CUDA graphs (as served) under
+torch.profiler, cuts the kernel timeline into steps at each `sample_tokens` launch, and prints, over the
+middle half of the steps, the step period against the time some kernel runs (the rest: gaps between
+kernels, i.e. launch latency), then each kernel's launches and microseconds per step.
+(scripts/profile_gpu_decode.py profiles eager steps instead, where launch gaps are the host's.)
+Usage: python scripts/profile_gpu_step.py [bench args...]
+  (default: --synthetic smollm2-135m --weights int4 -p 0 -n 128 -r 1 --device-profile off --ceilings off)"""
+from __future__ import annotations
+
+import collections
+import runpy
+import sys
+
+from torch.profiler import ProfilerActivity, profile
+
+DEFAULT = ["--synthetic", "smollm2-135m", "--weights", "int4", "-p", "0", "-n", "128", "-r", "1",
+           "--device-profile", "off", "--ceilings", "off"]
+
+
+def main() -> None:
+    sys.argv = ["ninfer", "bench", "--backend", "cuda", *(sys.argv[1:] or DEFAULT)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        try:
+            runpy.run_module("ninfer.cli.main", run_name="__main__")
+        except SystemExit:
+            pass
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                      if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+                      and not e.name.startswith("Memcpy") and not e.name.startswith("Memset")), key=lambda k: k[0])
+    cuts = [i for i, k in enumerate(kernels) if k[2].startswith("sample_tokens")]
+    steps = [kernels[a + 1:b + 1] for a, b in zip(cuts, cuts[1:])]
+    steps = [s for s in steps if s and s[-1][0] - s[0][0] < 1e5][len(steps) // 4:3 * len(steps) // 4]  # us
+    if not steps:
+        raise SystemExit("no decode steps seen (did the bench run on the cuda backend with graphs?)")
+    n = len(steps)
+    period = sum(s[-1][1] - s[0][0] for s in steps) / n
+    busy = 0.0
+    per = collections.defaultdict(lambda: [0, 0.0])
+    for s in steps:
+        end = s[0][0]
+        for a, b, name in s:
+            busy += max(0.0, b - max(a, end))
+            end = max(end, b)
+            per[name][0] += 1
+            per[name][1] += b - a
+    launches = sum(c for c, _ in per.values()) / n
+    print(f"{n} steps: period {period:.1f} us ({1e6 / period:.0f} steps/s), kernels running {busy / n:.1f} us, "
+          f"gaps {period - busy / n:.1f} us over {launches:.0f} launches ({(period - busy / n) / launches:.2f} us each)")
+    print(f"{'kernel':60s} {'per step':>8s} {'us/step':>8s} {'us each':>8s}")
+    for name, (count, total) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        print(f"{name[:60]:60s} {count / n:8.1f} {total / n:8.1f} {total / count:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
