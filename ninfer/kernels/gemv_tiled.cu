@@ -66,20 +66,40 @@ struct Stage {
 };
 
 // Streaming loads: weights and scales are read once, so they do not displace the activations in L1.
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
+// nc false (a constant where inlined): a coherent load, which ptxas leaves before a PDL_WAIT (it
+// moves .nc loads after one).
+__device__ __forceinline__ uint4 ld_stream(const void* p, bool nc = true) {
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  if (nc)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  else
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-__device__ __forceinline__ uint2 ld_stream2(const void* p) {
+__device__ __forceinline__ uint2 ld_stream2(const void* p, bool nc = true) {
   uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  if (nc)
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  else
+    asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
-__device__ __forceinline__ u32 ld_stream1(const void* p) {
+__device__ __forceinline__ u32 ld_stream1(const void* p, bool nc = true) {
   u32 v;
-  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  if (nc)
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  else
+    asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// The activations (the kernel before's output): a coherent load, which ptxas keeps after PDL_WAIT
+// (an .nc one, as __ldg, it may move above it).
+__device__ __forceinline__ uint4 ld_act(const act* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
@@ -139,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(T4_WARPS * 32)
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
            int y_f32 NORM_PARAMS) {
-  PDL_ENTRY();
+  PDL_LAUNCH();  // the first stages' weights load before PDL_WAIT, while the kernel before runs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, S = K >> 6;
   // this lane's bytes of the warp's first slab (j = warp), its scales, its activations (row g, k 8 t of
@@ -161,25 +181,35 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   const int n = S > warp ? (S - warp + STEP - 1) / STEP : 0;  // this warp's slabs
 
   int base = 0;  // slabs of this warp done (the pointers have advanced by base STEP slabs)
-  // slab base + i of this warp (j = warp + (base + i) STEP), relative to the pointers
-  auto load = [&](Stage& st, int i) {
-    st.w = ld_stream(wp + (i64)i * STEP * 512);
+  // slab base + i of this warp (j = warp + (base + i) STEP), relative to the pointers: its weights,
+  // scales (and mins), which no kernel writes
+  auto load_w = [&](Stage& st, int i, bool nc) {
+    st.w = ld_stream(wp + (i64)i * STEP * 512, nc);
 #if T4_G32
-    st.s = ld_stream2(sp + i * STEP * 32);
+    st.s = ld_stream2(sp + i * STEP * 32, nc);
 #if T4_ASYM
-    st.m = ld_stream2(mp + i * STEP * 32);
+    st.m = ld_stream2(mp + i * STEP * 32, nc);
 #endif
 #else
     const int grp = (warp + (base + i) * STEP) >> gshift;
-    st.s = ld_stream1(sp + grp * 16);
+    st.s = ld_stream1(sp + grp * 16, nc);
 #if T4_ASYM
-    st.m = ld_stream1(mp + grp * 16);
+    st.m = ld_stream1(mp + grp * 16, nc);
 #endif
 #endif
+  };
+  // ... and its activations, the kernel before's output (after PDL_WAIT)
+  auto load_x = [&](Stage& st, int i) {
 #if T4_XPRE
-    st.x0 = __ldg((const uint4*)(xp + i * STEP * 64));
-    st.x1 = __ldg((const uint4*)(xp + i * STEP * 64 + 32));
+    st.x0 = ld_act(xp + i * STEP * 64);
+    st.x1 = ld_act(xp + i * STEP * 64 + 32);
+#else
+    (void)st, (void)i;
 #endif
+  };
+  auto load = [&](Stage& st, int i) {
+    load_w(st, i, true);
+    load_x(st, i);
   };
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -189,8 +219,8 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
     const uint4 x0 = st.x0, x1 = st.x1;
     (void)i;
 #else
-    const uint4 x0 = __ldg((const uint4*)(xp + i * STEP * 64));
-    const uint4 x1 = __ldg((const uint4*)(xp + i * STEP * 64 + 32));
+    const uint4 x0 = ld_act(xp + i * STEP * 64);
+    const uint4 x1 = ld_act(xp + i * STEP * 64 + 32);
 #endif
 #if T4_ASYM && T4_G32
     const u32 m0 = st.m.x, m1 = st.m.y;
@@ -217,7 +247,11 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   Stage st[T4_STAGES];
 #pragma unroll
   for (int p = 0; p < T4_STAGES; ++p)
-    if (p < n) load(st[p], p);
+    if (p < n) load_w(st[p], p, false);  // coherent loads: ptxas keeps them before the wait
+  PDL_WAIT();
+#pragma unroll
+  for (int p = 0; p < T4_STAGES; ++p)
+    if (p < n) load_x(st[p], p);
   for (; base + 2 * T4_STAGES <= n; base += T4_STAGES) {
 #pragma unroll
     for (int p = 0; p < T4_STAGES; ++p) {
