@@ -1,0 +1,78 @@
+"""Programmatic dependent launch (common.cuh): nothing a kernel reads from the kernel before it may
+load before `griddepcontrol.wait` (SASS ACQBULK). ptxas moves ld.global.nc loads (__ldg) across that
+wait, so the only loads allowed before it are the constant bank's (kernel arguments) and, where a
+kernel splits PDL_ENTRY to read its weights early (gemv_tiled), coherent weight loads (LDG without
+.CONSTANT). Compiles the kernels with NVRTC for sm_90 and reads their SASS with cuobjdump: no GPU
+needed; skipped where NVRTC or cuobjdump is missing."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ninfer.kernels.compiler import HEADERS, KERNEL_DIR, nvrtc_compile
+
+CASES = [
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 3, "T4_XPRE": 1}),
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 0}),
+    ("gemv_tiled.cu", {"T4_FMT": 2, "T4_STAGES": 2, "T4_XPRE": 1}),
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_G32": 0, "T4_STAGES": 3, "T4_XPRE": 1}),
+    ("gemv_mma.cu", {"MMA_FMT": 0}),
+    ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1}),
+    ("gemv.cu", {"GEMV_FMT": 1}),
+    ("attention.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "ROPE_KV": 1}),
+    ("attention_decode_mma.cu", {"HEAD_DIM": 128, "GQA": 4, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4}),
+    ("attention_mma.cu", {"HEAD_DIM": 128, "GQA": 4}),
+    ("blocks.cu", {"BLK_FMT": 6}),
+    ("elementwise.cu", {}),
+    ("sampling.cu", {}),
+]
+EARLY_WEIGHTS = {"gemv_tiled.cu"}  # kernels that load weights before the wait
+
+
+def cuobjdump() -> str | None:
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for pattern in ("nvidia/*/bin/cuobjdump", "triton/backends/nvidia/bin/cuobjdump"):  # CUDA wheels
+        for p in Path(sys.prefix).glob(f"lib/python*/site-packages/{pattern}"):
+            return str(p)
+    return None
+
+
+def sass(source: str, defines: dict[str, int]) -> str:
+    tool = cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found")
+    options = ["--gpu-architecture=sm_90", "--std=c++17", "-default-device", *(f"-D{k}={v}" for k, v in defines.items())]
+    try:
+        cubin = nvrtc_compile((KERNEL_DIR / source).read_text(), source, options,
+                              {h: (KERNEL_DIR / h).read_text() for h in HEADERS})
+    except Exception as e:  # no NVRTC library (cuda-bindings without the runtime compiler)
+        if "could not compile" in str(e):
+            raise
+        pytest.skip(f"NVRTC unavailable: {e}")
+    path = Path(f"/tmp/ninfer-pdl-{source}.cubin")
+    path.write_bytes(cubin)
+    return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize(("source", "defines"), CASES, ids=[f"{s}-{d}" for s, d in CASES])
+def test_no_input_load_before_the_pdl_wait(source: str, defines: dict[str, int]) -> None:
+    functions = sass(source, defines).split("Function : ")[1:]
+    assert functions
+    for fn in functions:
+        name = fn.split()[0]
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", m.group(1).strip()) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", fn)]
+        assert "ACQBULK" in ops, f"{name}: no griddepcontrol.wait"
+        early = [op.split()[0] for op in ops[:ops.index("ACQBULK")] if op.startswith("LD")]
+        loads = [op for op in early if not op.startswith("LDC")]
+        if source in EARLY_WEIGHTS:
+            assert not [op for op in loads if "CONSTANT" in op or not op.startswith("LDG")], (name, early)
+            assert loads, f"{name}: no weight load before the wait"
+        else:
+            assert not loads, (name, early)
