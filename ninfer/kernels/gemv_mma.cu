@@ -85,15 +85,9 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
          const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
          int y_f32 NORM_PARAMS) {
-  PDL_LAUNCH();
+  PDL_ENTRY();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * 16;
-#if MMA_FMT == 0
-  // the first four rounds of the block's 16 weight rows into L2 while the kernel before runs
-  if (threadIdx.x < 16)
-    prefetch_l2((const u16*)w + min(n0 + (int)threadIdx.x, N - 1) * (i64)K, min(K, MMA_WARPS * 32 * 4) * 2);
-#endif
-  PDL_WAIT();
   const i64 r0 = min(n0 + g, N - 1), r1 = min(n0 + g + 8, N - 1);  // rows past N: read, never stored
   const bool has_x = g < M;
   const act* xr = x + (has_x ? g : 0) * x_stride;
