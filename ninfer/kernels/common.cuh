@@ -18,8 +18,9 @@ typedef unsigned long long u64;
 // blocks be scheduled the same way, then wait until the previous kernel has completed and its
 // writes are visible, so nothing a kernel reads or writes is touched before that. Launched
 // without the attribute, both instructions do nothing.
-// A kernel may split it in two, PDL_LAUNCH() first and PDL_WAIT() later, to read before the wait what
-// no kernel writes (the weights: loads into registers, or prefetch_l2) while the kernel before it runs.
+// A kernel may split it in two, PDL_LAUNCH() first and PDL_WAIT() later, to load before the wait what
+// no kernel writes (its weights) while the kernel before it runs: with coherent loads, since ptxas
+// moves .nc ones (__ldg) across the wait (tests/test_pdl_order.py).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 #define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
@@ -33,12 +34,6 @@ typedef unsigned long long u64;
     PDL_WAIT();     \
   } while (0)
 
-// Bring `bytes` (a multiple of 16) at p (16-byte aligned) into L2, asynchronously (a hint; sm_90+).
-__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
 #define NEG_INF (__int_as_float(0xff800000))
 #define NAN_F (__int_as_float(0x7fc00000))
 
