@@ -44,7 +44,7 @@ def cuobjdump() -> str | None:
     return None
 
 
-def sass(source: str, defines: dict[str, int]) -> str:
+def sass(source: str, defines: dict[str, int], tmp: Path) -> str:
     tool = cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found")
@@ -56,14 +56,14 @@ def sass(source: str, defines: dict[str, int]) -> str:
         if "could not compile" in str(e):
             raise
         pytest.skip(f"NVRTC unavailable: {e}")
-    path = Path(f"/tmp/ninfer-pdl-{source}.cubin")
+    path = tmp / "k.cubin"
     path.write_bytes(cubin)
     return subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True, check=True).stdout
 
 
 @pytest.mark.parametrize(("source", "defines"), CASES, ids=[f"{s}-{d}" for s, d in CASES])
-def test_no_input_load_before_the_pdl_wait(source: str, defines: dict[str, int]) -> None:
-    functions = sass(source, defines).split("Function : ")[1:]
+def test_no_input_load_before_the_pdl_wait(source: str, defines: dict[str, int], tmp_path: Path) -> None:
+    functions = sass(source, defines, tmp_path).split("Function : ")[1:]
     assert functions
     for fn in functions:
         name = fn.split()[0]
