@@ -1,13 +1,16 @@
 """A/B of the int4 decode gemv routes on a GPU at llama-8b shapes: the mma route (gemv_mma.cu) against
 the tiled route (gemv_tiled.cu) and the tiled kernel's tuning variants (slabs in flight per warp,
-activations loaded with the weights or when computed; variants change speed, never results).
+activations loaded with the weights or when computed, warps per block; stages and prefetch change
+speed only, warps the order of the sum).
 
 Each timing reads enough copies of the weight to exceed the L2 cache (as a decode step reads its
 weights), the calls captured in a CUDA graph, best of a few samples; GB/s counts the weight, scale
 and min bytes once. Checks each output against fp64 first. One line per case, then the summary a
 decode step would see (the shapes weighted as llama-8b runs them per token).
 
-Usage: PYTHONPATH=. python scripts/gpu_int4_ab.py [--quick]   (--quick: asym only, M = 1 and 8)
+Usage: PYTHONPATH=. python scripts/gpu_int4_ab.py [--quick] [--stages 2,3] [--warps 8,16] [--xpre 1] [--minb 0,2]
+       [--shapes N:K,...]
+  (--quick: asym only, M = 1 and 8)
 """
 from __future__ import annotations
 
@@ -27,11 +30,14 @@ DEV = torch.device("cuda")
 ROTATE = 512 << 20  # bytes a sample reads at least (the H200's L2 is 60 MiB)
 # llama-8b decode matmuls per token: (N, K, count) with q|k|v and gate|up fused, lm_head at vocab 128256
 SHAPES = [(6144, 4096, 32), (4096, 4096, 32), (28672, 4096, 32), (4096, 14336, 32), (128256, 4096, 1)]
-VARIANTS = [{"T4_STAGES": s, "T4_XPRE": p} for s in (2, 3, 4, 6, 8) for p in (0, 1)]
 
 
 def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
 
 
 def time_route(kc, fmt, copies, x, out, route, variant=None) -> float:
@@ -44,7 +50,16 @@ def time_route(kc, fmt, copies, x, out, route, variant=None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="asym only, rows 1 and 8")
+    ap.add_argument("--stages", type=ints, default=[2, 3, 4, 6, 8], help="T4_STAGES values to sweep")
+    ap.add_argument("--warps", type=ints, default=[8], help="T4_WARPS values to sweep (8, 16)")
+    ap.add_argument("--xpre", type=ints, default=[0, 1], help="T4_XPRE values to sweep")
+    ap.add_argument("--minb", type=ints, default=[0], help="T4_MINB values to sweep (0: ptxas's registers)")
+    ap.add_argument("--shapes", default="", help="N:K,... of SHAPES to run (default all)")
     args = ap.parse_args()
+    variants = [{"T4_STAGES": s, "T4_XPRE": p, "T4_WARPS": w, "T4_MINB": b}
+                for w in args.warps for b in args.minb for s in args.stages for p in args.xpre]
+    keep = {tuple(ints(v.replace(":", ","))) for v in args.shapes.split(",") if v} if args.shapes else None
+    shapes = [s for s in SHAPES if keep is None or s[:2] in keep]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     fmts = {"asym": TensorFormat("int4", 32, False)}
     if not args.quick:
@@ -53,7 +68,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  (GB/s: weight + scale bytes / time; samples read >= {ROTATE >> 20} MiB)")
     step: dict[tuple[str, str, int], float] = {}  # (format, candidate, rows) -> seconds per token
     for name, fmt in fmts.items():
-        for N, K, count in SHAPES:
+        for N, K, count in shapes:
             g = torch.Generator(device=DEV).manual_seed(N + K)
             parts = quantize(torch.randn(N, K, generator=g, device=DEV) * 0.02, fmt)
             nbytes = sum(p.numel() * p.element_size() for p in parts.values())
@@ -67,7 +82,7 @@ def main() -> None:
                 out = torch.empty(M, N, device=DEV, dtype=torch.float32)
                 ref = x.double() @ ref_w.T
                 cands = [("mma", "mma", None), ("tiled", "tiled", None)]
-                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}", "tiled", v) for v in VARIANTS]
+                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}", "tiled", v) for v in variants]
                 line = []
                 for label, route, variant in cands:
                     out.fill_(float("nan"))

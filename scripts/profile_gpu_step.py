@@ -1,13 +1,16 @@
 """Where a captured decode step's time goes: runs `ninfer bench` with CUDA graphs (as served) under
 torch.profiler, cuts the kernel timeline into steps at each `sample_tokens` launch, and prints, over the
 middle half of the steps, the step period against the time some kernel runs (the rest: gaps between
-kernels, i.e. launch latency), then each kernel's launches and microseconds per step.
+kernels, i.e. launch latency), then each kernel's launches and microseconds per step, then the
+step's first NINFER_STEP_LIST (default 16) launches in order: the gap before each and its time
+(a layer's kernels, one by one: which projection costs what).
 (scripts/profile_gpu_decode.py profiles eager steps instead, where launch gaps are the host's.)
 Usage: python scripts/profile_gpu_step.py [bench args...]
   (default: --synthetic smollm2-135m --weights int4 -p 0 -n 128 -r 1 --device-profile off --ceilings off)"""
 from __future__ import annotations
 
 import collections
+import os
 import runpy
 import sys
 
@@ -49,6 +52,11 @@ def main() -> None:
     print(f"{'kernel':60s} {'per step':>8s} {'us/step':>8s} {'us each':>8s}")
     for name, (count, total) in sorted(per.items(), key=lambda kv: -kv[1][1]):
         print(f"{name[:60]:60s} {count / n:8.1f} {total / n:8.1f} {total / count:8.2f}")
+    first = min(len(s) for s in steps)
+    print(f"\nthe step's launches in order, mean over the steps ({'gap us':>6s} {'us':>6s}):")
+    for i in range(min(first, int(os.environ.get("NINFER_STEP_LIST", "16")))):
+        gap = sum(s[i][0] - s[i - 1][1] for s in steps) / n if i else 0.0
+        print(f"{i:3d} {steps[0][i][2][:60]:60s} {gap:6.2f} {sum(s[i][1] - s[i][0] for s in steps) / n:6.2f}")
 
 
 if __name__ == "__main__":

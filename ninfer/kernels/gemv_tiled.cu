@@ -23,7 +23,7 @@
 // sum(x) by an mma with A = ones.
 // The T4_WARPS warps of a block split the tile's slabs (warp w: w, w + T4_WARPS, ...) and add their
 // partial sums in warp order: a column's result depends only on its own activation row (batch
-// invariant), and not on T4_STAGES.
+// invariant), and not on T4_STAGES or T4_XPRE; T4_WARPS (a shape's choice) sets the order of the sum.
 #include "common.cuh"
 
 #ifndef T4_FMT
@@ -38,7 +38,17 @@
 #ifndef T4_XPRE
 #define T4_XPRE 0  // 1: load a slab's activations with its weights (8 more registers a stage), 0: when
 #endif             // it is computed (they are L1 hits after the first block on an SM, at one row)
-#define T4_WARPS 8
+#ifndef T4_WARPS
+#define T4_WARPS 8  // warps a block splits its tile's slabs over (the order their sums add: results
+#endif              // differ in the last bits between 8 and 16, so the launcher picks it by shape only)
+#ifndef T4_MINB
+#define T4_MINB 0  // > 0: blocks an SM must hold at once (caps the registers; 0: ptxas's choice)
+#endif
+#if T4_MINB
+#define T4_BOUNDS __launch_bounds__(T4_WARPS * 32, T4_MINB)
+#else
+#define T4_BOUNDS __launch_bounds__(T4_WARPS * 32)
+#endif
 #if ACT_F32
 #error "gemv_tiled takes bf16 activations only"
 #endif
@@ -155,7 +165,7 @@ __device__ __forceinline__ void scale_into(float* acc, const float* c, const flo
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(T4_WARPS * 32)
+extern "C" __global__ void T4_BOUNDS
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
            int y_f32 NORM_PARAMS) {

@@ -39,7 +39,7 @@ GEMV_CHUNK = {0: 8, 1: 16, 2: 32, 3: 32, 4: 4}  # weights a lane reads per 16-by
 # powers of two from 32)
 GEMV_ROUTES = ("warp", "mma", "tiled")
 MMA_WARPS = 8  # gemv_mma.cu
-TILED_WARPS = 8  # gemv_tiled.cu
+TILED_WARPS = 8  # gemv_tiled.cu's warps per block unless a variant names T4_WARPS
 ACT_DTYPES = (BF16, F32_DT)  # activations: bf16, or fp32 (modules compiled with ACT_F32=1)
 
 
@@ -682,8 +682,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
-    variant: the tiled kernel's compile defines (T4_STAGES, T4_XPRE) instead of tiled_variant(N, K)'s
-    (tuning scripts; they change speed, never results).
+    variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS) over tiled_variant(N, K)'s
+    (tuning scripts; stages and prefetch change speed only, warps the order of the sum).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
     dtype followed by swiglu / geglu.
@@ -724,9 +724,10 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         align = 8 if g == 32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
-        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32),
-                                                  **(variant or tiled_variant(N, K)), **glu_defines}).launch(
-            (N // 16, 1, 1), (TILED_WARPS * 32, 1, 1), args)
+        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K), **(variant or {})}
+        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32), **defines,
+                                                  **glu_defines}).launch(
+            (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)
     elif route == "mma":
         kc.kernel("gemv_mma.cu", "gemv_mma", {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **glu_defines}).launch(
             (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)

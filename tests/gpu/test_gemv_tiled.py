@@ -1,6 +1,6 @@
 """The tiled int4 gemv route (kernels/gemv_tiled.cu) on the GPU: against fp64 on fresh random data at
 the llama-8b and SmolLM2 decode shapes, rows 1..8; batch invariance; every tuning variant (stages in
-flight, activations prefetched or not) bit-equal to the default; and a model on the route: prompt
+flight, activations prefetched or not) bit-equal at 8 and at 16 warps a block; and a model on the route: prompt
 logits bit-equal to the mma route's (the prompt expands the weights from either layout to the same
 bits), decode logits close to them, batch-invariant decode."""
 from __future__ import annotations
@@ -67,28 +67,34 @@ def test_gemv_tiled_matches_fp64(kc: KernelCompiler, fmt: TensorFormat, N: int, 
         assert torch.equal(out_bf, out.to(BF)), M  # the same fp32 sums, rounded once
 
 
-VARIANTS = [{"T4_STAGES": s, "T4_XPRE": 0} for s in (1, 2, 3, 4, 8)] + [{"T4_STAGES": s, "T4_XPRE": 1} for s in (2, 3, 6)]
+VARIANTS = ([{"T4_STAGES": s, "T4_XPRE": 0} for s in (1, 2, 3, 4, 8)] + [{"T4_STAGES": s, "T4_XPRE": 1} for s in (2, 3, 6)]
+            + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 2} for s in (2, 3)])
 
 
+@pytest.mark.parametrize("warps", [8, 16])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("K", [64, 576, 1536, 4096, 14336])
-def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat, K: int) -> None:
-    """Stages in flight and where the activations load change speed only: every variant gives the
-    default's bits, at widths where the warps' slab counts (K / 64 over 8 warps) leave every kind of
-    tail, including warps with no slab."""
+def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat, K: int, warps: int) -> None:
+    """Stages in flight, where the activations load and register caps change speed only: at a block's
+    warp count every variant gives the same bits, at widths where the warps' slab counts (K / 64 over
+    the warps) leave every kind of tail, including warps with no slab; rows batched or alone bit-equal."""
     if K % fmt.group_size:
         pytest.skip("group size does not divide K")
     N = 256
     packed = L.gemv_pack("tiled", fmt, weight(fmt, N, K, seed=K))
     x = torch.randn(8, K, generator=torch.Generator(device=DEV).manual_seed(7), device=DEV).to(BF)
+    lone = poisoned((1, N), F32)
+    L.gemv(kc, x[4:5], fmt, packed, lone, route="tiled", variant={"T4_WARPS": warps})
     for M in (1, 5, 8):
         base = poisoned((M, N), F32)
-        L.gemv(kc, x[:M], fmt, packed, base, route="tiled")
+        L.gemv(kc, x[:M], fmt, packed, base, route="tiled", variant={"T4_WARPS": warps})
         ref = x[:M].double() @ dequantize(fmt, L.gemv_unpack("tiled", fmt, packed), torch.float64).T
         assert rel(base, ref) < 1e-5
+        if M > 4:
+            assert torch.equal(base[4], lone[0])
         for v in VARIANTS:
             out = poisoned((M, N), F32)
-            L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant=v)
+            L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant={**v, "T4_WARPS": warps})
             assert torch.equal(out, base), (M, v)
 
 
