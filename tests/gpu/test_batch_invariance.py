@@ -118,3 +118,21 @@ def test_batch_and_prefix_invariance(weights: str, profile: str) -> None:
         for step, (la, lb, lh) in enumerate(zip(a.logits, b.logits, h.logits)):
             assert torch.equal(la, lb) and torch.equal(la, lh), f"request {a.i} step {step}: logits differ"
     assert len({tuple(r.tokens) for r in alone}) > 1  # the requests did not all collapse to one output
+
+
+def test_prompt_matmul_calls_keep_rows() -> None:
+    """cuBLAS kept from split-K gives a row its lone block's bits in one call over many blocks, at
+    SmolLM2's and llama-8b's projection shapes (what lets the prompt route make one call per
+    projection), and block_mm with call_rows gives the blocks' bits at any row count."""
+    from ninfer.engine.ops.cuda_ops import block_mm, calls_keep_rows, no_split_k
+
+    dev = torch.device("cuda")
+    assert no_split_k()
+    for N, K in [(960, 576), (576, 1536), (6144, 4096), (4096, 14336)]:
+        assert calls_keep_rows(N, K, torch.bfloat16, dev, 128, 1024), (N, K)
+    g = torch.Generator(device=dev).manual_seed(5)
+    x = torch.randn(1000, 576, generator=g, device=dev).to(torch.bfloat16)
+    w_t = (torch.randn(960, 576, generator=g, device=dev) * 0.04).to(torch.bfloat16).t()
+    ref = block_mm(x, w_t, 128)
+    for n in (1, 127, 129, 700, 1000):
+        assert torch.equal(block_mm(x[:n], w_t, 128, 512), ref[:n]), n

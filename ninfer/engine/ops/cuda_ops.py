@@ -13,11 +13,14 @@ Two routes, chosen by the step context, not by row count:
   (rope_attention_decode: act caches, whole-head rotary, no q/k norms, not verification), each with
   the bits of the kernels it replaces.
 - prompt (prefill, chunks, prefix-hit suffixes): torch.mm on dense weights (quantized weights
-  expanded per projection on the fly; block formats by the dequant_blocks kernel) in blocks of
-  exactly prompt_rows rows (padded), paged prefill attention, the delta rule over each sequence's tokens.
+  expanded per projection on the fly; block formats by the dequant_blocks kernel) over whole blocks
+  of prompt_rows rows (padded): one call per up to PROMPT_CALL_ROWS rows where cuBLAS, kept from
+  split-K (no_split_k), was found to give a row the bits of its lone block at every block count up
+  to that (calls_keep_rows, once per weight shape), else one call per block; paged prefill
+  attention, the delta rule over each sequence's tokens.
 A fused projection whose parts differ in format (a Q4_K_M file's q/k in q4_k and v in q6_k) keeps
 each run of one format as it is, as segments of one weight.
-Every kernel computes a row from that row alone and cuBLAS always sees prompt_rows-row blocks, so
+Every kernel computes a row from that row alone and cuBLAS gives a row its lone block's bits, so
 a row's bits do not depend on the other rows of its batch or on where a prefix hit starts. The
 device profile (kernels/profile.py) fixes the decode route per weight format, the attention
 partition and decode route, and prompt_rows for the whole run (its defaults: DEFAULT_GEMV_ROUTES,
@@ -119,6 +122,9 @@ class CudaContext:
     v_scale: list[torch.Tensor] = field(default_factory=list)
 
 
+PROMPT_CALL_ROWS = 2048  # the most rows one prompt matmul call takes (calls_keep_rows checks each count up to it)
+
+
 class CudaOps:
     """The ops interface on one CUDA device (see ninfer/engine/ops/__init__.py)."""
 
@@ -144,6 +150,10 @@ class CudaOps:
         # the fused residual norm's arrival counter (launchers.norm_epilogue): zero between launches
         self.norm_counter = torch.zeros(1, dtype=torch.int32, device=device)
         self._decode_routes: dict[tuple[int, bool], str] = {}  # (page size, compressed) -> _decode_route's answer
+        # prompt matmuls: one cuBLAS call per up to PROMPT_CALL_ROWS rows for the weight shapes where
+        # that keeps each row's bits (checked once per shape), prompt_rows blocks elsewhere
+        self.one_call = no_split_k()
+        self.call_rows: dict[tuple[int, int], int] = {}  # (N, K) -> block_mm's call_rows
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -287,10 +297,21 @@ class CudaOps:
             for r in range(0, n, L.MAX_GEMV_ROWS):  # verify steps have more rows than one gemv takes
                 self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS])
         else:
-            y = block_mm(x, self.dense(w).t(), self.profile.prompt_rows)
+            y = block_mm(x, self.dense(w).t(), self.profile.prompt_rows, self._call_rows(N, x.shape[1]))
         if w.bias is not None:
             y.add_(w.bias)
         return y
+
+    def _call_rows(self, N: int, K: int) -> int:
+        """block_mm's call_rows for a prompt matmul by a weight [N, K] (0: one call per block)."""
+        if not self.one_call:
+            return 0
+        if (N, K) not in self.call_rows:
+            rows = self.profile.prompt_rows
+            most = max(rows, PROMPT_CALL_ROWS // rows * rows)
+            keeps = calls_keep_rows(N, K, self.dtype, self.device, rows, most)
+            self.call_rows[(N, K)] = most if keeps else 0
+        return self.call_rows[(N, K)]
 
     def _gemv(self, x: torch.Tensor, w: Weight, out: torch.Tensor, glu: str = "") -> None:
         """out [M, N] = x @ W^T (M <= 8) by each segment's route (glu: fused gated activation, out [M, N/2])."""
@@ -483,9 +504,11 @@ def rope_tables(rope: Rope, positions: int, device: torch.device) -> tuple[torch
             (angles.sin() * factor).to(torch.float32).to(device))
 
 
-def block_mm(x: torch.Tensor, w_t: torch.Tensor, rows: int) -> torch.Tensor:
+def block_mm(x: torch.Tensor, w_t: torch.Tensor, rows: int, call_rows: int = 0) -> torch.Tensor:
     """x [n, K] @ w_t [K, N] in blocks of exactly `rows` rows, the last one zero-padded: cuBLAS
-    sees one shape whatever n is, so a row's bits do not depend on the others."""
+    sees one shape whatever n is, so a row's bits do not depend on the others. call_rows (a multiple
+    of rows, where calls_keep_rows found that one call over any whole number of blocks up to it gives
+    each row the bits of its lone block): one torch.mm per call_rows rows instead of one per block."""
     n = x.shape[0]
     total = -(-n // rows) * rows
     if total != n or not x.is_contiguous():
@@ -493,6 +516,32 @@ def block_mm(x: torch.Tensor, w_t: torch.Tensor, rows: int) -> torch.Tensor:
         padded[:n] = x
         x = padded
     y = torch.empty(total, w_t.shape[1], dtype=x.dtype, device=x.device)
-    for r0 in range(0, total, rows):
-        torch.mm(x[r0:r0 + rows], w_t, out=y[r0:r0 + rows])
+    step = max(rows, call_rows)
+    for r0 in range(0, total, step):
+        torch.mm(x[r0:r0 + step], w_t, out=y[r0:r0 + step])
     return y[:n]
+
+
+def no_split_k() -> bool:
+    """Keep split-K out of torch's cuBLAS matmuls in this process (its cuBLASLt backend, fp16 / bf16
+    reductions in fp32 and never split over K): the kernels left sum each output along K in one
+    order, whatever the row count, so one call over a whole prompt can keep a row's bits (split-K's
+    choice moves with the row count; scripts/gemm_row_bits.py). False where this torch cannot."""
+    try:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = (False, False)
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = (False, False)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+def calls_keep_rows(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int, most: int) -> bool:
+    """Whether one torch.mm over any whole number of `rows`-row blocks up to `most` rows gives every
+    row the bits block_mm's lone blocks give, for a weight [N, K] (checked on random data of that
+    shape: cuBLAS picks its kernel by shape, not values)."""
+    g = torch.Generator(device=device).manual_seed(31 * N + K)
+    x = torch.randn(most, K, generator=g, device=device).to(dtype)
+    w_t = (torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(dtype).t()
+    ref = block_mm(x, w_t, rows)
+    return all(torch.equal(torch.mm(x[:n], w_t), ref[:n]) for n in range(rows, most + 1, rows))
