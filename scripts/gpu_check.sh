@@ -51,7 +51,7 @@ PY
 # where a captured decode step's time goes (launch gaps vs kernels), and whether cuBLAS gives a row the
 # same bits in one prompt-sized call as in prompt_rows blocks (the prompt route's launches)
 python3 scripts/profile_gpu_step.py > "$OUT/profile_step.txt" 2>&1 || status=1
-python3 scripts/gemm_row_bits.py --n 2048,200 > "$OUT/gemm_row_bits.txt" 2>&1 || status=1
+python3 scripts/gemm_row_bits.py --no-splitk > "$OUT/gemm_row_bits.txt" 2>&1 || status=1
 grep -v "^|" "$OUT/profile_step.txt" | grep -v "^\s*$" | head -12
 cat "$OUT/gemm_row_bits.txt"
 exit $status

@@ -82,7 +82,8 @@ def main() -> None:
                 out = torch.empty(M, N, device=DEV, dtype=torch.float32)
                 ref = x.double() @ ref_w.T
                 cands = [("mma", "mma", None), ("tiled", "tiled", None)]
-                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}", "tiled", v) for v in variants]
+                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}", "tiled", v)
+                          for v in variants]
                 line = []
                 for label, route, variant in cands:
                     out.fill_(float("nan"))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ninfer.engine.ops.cuda_ops import Weight, block_mm, in_features
+from ninfer.engine.ops.cuda_ops import Weight, block_mm, in_features, prompt_call_rows
 from ninfer.engine.quant import DEFAULT_GROUP_SIZE
 from ninfer.errors import ConfigError
 from ninfer.formats import TensorFormat
@@ -243,12 +243,13 @@ class Calibrator:
         x = torch.randn(max(plan.prompt_tokens), max(s.k for s in shapes), device=dev).to(torch.bfloat16)
         table: dict[int, dict[int, float]] = {}
         for block in plan.prompt_rows:
+            calls = [prompt_call_rows(s.n, s.k, torch.bfloat16, dev, block) for s, _ in weights]  # as the route runs
             for tokens in plan.prompt_tokens:
                 self.progress(f"prompt rows {block} x{tokens} tokens")
                 total = 0.0
-                for s, w_t in weights:
+                for (s, w_t), c in zip(weights, calls):
                     xs = x[:tokens, :s.k].contiguous()
-                    total += s.count * _best(lambda xs=xs, w_t=w_t: block_mm(xs, w_t, block), dev, plan.reps)
+                    total += s.count * _best(lambda xs=xs, w_t=w_t, c=c: block_mm(xs, w_t, block, c), dev, plan.reps)
                 table.setdefault(block, {})[tokens] = total
         return table
 

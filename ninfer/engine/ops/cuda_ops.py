@@ -150,10 +150,8 @@ class CudaOps:
         # the fused residual norm's arrival counter (launchers.norm_epilogue): zero between launches
         self.norm_counter = torch.zeros(1, dtype=torch.int32, device=device)
         self._decode_routes: dict[tuple[int, bool], str] = {}  # (page size, compressed) -> _decode_route's answer
-        # prompt matmuls: one cuBLAS call per up to PROMPT_CALL_ROWS rows for the weight shapes where
-        # that keeps each row's bits (checked once per shape), prompt_rows blocks elsewhere
-        self.one_call = no_split_k()
-        self.call_rows: dict[tuple[int, int], int] = {}  # (N, K) -> block_mm's call_rows
+        no_split_k()  # from the start, so every cuBLAS call of the run (graphs captured too) sees one setting
+        self.call_rows: dict[tuple[int, int], int] = {}  # (N, K) -> prompt_call_rows, once per weight shape
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -303,14 +301,8 @@ class CudaOps:
         return y
 
     def _call_rows(self, N: int, K: int) -> int:
-        """block_mm's call_rows for a prompt matmul by a weight [N, K] (0: one call per block)."""
-        if not self.one_call:
-            return 0
         if (N, K) not in self.call_rows:
-            rows = self.profile.prompt_rows
-            most = max(rows, PROMPT_CALL_ROWS // rows * rows)
-            keeps = calls_keep_rows(N, K, self.dtype, self.device, rows, most)
-            self.call_rows[(N, K)] = most if keeps else 0
+            self.call_rows[(N, K)] = prompt_call_rows(N, K, self.dtype, self.device, self.profile.prompt_rows)
         return self.call_rows[(N, K)]
 
     def _gemv(self, x: torch.Tensor, w: Weight, out: torch.Tensor, glu: str = "") -> None:
@@ -534,6 +526,14 @@ def no_split_k() -> bool:
     except (AttributeError, RuntimeError, TypeError):
         return False
     return True
+
+
+def prompt_call_rows(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int) -> int:
+    """block_mm's call_rows for the prompt matmuls by a weight [N, K] in blocks of `rows`: the most
+    rows one call takes (PROMPT_CALL_ROWS) where cuBLAS, kept from split-K, keeps each row's bits at
+    every block count up to that, else 0 (one call per block)."""
+    most = max(rows, PROMPT_CALL_ROWS // rows * rows)
+    return most if no_split_k() and calls_keep_rows(N, K, dtype, device, rows, most) else 0
 
 
 def calls_keep_rows(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int, most: int) -> bool:
