@@ -665,14 +665,19 @@ def dequantize_weight(kc: KernelCompiler, fmt: TensorFormat, parts: dict[str, to
              I32(fmt.group_size)])
 
 
-def tiled_variant(N: int, K: int) -> dict[str, int]:
-    """The tiled kernel's slabs in flight per warp and activation prefetch for a weight [N, K], from the
-    H200 sweep of scripts/gpu_int4_ab.py (docs/PERF.md): long rows (down_proj) 3 stages with the
-    activations loaded beside the weights, many rows (gate_up, lm_head) 2 stages without, the rest 2
-    with. Variants change speed only: every one gives the same bits (tests/gpu/test_gemv_tiled.py)."""
+def tiled_variant(N: int, K: int, sms: int = 0) -> dict[str, int]:
+    """The tiled kernel's slabs in flight per warp, activation prefetch and register cap for a weight
+    [N, K] on a GPU of `sms` SMs, from the H200 sweep of scripts/gpu_int4_ab.py (docs/PERF.md): long
+    rows (down_proj) 3 stages with the activations loaded beside the weights, many rows (gate_up,
+    lm_head) 2 stages without, the rest 2 with. Where two blocks an SM hold every tile at once (N / 16
+    <= 2 sms: o_proj and down_proj of llama-8b), registers up to 128 (T4_MINB 2; ptxas then spends
+    fewer instructions a slab): H100, 5.9 -> 5.1 us at 4096 x 4096 and 15.1 -> 14.3 at 4096 x 14336;
+    with more tiles it costs the third block an SM holds (6144 x 4096: 6.9 -> 8.9 us). Variants change
+    speed only: every one gives the same bits (tests/gpu/test_gemv_tiled.py)."""
+    minb = {"T4_MINB": 2} if 0 < N // 16 <= 2 * sms else {}
     if K >= 8192:
-        return {"T4_STAGES": 3, "T4_XPRE": 1}
-    return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1}
+        return {"T4_STAGES": 3, "T4_XPRE": 1, **minb}
+    return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1, **minb}
 
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
@@ -682,7 +687,7 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
-    variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS) over tiled_variant(N, K)'s
+    variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB) over tiled_variant's
     (tuning scripts; stages and prefetch change speed only, warps the order of the sum).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
@@ -724,7 +729,7 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         align = 8 if g == 32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
-        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K), **(variant or {})}
+        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count), **(variant or {})}
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32), **defines,
                                                   **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)

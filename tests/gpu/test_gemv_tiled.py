@@ -67,8 +67,8 @@ def test_gemv_tiled_matches_fp64(kc: KernelCompiler, fmt: TensorFormat, N: int, 
         assert torch.equal(out_bf, out.to(BF)), M  # the same fp32 sums, rounded once
 
 
-VARIANTS = ([{"T4_STAGES": s, "T4_XPRE": 0} for s in (1, 2, 3, 4, 8)]
-            + [{"T4_STAGES": s, "T4_XPRE": 1} for s in (2, 3, 6)]
+VARIANTS = ([{"T4_STAGES": s, "T4_XPRE": 0, "T4_MINB": 0} for s in (1, 2, 3, 4, 8)]
+            + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 0} for s in (2, 3, 6)]
             + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 2} for s in (2, 3)])
 
 
