@@ -1,9 +1,11 @@
 """Where a captured decode step's time goes: runs `ninfer bench` with CUDA graphs (as served) under
-torch.profiler, cuts the kernel timeline into steps at each `sample_tokens` launch, and prints, over the
-middle half of the steps, the step period against the time some kernel runs (the rest: gaps between
-kernels, i.e. launch latency), then each kernel's launches and microseconds per step, then the
-step's first NINFER_STEP_LIST (default 16) launches in order: the gap before each and its time
-(a layer's kernels, one by one: which projection costs what).
+torch.profiler, cuts the kernel timeline into steps at each `sample_tokens` launch, and prints, over
+the middle half of the decode steps (those with the commonest kernel sequence), the step period
+against the time some kernel runs (the rest: gaps between kernels, i.e. launch latency), then each
+kernel's launches and microseconds per step, then the step's first NINFER_STEP_LIST (default 16)
+launches in order: the gap before each and its time (a layer's kernels one by one: which projection
+costs what). With programmatic dependent launch a kernel starts before the one ahead of it ends, so
+its time includes that wait (negative gaps): NINFER_PDL=0 for each kernel's own time.
 (scripts/profile_gpu_decode.py profiles eager steps instead, where launch gaps are the host's.)
 Usage: python scripts/profile_gpu_step.py [bench args...]
   (default: --synthetic smollm2-135m --weights int4 -p 0 -n 128 -r 1 --device-profile off --ceilings off)"""
@@ -32,7 +34,13 @@ def main() -> None:
                       and not e.name.startswith("Memcpy") and not e.name.startswith("Memset")), key=lambda k: k[0])
     cuts = [i for i, k in enumerate(kernels) if k[2].startswith("sample_tokens")]
     steps = [kernels[a + 1:b + 1] for a, b in zip(cuts, cuts[1:])]
-    steps = [s for s in steps if s and s[-1][0] - s[0][0] < 1e5][len(steps) // 4:3 * len(steps) // 4]  # us
+    # decode steps replay one graph: keep the steps with the commonest kernel sequence (not those that
+    # also hold a prompt's forward between bench runs), then their middle half
+    shapes = collections.Counter(tuple(k[2] for k in s) for s in steps if s)
+    if shapes:
+        common = shapes.most_common(1)[0][0]
+        steps = [s for s in steps if tuple(k[2] for k in s) == common]
+        steps = steps[len(steps) // 4:3 * len(steps) // 4 or None]
     if not steps:
         raise SystemExit("no decode steps seen (did the bench run on the cuda backend with graphs?)")
     n = len(steps)
