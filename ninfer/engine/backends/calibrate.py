@@ -243,7 +243,7 @@ class Calibrator:
         x = torch.randn(max(plan.prompt_tokens), max(s.k for s in shapes), device=dev).to(torch.bfloat16)
         table: dict[int, dict[int, float]] = {}
         for block in plan.prompt_rows:
-            calls = [prompt_call_rows(s.n, s.k, torch.bfloat16, dev, block) for s, _ in weights]  # as the route runs
+            calls = [prompt_call_rows(w_t, block) for _, w_t in weights]  # as the prompt route runs
             for tokens in plan.prompt_tokens:
                 self.progress(f"prompt rows {block} x{tokens} tokens")
                 total = 0.0

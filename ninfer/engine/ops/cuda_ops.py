@@ -122,7 +122,9 @@ class CudaContext:
     v_scale: list[torch.Tensor] = field(default_factory=list)
 
 
-PROMPT_CALL_ROWS = 2048  # the most rows one prompt matmul call takes (calls_keep_rows checks each count up to it)
+# the most rows one prompt matmul call takes (calls_keep_rows checks each count up to it): the
+# default prefill chunk, which one call then takes whole
+PROMPT_CALL_ROWS = 1024
 
 
 class CudaOps:
@@ -151,7 +153,7 @@ class CudaOps:
         self.norm_counter = torch.zeros(1, dtype=torch.int32, device=device)
         self._decode_routes: dict[tuple[int, bool], str] = {}  # (page size, compressed) -> _decode_route's answer
         no_split_k()  # from the start, so every cuBLAS call of the run (graphs captured too) sees one setting
-        self.call_rows: dict[tuple[int, int], int] = {}  # (N, K) -> prompt_call_rows, once per weight shape
+        self.call_rows: dict[tuple[int, int], int] = {}  # (K, N) -> prompt_call_rows, once per weight shape
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -295,15 +297,17 @@ class CudaOps:
             for r in range(0, n, L.MAX_GEMV_ROWS):  # verify steps have more rows than one gemv takes
                 self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS])
         else:
-            y = block_mm(x, self.dense(w).t(), self.profile.prompt_rows, self._call_rows(N, x.shape[1]))
+            w_t = self.dense(w).t()
+            y = block_mm(x, w_t, self.profile.prompt_rows, self._call_rows(w_t))
         if w.bias is not None:
             y.add_(w.bias)
         return y
 
-    def _call_rows(self, N: int, K: int) -> int:
-        if (N, K) not in self.call_rows:
-            self.call_rows[(N, K)] = prompt_call_rows(N, K, self.dtype, self.device, self.profile.prompt_rows)
-        return self.call_rows[(N, K)]
+    def _call_rows(self, w_t: torch.Tensor) -> int:
+        key = tuple(w_t.shape)
+        if key not in self.call_rows:
+            self.call_rows[key] = prompt_call_rows(w_t, self.profile.prompt_rows)
+        return self.call_rows[key]
 
     def _gemv(self, x: torch.Tensor, w: Weight, out: torch.Tensor, glu: str = "") -> None:
         """out [M, N] = x @ W^T (M <= 8) by each segment's route (glu: fused gated activation, out [M, N/2])."""
@@ -528,20 +532,19 @@ def no_split_k() -> bool:
     return True
 
 
-def prompt_call_rows(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int) -> int:
-    """block_mm's call_rows for the prompt matmuls by a weight [N, K] in blocks of `rows`: the most
-    rows one call takes (PROMPT_CALL_ROWS) where cuBLAS, kept from split-K, keeps each row's bits at
-    every block count up to that, else 0 (one call per block)."""
+def prompt_call_rows(w_t: torch.Tensor, rows: int) -> int:
+    """block_mm's call_rows for the prompt matmuls by w_t [K, N] in blocks of `rows`: the most rows
+    one call takes (PROMPT_CALL_ROWS) where cuBLAS, kept from split-K, keeps each row's bits at every
+    block count up to that, else 0 (one call per block)."""
     most = max(rows, PROMPT_CALL_ROWS // rows * rows)
-    return most if no_split_k() and calls_keep_rows(N, K, dtype, device, rows, most) else 0
+    return most if no_split_k() and calls_keep_rows(w_t, rows, most) else 0
 
 
-def calls_keep_rows(N: int, K: int, dtype: torch.dtype, device: torch.device, rows: int, most: int) -> bool:
-    """Whether one torch.mm over any whole number of `rows`-row blocks up to `most` rows gives every
-    row the bits block_mm's lone blocks give, for a weight [N, K] (checked on random data of that
-    shape: cuBLAS picks its kernel by shape, not values)."""
-    g = torch.Generator(device=device).manual_seed(31 * N + K)
-    x = torch.randn(most, K, generator=g, device=device).to(dtype)
-    w_t = (torch.randn(N, K, generator=g, device=device) * K ** -0.5).to(dtype).t()
+def calls_keep_rows(w_t: torch.Tensor, rows: int, most: int) -> bool:
+    """Whether one torch.mm by w_t [K, N] over any whole number of `rows`-row blocks up to `most`
+    rows gives every row the bits block_mm's lone blocks give (random activations: cuBLAS picks its
+    kernel by shape, not values; memory: two [most, N] outputs beside the weight)."""
+    g = torch.Generator(device=w_t.device).manual_seed(w_t.shape[0])
+    x = torch.randn(most, w_t.shape[0], generator=g, device=w_t.device, dtype=w_t.dtype)
     ref = block_mm(x, w_t, rows)
     return all(torch.equal(torch.mm(x[:n], w_t), ref[:n]) for n in range(rows, most + 1, rows))
