@@ -43,23 +43,28 @@ def kernel_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], x: torch.Te
 
 
 def dequant_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], N: int, K: int) -> torch.Tensor:
-    """W [N, K] as dequant.cu (DQ_WIDE 2) expands it, with its address formulas: one 32-k chunk c of a
-    row n per thread."""
+    """W [N, K] as dequant.cu's dequantize_tiles expands it, with its address formulas: a warp per
+    512-byte slab, lane 4 r + t its 16 bytes, word 2 c + h of them to row 16 T + 8 h + r at
+    k = 64 j + 32 c + 8 t. Every element is written exactly once (NaN left anywhere fails)."""
     words = packed[""].contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
     mn = packed[".mins"].contiguous().view(-1).to(torch.float64) if ".mins" in packed else None
-    gs = fmt.group_size
-    out = torch.empty(N, K, dtype=torch.float64)
-    for n in range(N):
-        T, h, r = n >> 4, (n >> 3) & 1, n & 7
-        for c in range(K // 32):
-            E, grp = (2 if gs == 32 else 1), 32 * c // gs
-            si = ((T * (K // gs // E) + grp // E) * 8 + r) * 2 * E + 2 * (grp % E) + h
-            blk = (T * (K // 64) + c // 2) * 512 + 64 * r + 4 * (2 * (c % 2) + h)
-            for j in range(32):
-                nib = ((j & 7) >> 1) + 4 * (j & 1)
-                q = (int(words[(blk + 16 * (j >> 3)) // 4]) >> (4 * nib)) & 0xF
-                out[n, 32 * c + j] = (q - 8) * sc[si] if fmt.symmetric else q * sc[si] + mn[si]
+    gs, S, E = fmt.group_size, K // 64, (2 if fmt.group_size == 32 else 1)
+    out = torch.full((N, K), float("nan"), dtype=torch.float64)
+    for slab in range(N // 16 * S):
+        T, j = slab // S, slab % S
+        for lane in range(32):
+            r, t = lane >> 2, lane & 3
+            for c in range(2):
+                grp = (64 * j + 32 * c) // gs
+                for h in range(2):
+                    si = ((T * (K // gs // E) + grp // E) * 8 + r) * 2 * E + 2 * (grp % E) + h
+                    w = int(words[(slab * 512 + 16 * lane) // 4 + 2 * c + h])
+                    row, k0 = 16 * T + 8 * h + r, 64 * j + 32 * c + 8 * t
+                    for e in range(8):
+                        assert out[row, k0 + e].isnan()
+                        q = (w >> (4 * ((e >> 1) + 4 * (e & 1)))) & 0xF
+                        out[row, k0 + e] = (q - 8) * sc[si] if fmt.symmetric else q * sc[si] + mn[si]
     return out
 
 

@@ -103,7 +103,7 @@ def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat
 @pytest.mark.parametrize("dtype", [BF, F32], ids=["bf16", "f32"])
 def test_dequantize_weight_from_tiles_equals_quant_dequantize(kc: KernelCompiler, fmt: TensorFormat,
                                                               dtype: torch.dtype) -> None:
-    """The prompt route's expansion (dequant.cu DQ_WIDE 2) of the tiled layout is bit-equal to
+    """The prompt route's expansion (dequant.cu's dequantize_tiles) of the tiled layout is bit-equal to
     quant.dequantize (rows in 16s: the layout is tiled; test_kernels' N = 100 keeps quant.py's)."""
     for N, K in ((96, 576), (64, 2048)):
         if K % fmt.group_size:
