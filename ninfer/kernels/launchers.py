@@ -660,12 +660,14 @@ def dequantize_weight(kc: KernelCompiler, fmt: TensorFormat, parts: dict[str, to
         return
     args = [ptr(w), ptr(parts[".scales"]), ptr(parts.get(".mins") if code == 3 else None), ptr(out), I32(N), I32(K),
             I32(fmt.group_size)]
-    if route == "tiled" and _tiled(fmt, N, K):  # a warp per 512-byte slab, 8 a block
-        kc.kernel("dequant.cu", "dequantize_tiles", {"DQ_FMT": code, **_act(out.dtype, "out")}).launch(
-            (math.ceil(N // 16 * (K // 64) / 8), 1, 1), (256, 1, 1), args)
-    else:
-        defines = {"DQ_FMT": code, "DQ_WIDE": int(route == "mma" and _mma_wide(fmt, K)), **_act(out.dtype, "out")}
-        kc.kernel("dequant.cu", "dequantize_rows", defines).launch((math.ceil(chunks / 256), 1, 1), (256, 1, 1), args)
+    defines = {"DQ_FMT": code, **_act(out.dtype, "out")}
+    if route == "tiled" and _tiled(fmt, N, K):  # a warp per 512-byte slab
+        kernel, threads = "dequantize_tiles", N // 16 * (K // 64) * 32
+    elif route == "mma" and _mma_wide(fmt, K):  # a thread per 32-k chunk
+        kernel, threads = "dequantize_mma", chunks
+    else:  # a thread per 8 k
+        kernel, threads = "dequantize_plain", N * K // 8
+    kc.kernel("dequant.cu", kernel, defines).launch((math.ceil(threads / 256), 1, 1), (256, 1, 1), args)
 
 
 def tiled_variant(N: int, K: int, sms: int = 0) -> dict[str, int]:
