@@ -1,7 +1,7 @@
-"""A/B of the int4 decode gemv routes on a GPU at llama-8b shapes: the mma route (gemv_mma.cu) against
-the tiled route (gemv_tiled.cu) and the tiled kernel's tuning variants (slabs in flight per warp,
-activations loaded with the weights or when computed, warps per block; stages and prefetch change
-speed only, warps the order of the sum).
+"""A/B of the int4 / int8 decode gemv routes on a GPU at llama-8b shapes: the route tiles replaced
+(int4: mma, gemv_mma.cu; int8: warp, gemv.cu) against the tiled route (gemv_tiled.cu) and the tiled
+kernel's tuning variants (slabs in flight per warp, activations loaded with the weights or when
+computed, warps per block; stages and prefetch change speed only, warps the order of the sum).
 
 Each timing reads enough copies of the weight to exceed the L2 cache (as a decode step reads its
 weights), the calls captured in a CUDA graph, best of a few samples; GB/s counts the weight, scale
@@ -9,8 +9,8 @@ and min bytes once. Checks each output against fp64 first. One line per case, th
 decode step would see (the shapes weighted as llama-8b runs them per token).
 
 Usage: PYTHONPATH=. python scripts/gpu_int4_ab.py [--quick] [--stages 2,3] [--warps 8,16] [--xpre 1] [--minb 0,2]
-       [--shapes N:K,...]
-  (--quick: asym only, M = 1 and 8)
+       [--shapes N:K,...] [--formats asym,sym,int8]
+  (--quick: rows 1 and 8 only)
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def time_route(kc, fmt, copies, x, out, route, variant=None) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="asym only, rows 1 and 8")
+    ap.add_argument("--quick", action="store_true", help="rows 1 and 8 only")
+    ap.add_argument("--formats", default="asym,sym", help="of asym, sym (int4 g32), int8 (g32)")
     ap.add_argument("--stages", type=ints, default=[2, 3, 4, 6, 8], help="T4_STAGES values to sweep")
     ap.add_argument("--warps", type=ints, default=[8], help="T4_WARPS values to sweep (8, 16)")
     ap.add_argument("--xpre", type=ints, default=[0, 1], help="T4_XPRE values to sweep")
@@ -61,9 +62,9 @@ def main() -> None:
     keep = {tuple(ints(v.replace(":", ","))) for v in args.shapes.split(",") if v} if args.shapes else None
     shapes = [s for s in SHAPES if keep is None or s[:2] in keep]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
-    fmts = {"asym": TensorFormat("int4", 32, False)}
-    if not args.quick:
-        fmts["sym"] = TensorFormat("int4", 32, True)
+    known = {"asym": TensorFormat("int4", 32, False), "sym": TensorFormat("int4", 32, True),
+             "int8": TensorFormat("int8", 32)}
+    fmts = {name: known[name] for name in args.formats.split(",")}
     rows = (1, 8) if args.quick else (1, 2, 4, 8)
     print(f"{torch.cuda.get_device_name()}  (GB/s: weight + scale bytes / time; samples read >= {ROTATE >> 20} MiB)")
     step: dict[tuple[str, str, int], float] = {}  # (format, candidate, rows) -> seconds per token
@@ -74,14 +75,15 @@ def main() -> None:
             nbytes = sum(p.numel() * p.element_size() for p in parts.values())
             ncopies = max(1, math.ceil(ROTATE / nbytes))
             ref_w = dequantize(fmt, parts, torch.float64)
-            packed = {r: L.gemv_pack(r, fmt, parts) for r in ("mma", "tiled")}
+            before = "warp" if fmt.format == "int8" else "mma"
+            packed = {r: L.gemv_pack(r, fmt, parts) for r in (before, "tiled")}
             copies = {r: [p] + [{k: v.clone() for k, v in p.items()} for _ in range(ncopies - 1)]
                       for r, p in packed.items()}
             for M in rows:
                 x = torch.randn(M, K, generator=g, device=DEV).to(torch.bfloat16)
                 out = torch.empty(M, N, device=DEV, dtype=torch.float32)
                 ref = x.double() @ ref_w.T
-                cands = [("mma", "mma", None), ("tiled", "tiled", None)]
+                cands = [(before, before, None), ("tiled", "tiled", None)]
                 cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}", "tiled", v)
                           for v in variants]
                 line = []
@@ -95,18 +97,19 @@ def main() -> None:
                     s = time_route(kc, fmt, copies[route], x, out, route, variant)
                     step[(name, label, M)] = step.get((name, label, M), 0.0) + count * s
                     line.append(f"{label} {s * 1e6:7.1f} us {nbytes / s / 1e9:5.0f} GB/s")
-                print(f"int4 {name} N={N:6d} K={K:5d} M={M}: " + " | ".join(line[:2]))
+                print(f"{name} N={N:6d} K={K:5d} M={M}: " + " | ".join(line[:2]))
                 best = min(line[2:], key=lambda t: float(t.split(" us")[0].split()[-1]), default="")
                 print(f"    variants: {' | '.join(line[2:])}\n    best variant: {best}")
             del copies, packed, ref_w
             torch.cuda.empty_cache()
-    print("\nper token (llama-8b shapes x their count per token), ms; default tiled vs mma:")
-    for name in fmts:
+    print("\nper token (llama-8b shapes x their count per token), ms; default tiled vs the route before it:")
+    for name, fmt in fmts.items():
+        before = "warp" if fmt.format == "int8" else "mma"
         for M in rows:
-            mma, tiled = step.get((name, "mma", M), math.nan), step.get((name, "tiled", M), math.nan)
+            mma, tiled = step.get((name, before, M), math.nan), step.get((name, "tiled", M), math.nan)
             variants = {k[1]: v for k, v in step.items() if k[0] == name and k[2] == M and k[1].startswith("tiled s")}
             best = min(variants, key=variants.get) if variants else "-"
-            print(f"  {name} M={M}: mma {mma * 1e3:.3f}  tiled {tiled * 1e3:.3f}  ({mma / tiled:.2f}x)  "
+            print(f"  {name} M={M}: {before} {mma * 1e3:.3f}  tiled {tiled * 1e3:.3f}  ({mma / tiled:.2f}x)  "
                   f"best variant {best} {variants.get(best, float('nan')) * 1e3:.3f}")
 
 

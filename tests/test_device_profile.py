@@ -97,7 +97,7 @@ def test_choose_offers_cublas_to_bf16_only() -> None:
 
 def test_defaults_are_the_former_constants() -> None:
     p = DeviceProfile()
-    assert p.gemv == {"bf16": "mma", "int8": "warp", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
+    assert p.gemv == {"bf16": "mma", "int8": "tiled", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
     assert set(p.gemv) == set(GEMV_FORMATS)
     assert (p.attention_partition, p.prompt_rows, p.graph_rows) == (64, 128, tuple(range(1, 9)))
     assert p.decode_attention == "mma"
@@ -307,7 +307,7 @@ def test_calibrator_loops_on_cpu_with_the_kernels_stubbed(monkeypatch: pytest.Mo
     gemv, cublas = c.gemv()
     assert set(gemv) == {"bf16", "int8", "int4_sym", "int4_asym"}
     assert all(set(t) == {1, 8} and all(v > 0 for v in t.values()) for r in gemv.values() for t in r.values())
-    assert {k: set(r) for k, r in gemv.items()} == {"bf16": {"warp", "mma"}, "int8": {"warp", "mma"},
+    assert {k: set(r) for k, r in gemv.items()} == {"bf16": {"warp", "mma"}, "int8": {"warp", "mma", "tiled"},
                                                     "int4_sym": {"warp", "mma", "tiled"},
                                                     "int4_asym": {"warp", "mma", "tiled"}}
     assert ("int4", False, "tiled") in gemv_calls

@@ -1,4 +1,4 @@
-"""The tiled gemv route's int4 layout (launchers.gemv_pack("tiled")): pure torch, no GPU.
+"""The tiled gemv route's int4 and int8 layouts (launchers.gemv_pack("tiled")): pure torch, no GPU.
 
 `kernel_reads` replays what gemv_tiled.cu computes, with the kernel's own address formulas (not the
 packer's permutes): each lane's words and scales per slab, its nibble pairs as mma A fragments and
@@ -68,6 +68,74 @@ def dequant_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], N: int, K:
     return out
 
 
+def kernel_reads_int8(packed: dict[str, torch.Tensor], x: torch.Tensor, N: int, K: int, gs: int) -> torch.Tensor:
+    """int8 (T4_FMT 1): each lane's word 2 c + h of a slab, its nibble pairs as pair8 makes them (the low
+    nibbles, and the signed high ones times 16) met by the activation pairs (k0, k1) and (k2, k3) of
+    its k = 32 j + 8 t + 4 c .. + 3, one scale per slab (the group's)."""
+    words = packed[""].contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
+    S, M = K // 32, x.shape[0]
+    xd = x.to(torch.float64)
+    y = torch.zeros(M, N, dtype=torch.float64)
+    for tile in range(N // 16):
+        for j in range(S):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for h in range(2):
+                    row = 16 * tile + 8 * h + g
+                    si = ((tile * (K // gs) + (32 * j) // gs) * 8 + g) * 2 + h
+                    slab = torch.zeros(M, dtype=torch.float64)
+                    for c in range(2):
+                        w = int(words[((tile * S + j) * 512 + 16 * lane + 4 * (2 * c + h)) // 4])
+                        for i in range(4):  # pair8(w, i): (x[k0 + 2 (i >> 1)], x[k0 + 2 (i >> 1) + 1])
+                            for half in range(2):
+                                nib = (w >> (4 * i + 16 * half)) & 0xF
+                                v = 16 * (nib - 16 if nib >= 8 else nib) if i & 1 else nib
+                                slab += v * xd[:, 32 * j + 8 * t + 4 * c + 2 * (i >> 1) + half]
+                    y[:, row] += slab * sc[si]
+    return y
+
+
+def dequant_reads_int8(packed: dict[str, torch.Tensor], N: int, K: int, gs: int) -> torch.Tensor:
+    """W [N, K] as dequantize_tiles expands int8 tiles: lane 4 r + t, word 2 c + h, byte
+    e / 2 + 2 (e % 2) to row 16 T + 8 h + r, k = 32 j + 8 t + 4 c + e; every element once."""
+    data = packed[""].contiguous().view(-1).to(torch.float64)
+    sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
+    S = K // 32
+    out = torch.full((N, K), float("nan"), dtype=torch.float64)
+    for slab in range(N // 16 * S):
+        T, j = slab // S, slab % S
+        for lane in range(32):
+            r, t = lane >> 2, lane & 3
+            for h in range(2):
+                s = sc[((T * (K // gs) + 32 * j // gs) * 8 + r) * 2 + h]
+                row = 16 * T + 8 * h + r
+                for e in range(8):
+                    c, e4 = e >> 2, e & 3
+                    k = 32 * j + 8 * t + e
+                    assert out[row, k].isnan()
+                    out[row, k] = data[slab * 512 + 16 * lane + 4 * (2 * c + h) + (e4 >> 1) + 2 * (e4 & 1)] * s
+    return out
+
+
+INT8_CASES = [(TensorFormat("int8", 32), 32, 96), (TensorFormat("int8", 64), 16, 128),
+              (TensorFormat("int8", 128), 16, 256)]
+
+
+@pytest.mark.parametrize("fmt,N,K", INT8_CASES, ids=["g32", "g64", "g128"])
+def test_int8_kernel_and_dequant_addressing_read_the_packed_weight(fmt: TensorFormat, N: int, K: int) -> None:
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(N, K, generator=g)
+    w[0, :32] = torch.linspace(-1, 1, 32)  # codes from -127 to 127 (both high-nibble signs, 0 and 15 lows)
+    parts = quantize(w, fmt)
+    assert parts[""].min() < -120 and parts[""].max() > 120
+    packed = L.gemv_pack("tiled", fmt, parts)
+    x = torch.randn(3, K, generator=g)
+    ref = x.double() @ dequantize(fmt, parts, torch.float64).T
+    assert torch.allclose(kernel_reads_int8(packed, x, N, K, fmt.group_size), ref, rtol=1e-12, atol=1e-9)
+    assert torch.equal(dequant_reads_int8(packed, N, K, fmt.group_size), dequantize(fmt, parts, torch.float64))
+
+
 CASES = [(TensorFormat("int4", 32, True), 32, 128), (TensorFormat("int4", 32, False), 16, 192),
          (TensorFormat("int4", 64, False), 32, 128), (TensorFormat("int4", 128, True), 16, 256)]
 
@@ -91,7 +159,7 @@ def test_dequant_addressing_reads_the_packed_weight(fmt: TensorFormat, N: int, K
 
 def test_pack_roundtrip_and_what_is_kept() -> None:
     g = torch.Generator().manual_seed(4)
-    for fmt, N, K in [*CASES, (TensorFormat("int4", 32, False), 48, 576)]:
+    for fmt, N, K in [*CASES, *INT8_CASES, (TensorFormat("int4", 32, False), 48, 576), (TensorFormat("int8", 32), 48, 576)]:
         parts = quantize(torch.randn(N, K, generator=g), fmt)
         packed = L.gemv_pack("tiled", fmt, parts)
         assert set(packed) == set(parts) and all(packed[k].shape == parts[k].shape for k in parts)
@@ -100,7 +168,8 @@ def test_pack_roundtrip_and_what_is_kept() -> None:
         assert all(torch.equal(back[k], parts[k]) for k in parts)
     # what the route does not take keeps quant.py's layout: N not in 16s, K not in 64s, other formats
     for fmt, N, K in ((TensorFormat("int4", 32, True), 100, 128), (TensorFormat("int4", 32, True), 16, 96),
-                      (TensorFormat("int8", 32), 16, 128)):
+                      (TensorFormat("int8", 32), 40, 128), (TensorFormat("int8", 16), 16, 128),
+                      (TensorFormat("bf16"), 16, 128)):
         parts = quantize(torch.randn(N, K, generator=g), fmt)
         assert L.gemv_pack("tiled", fmt, parts)[""] is parts[""]
         assert L.gemv_unpack("tiled", fmt, parts)[""] is parts[""]
@@ -115,5 +184,9 @@ def test_route_takes() -> None:
     assert not L.gemv_route_ok("tiled", asym, 4096, bf16, N=50257)  # N in 16s
     assert not L.gemv_route_ok("tiled", TensorFormat("int4", 16, True), 4096, bf16)  # groups from 32
     assert not L.gemv_route_ok("tiled", TensorFormat("int4", 96, True), 4032, bf16)  # powers of two
-    assert not L.gemv_route_ok("tiled", TensorFormat("int8", 32), 4096, bf16)
+    int8 = TensorFormat("int8", 32)
+    assert L.gemv_route_ok("tiled", int8, 4096, bf16, N=14336) and L.gemv_route_ok("tiled", int8, 576 + 32, bf16)
+    assert not L.gemv_route_ok("tiled", int8, 576 + 16, bf16)  # K in 32s
+    assert not L.gemv_route_ok("tiled", TensorFormat("int8", 16), 4096, bf16)  # groups from 32
+    assert not L.gemv_route_ok("tiled", int8, 4096, f32)
     assert not L.gemv_route_ok("tiled", TensorFormat("bf16"), 4096, bf16)

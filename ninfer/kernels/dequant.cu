@@ -8,11 +8,12 @@
 //     warp's 512 contiguous bytes).
 //   dequantize_mma: rows interleaved as the mma gemv reads them (in each 64-byte block, word t of
 //     chunk i sits at 16 t + 4 i; chunks of 32 int4 or 16 int8); a thread per 32-k chunk.
-//   dequantize_tiles (int4): tiles and reordered scales / mins as the tiled gemv reads them
+//   dequantize_tiles: tiles and reordered scales / mins as the tiled gemv reads them
 //     (gemv_tiled.cu), a warp per 512-byte slab: lane l = 4 r + t loads the slab's bytes
-//     16 l .. 16 l + 15 (one coalesced load a warp), words 2 c + h: row 16 T + 8 h + r,
+//     16 l .. 16 l + 15 (one coalesced load a warp), words 2 c + h: row 16 T + 8 h + r, int4
 //     k = 64 j + 32 c + 8 t + e (element e in nibble e / 2 + 4 (e % 2)), stored as 4 runs of 8 (the
-//     four lanes t of a row write 64 contiguous bytes).
+//     four lanes t of a row write 64 contiguous bytes); int8 k = 32 j + 8 t + 4 c + e (element e in
+//     byte e / 2 + 2 (e % 2)), stored as 2 runs of 8.
 #include "common.cuh"
 
 #ifndef DQ_FMT
@@ -99,18 +100,29 @@ dequantize_mma(const u8* __restrict__ w, const u16* __restrict__ scales, const u
   for (int j = 0; j < 32; j += 8) store8(out + n * K + k0 + j, v + j);
 }
 
-#if DQ_FMT != 1
 extern "C" __global__ void __launch_bounds__(256)
 dequantize_tiles(const u8* __restrict__ w, const u16* __restrict__ scales, const u16* __restrict__ mins,
                  act* __restrict__ out, int N, int K, int group_size) {
   PDL_ENTRY();
-  const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3, S = K >> 6;
+  const int lane = threadIdx.x & 31, r = lane >> 2, t = lane & 3, S = K / (DQ_FMT == 1 ? 32 : 64);
   const i64 slab = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (slab >= (i64)(N >> 4) * S) return;
   const i64 T = slab / S;
-  const int j = (int)(slab % S), E = group_size == 32 ? 2 : 1;
+  const int j = (int)(slab % S);
   const uint4 q4 = *(const uint4*)(w + slab * 512 + 16 * lane);
   const u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
+#if DQ_FMT == 1
+  const int grp = 32 * j / group_size;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float s = f16_to_f32(scales[((T * (K / group_size) + grp) * 8 + r) * 2 + h]);
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = dq(words[2 * (e >> 2) + h] >> (8 * (((e & 3) >> 1) + 2 * (e & 1))), s, 0.0f);
+    store8(out + (16 * T + 8 * h + r) * K + 32 * j + 8 * t, v);
+  }
+#else
+  const int E = group_size == 32 ? 2 : 1;
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
     const int grp = (64 * j + 32 * c) / group_size;
@@ -125,5 +137,5 @@ dequantize_tiles(const u8* __restrict__ w, const u16* __restrict__ scales, const
       store8(out + (16 * T + 8 * h + r) * K + 64 * j + 32 * c + 8 * t, v);
     }
   }
-}
 #endif
+}

@@ -1,6 +1,7 @@
-// int4 GEMV / skinny GEMM for decode on tensor cores, weights in tiles: y[M, N] = x[M, K] @ W^T,
-// M = 1..8 bf16 activation rows, W [N, K] groupwise int4 laid out by launchers.gemv_pack("tiled"):
+// int4 / int8 GEMV / skinny GEMM for decode on tensor cores, weights in tiles: y[M, N] = x[M, K] @ W^T,
+// M = 1..8 bf16 activation rows, W [N, K] groupwise int4 or int8 laid out by launchers.gemv_pack("tiled"):
 //   T4_FMT 2 sym:  w = (q - 8) * s;   T4_FMT 3 asym: w = q * s + m   (s, m f16, one per row and group)
+//   T4_FMT 1 int8: w = q * s (layout and arithmetic at the end of this comment)
 // Why another kernel beside gemv_mma.cu: that one keeps ~1 KB of weights in flight per warp and spends
 // ~340 instructions per KB on int4 (a third of them address arithmetic), so it streams ~1.6 TB/s where
 // bf16 reaches ~3.9. Here every load is a whole 512-byte slab a warp reads contiguously, T4_STAGES
@@ -24,14 +25,28 @@
 // The T4_WARPS warps of a block split the tile's slabs (warp w: w, w + T4_WARPS, ...) and add their
 // partial sums in warp order: a column's result depends only on its own activation row (batch
 // invariant), and not on T4_STAGES or T4_XPRE; T4_WARPS (a shape's choice) sets the order of the sum.
+//
+// int8 (T4_FMT 1, N % 16 == 0, K % 32 == 0; S = K / 32): slab j of tile T holds k = 32 j .. 32 j + 31 of
+// its 16 rows, 512 bytes at (T S + j) * 512; lane l = 4 g + t owns bytes 16 l .. 16 l + 15, word 2 c + h:
+// row 16 T + 8 h + g, k = 32 j + 8 t + 4 c + e, e = 0..3 in bytes (e0 e2 e1 e3), so the nibbles at bits
+// 4 i and 16 + 4 i pair (k0, k1) (i = 0 low, 1 high) and (k2, k3) (i = 2, 3). With q = 16 hi + lo (hi
+// the signed high nibble, lo the unsigned low one), per 4-k word pair one mma over lo and one over
+// 16 hi, both exact in bf16 (one lop3 and one bf16x2 fma a pair), into the same accumulator: the slab's
+// sum(q x), times its group's scale (scales as int4's g >= 64 layout: a group spans g / 32 slabs).
+// Per 512 bytes it issues 4 mmas and 16 pairs, against int4's 8 and 16 (asym).
 #include "common.cuh"
 
 #ifndef T4_FMT
 #error "compile with -DT4_FMT=2|3"
 #endif
 #ifndef T4_G32
-#define T4_G32 1  // group size 32 (else a power of two >= 64)
+#define T4_G32 1  // int4 with group size 32 (else a power of two >= 64; int8: 0, any power of two >= 32)
 #endif
+#define T4_INT8 (T4_FMT == 1)
+#if T4_INT8 && T4_G32
+#error "int8 takes T4_G32 0 (a slab is one group or part of one)"
+#endif
+#define SLAB_K (T4_INT8 ? 32 : 64)  // k a slab holds
 #ifndef T4_STAGES
 #define T4_STAGES 4  // slabs in flight per warp
 #endif
@@ -55,7 +70,8 @@
 
 #define T4_ASYM (T4_FMT == 3)
 // A pair's nibbles as bf16: sym 128 + q (nibble in the mantissa's low bits) then an fma by -136; asym
-// 16 + q (nibble in the mantissa's top four bits) with no fma, the 16 s it adds taken off the min.
+// 16 + q (nibble in the mantissa's top four bits) with no fma, the 16 s it adds taken off the min;
+// int8 as sym (pair8).
 #define T4_MASK (T4_ASYM ? 0x00780078u : 0x000F000Fu)
 
 #if T4_G32
@@ -71,7 +87,10 @@ struct Stage {
   scale_t m;
 #endif
 #if T4_XPRE
-  uint4 x0, x1;
+  uint4 x0;
+#if !T4_INT8
+  uint4 x1;
+#endif
 #endif
 };
 
@@ -129,6 +148,25 @@ __device__ __forceinline__ u32 pair(u32 w, int i, u32 mask) {
 #endif
 }
 
+// int8: the nibbles at bits 4 i and 16 + 4 i of w (T4_MASK in `mask`) as two bf16, exact: i even, the
+// low nibbles (128 + lo, less 128); i odd, the signed high ones times 16 (128 + (hi ^ 8) = 136 + hi, times
+// 16 less 2176).
+__device__ __forceinline__ u32 pair8(u32 w, int i, u32 mask) {
+  const u32 v = (w >> (4 * i)) & mask;
+  u32 r;
+  if (i & 1)
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v ^ 0x43084308u), "r"(0x41804180u), "r"(0xC508C508u));
+  else
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v | 0x43004300u), "r"(0x3F803F80u), "r"(0xC300C300u));
+  return r;
+}
+
+// c += four k of rows g (word wa) and g + 8 (wb) times their activations' pairs x01, x23 (int8)
+__device__ __forceinline__ void chunk8(float* c, u32 wa, u32 wb, u32 x01, u32 x23, u32 mask) {
+  mma16816(c, pair8(wa, 0, mask), pair8(wb, 0, mask), pair8(wa, 2, mask), pair8(wb, 2, mask), x01, x23);
+  mma16816(c, pair8(wa, 1, mask), pair8(wb, 1, mask), pair8(wa, 3, mask), pair8(wb, 3, mask), x01, x23);
+}
+
 __device__ __forceinline__ void f16x2_to_f32(u32 w, float& lo, float& hi) {
   asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
       : "=f"(lo), "=f"(hi) : "r"(w));
@@ -171,7 +209,7 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
            int y_f32 NORM_PARAMS) {
   PDL_LAUNCH();  // the first stages' weights load before PDL_WAIT, while the kernel before runs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x, S = K >> 6;
+  const int tile = blockIdx.x, S = K / SLAB_K;
   // this lane's bytes of the warp's first slab (j = warp), its scales, its activations (row g, k 8 t of
   // chunk 0); each advances by STEP slabs. Lanes past the M rows read row M - 1: their mma columns are
   // never stored, and columns do not mix, so they need no zeros.
@@ -181,13 +219,13 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   const u16* sp = scales + ((i64)tile * S * 8 + g) * 4 + warp * 32;
 #else
   // a group spans 1 << gshift slabs: slab j reads group j >> gshift, at + (j >> gshift) * 16
-  const int gshift = 31 - __clz(group_size >> 6);
+  const int gshift = 31 - __clz(group_size / SLAB_K);
   const u16* sp = scales + ((i64)tile * (K / group_size) * 8 + g) * 2;
 #endif
 #if T4_ASYM
   const u16* mp = mins + (sp - scales);
 #endif
-  const act* xp = x + min(g, M - 1) * x_stride + 8 * t + warp * 64;
+  const act* xp = x + min(g, M - 1) * x_stride + 8 * t + warp * SLAB_K;
   const int n = S > warp ? (S - warp + STEP - 1) / STEP : 0;  // this warp's slabs
 
   int base = 0;  // slabs of this warp done (the pointers have advanced by base STEP slabs)
@@ -211,8 +249,10 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   // ... and its activations, the kernel before's output (after PDL_WAIT)
   auto load_x = [&](Stage& st, int i) {
 #if T4_XPRE
-    st.x0 = ld_act(xp + i * STEP * 64);
+    st.x0 = ld_act(xp + i * STEP * SLAB_K);
+#if !T4_INT8
     st.x1 = ld_act(xp + i * STEP * 64 + 32);
+#endif
 #else
     (void)st, (void)i;
 #endif
@@ -225,6 +265,18 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   const u32 mask = T4_MASK | ((u32)group_size & 0x80000000u);  // group_size > 0: the literal
   auto compute = [&](const Stage& st, int i) {
+#if T4_INT8
+#if T4_XPRE
+    const uint4 x0 = st.x0;
+    (void)i;
+#else
+    const uint4 x0 = ld_act(xp + i * STEP * SLAB_K);
+#endif
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    chunk8(c, st.w.x, st.w.y, x0.x, x0.y, mask);  // words (c 0, h 0), (0, 1): k 0..3 of the lane's 8
+    chunk8(c, st.w.z, st.w.w, x0.z, x0.w, mask);  // (1, 0), (1, 1): k 4..7
+    scale_into(acc, c, nullptr, st.s, 0u);
+#else
 #if T4_XPRE
     const uint4 x0 = st.x0, x1 = st.x1;
     (void)i;
@@ -250,6 +302,7 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
     chunk(c, cx, st.w.z, st.w.w, x1, mask);
     scale_into(acc, c, cx, st.s, m0);
 #endif
+#endif
   };
 
   // T4_STAGES slabs in flight: slab i + T4_STAGES is loaded into the stage slab i leaves. The steady
@@ -269,7 +322,7 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
       load(st[p], p + T4_STAGES);
     }
     wp += T4_STAGES * STEP * 512;
-    xp += T4_STAGES * STEP * 64;
+    xp += T4_STAGES * STEP * SLAB_K;
 #if T4_G32
     sp += T4_STAGES * STEP * 32;
 #if T4_ASYM

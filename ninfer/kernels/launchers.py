@@ -555,11 +555,14 @@ def _interleave(q: torch.Tensor) -> torch.Tensor:
 
 
 def _tiled(fmt: TensorFormat, N: int, K: int) -> bool:
-    """Whether the tiled route lays out (and takes) int4 weights [N, K]: N in 16s, K in 64s, group sizes
-    powers of two from 32 that divide K."""
+    """Whether the tiled route lays out (and takes) int4 / int8 weights [N, K]: N in 16s, K in slabs
+    (64 int4, 32 int8), group sizes powers of two from 32 that divide K."""
     g = fmt.group_size
-    return (fmt.format == "int4" and N % 16 == 0 and K % 64 == 0 and g >= 32 and g & (g - 1) == 0
+    return (fmt.format in SLAB_K and N % 16 == 0 and K % SLAB_K[fmt.format] == 0 and g >= 32 and g & (g - 1) == 0
             and K % g == 0)
+
+
+SLAB_K = {"int4": 64, "int8": 32}  # k a 512-byte slab of a 16-row tile holds (gemv_tiled.cu)
 
 
 # Element e (0..7) of a word of gemv_tiled.cu's layout sits in nibble TILE_NIBBLE[e]; TILE_ORDER is
@@ -590,32 +593,58 @@ def _untile_int4(p: torch.Tensor) -> torch.Tensor:
     return v[:, 0::2] | (v[:, 1::2] << 4)
 
 
-def _tile_groups(g: int) -> int:
-    """Scale entries of one row per scale block of the tiled layout: 2 for groups of 32 (a 64-k slab
-    holds two groups), else 1 (a group spans slabs)."""
-    return 2 if g == 32 else 1
+# int8: element e (0..3) of a word of the tiled layout sits in byte TILE_BYTE[e] (its own inverse), so
+# the bytes at bits 0 and 16 hold elements 0 and 1
+TILE_BYTE = (0, 2, 1, 3)
 
 
-def _tile_scales(s: torch.Tensor, g: int) -> torch.Tensor:
+def _tile_int8(q: torch.Tensor) -> torch.Tensor:
+    """quant.py's int8 rows [N, K] -> gemv_tiled.cu's tiles (the same shape): byte
+    ((T S + j) 512 + 16 (4 g + t) + 4 (2 c + h) + b) holds element TILE_BYTE[b] of row 16 T + 8 h + g,
+    k = 32 j + 8 t + 4 c + e."""
+    N, K = q.shape
+    v = q.view(N // 16, 2, 8, K // 32, 4, 2, 4)[..., list(TILE_BYTE)]  # T, h, g, j, t, c, byte
+    return v.permute(0, 3, 2, 4, 5, 1, 6).contiguous().view(N, K)  # T, j, g, t, c, h, byte
+
+
+def _untile_int8(p: torch.Tensor) -> torch.Tensor:
+    N, K = p.shape
+    v = p.view(N // 16, K // 32, 8, 4, 2, 2, 4).permute(0, 5, 2, 1, 3, 4, 6)  # T, h, g, j, t, c, byte
+    return v[..., list(TILE_BYTE)].contiguous().view(N, K)
+
+
+def _tile_groups(fmt: TensorFormat) -> int:
+    """Scale entries of one row per scale block of the tiled layout: 2 for int4 groups of 32 (a 64-k
+    slab holds two groups), else 1 (a group spans slabs)."""
+    return 2 if fmt.format == "int4" and fmt.group_size == 32 else 1
+
+
+def _tile_scales(s: torch.Tensor, E: int) -> torch.Tensor:
     """Scales or mins [N, K/g] -> the tiled order (same shape): (row 16 T + 8 h + r, group b E + e) at
-    ((T (K / (g E)) + b) 8 + r) 2 E + 2 e + h, E = _tile_groups(g)."""
+    ((T (K / (g E)) + b) 8 + r) 2 E + 2 e + h, E = _tile_groups(fmt)."""
     N, G = s.shape
-    E = _tile_groups(g)
     return s.view(N // 16, 2, 8, G // E, E).permute(0, 3, 2, 4, 1).contiguous().view(N, G)
 
 
-def _untile_scales(s: torch.Tensor, g: int) -> torch.Tensor:
+def _untile_scales(s: torch.Tensor, E: int) -> torch.Tensor:
     N, G = s.shape
-    E = _tile_groups(g)
     return s.view(N // 16, G // E, 8, E, 2).permute(0, 4, 2, 1, 3).contiguous().view(N, G)
 
 
 def _tile_parts(fmt: TensorFormat, parts: dict[str, torch.Tensor], tile: bool) -> dict[str, torch.Tensor]:
-    fq, fs = (_tile_int4, _tile_scales) if tile else (_untile_int4, _untile_scales)
-    out = {**parts, "": fq(parts[""]), ".scales": fs(parts[".scales"], fmt.group_size)}
+    int8 = fmt.format == "int8"
+    fq = (_tile_int8 if int8 else _tile_int4) if tile else (_untile_int8 if int8 else _untile_int4)
+    fs, E = _tile_scales if tile else _untile_scales, _tile_groups(fmt)
+    out = {**parts, "": fq(parts[""]), ".scales": fs(parts[".scales"], E)}
     if ".mins" in parts:
-        out[".mins"] = fs(parts[".mins"], fmt.group_size)
+        out[".mins"] = fs(parts[".mins"], E)
     return out
+
+
+def _tiled_parts(fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> bool:
+    """Whether the tiled route lays out these parts (quant.py's shapes: int4 rows hold K / 2 bytes)."""
+    w = parts[""]
+    return fmt.format in SLAB_K and _tiled(fmt, w.shape[0], w.shape[1] * (2 if fmt.format == "int4" else 1))
 
 
 def gemv_pack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -625,14 +654,14 @@ def gemv_pack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> 
     is kept."""
     if route == "mma" and fmt.quantized and _mma_wide(fmt, parts[""].shape[1] * (2 if fmt.format == "int4" else 1)):
         return {**parts, "": _interleave(parts[""])}
-    if route == "tiled" and fmt.format == "int4" and _tiled(fmt, parts[""].shape[0], 2 * parts[""].shape[1]):
+    if route == "tiled" and _tiled_parts(fmt, parts):
         return _tile_parts(fmt, parts, True)
     return dict(parts)
 
 
 def gemv_unpack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """gemv_pack's inverse: quant.py's layout (what dequantize and the embedding kernels read)."""
-    if route == "tiled" and fmt.format == "int4" and _tiled(fmt, parts[""].shape[0], 2 * parts[""].shape[1]):
+    if route == "tiled" and _tiled_parts(fmt, parts):
         return _tile_parts(fmt, parts, False)
     return gemv_pack(route, fmt, parts)  # the interleave is its own inverse
 
@@ -662,7 +691,7 @@ def dequantize_weight(kc: KernelCompiler, fmt: TensorFormat, parts: dict[str, to
             I32(fmt.group_size)]
     defines = {"DQ_FMT": code, **_act(out.dtype, "out")}
     if route == "tiled" and _tiled(fmt, N, K):  # a warp per 512-byte slab
-        kernel, threads = "dequantize_tiles", N // 16 * (K // 64) * 32
+        kernel, threads = "dequantize_tiles", N // 16 * (K // SLAB_K[fmt.format]) * 32
     elif route == "mma" and _mma_wide(fmt, K):  # a thread per 32-k chunk
         kernel, threads = "dequantize_mma", chunks
     else:  # a thread per 8 k
@@ -670,16 +699,21 @@ def dequantize_weight(kc: KernelCompiler, fmt: TensorFormat, parts: dict[str, to
     kc.kernel("dequant.cu", kernel, defines).launch((math.ceil(threads / 256), 1, 1), (256, 1, 1), args)
 
 
-def tiled_variant(N: int, K: int, sms: int = 0) -> dict[str, int]:
+def tiled_variant(N: int, K: int, sms: int = 0, int8: bool = False) -> dict[str, int]:
     """The tiled kernel's slabs in flight per warp, activation prefetch and register cap for a weight
-    [N, K] on a GPU of `sms` SMs, from the H200 sweep of scripts/gpu_int4_ab.py (docs/PERF.md): long
+    [N, K] on a GPU of `sms` SMs, from sweeps of scripts/gpu_int4_ab.py (docs/PERF.md). int4 (H200): long
     rows (down_proj) 3 stages with the activations loaded beside the weights, many rows (gate_up,
     lm_head) 2 stages without, the rest 2 with. Where two blocks an SM hold every tile at once (N / 16
     <= 2 sms: o_proj and down_proj of llama-8b), registers up to 128 (T4_MINB 2; ptxas then spends
     fewer instructions a slab): H100, 5.9 -> 5.1 us at 4096 x 4096 and 15.1 -> 14.3 at 4096 x 14336;
     with more tiles it costs the third block an SM holds (6144 x 4096: 6.9 -> 8.9 us). Variants change
-    speed only: every one gives the same bits (tests/gpu/test_gemv_tiled.py)."""
+    speed only: every one gives the same bits (tests/gpu/test_gemv_tiled.py).
+    int8 (H100, llama-8b shapes): 4 stages everywhere; where two blocks an SM hold every tile, registers
+    up to 128 and the activations loaded when computed (4096 x 4096: 8.5 -> 7.1 us, 4096 x 14336:
+    26.1 -> 22.5), else loaded with the weights (6144 x 4096: 11.2 -> 10.2)."""
     minb = {"T4_MINB": 2} if 0 < N // 16 <= 2 * sms else {}
+    if int8:
+        return {"T4_STAGES": 4, "T4_XPRE": 0, **minb} if minb else {"T4_STAGES": 4, "T4_XPRE": 1}
     if K >= 8192:
         return {"T4_STAGES": 3, "T4_XPRE": 1, **minb}
     return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1, **minb}
@@ -731,11 +765,12 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0), *norm_args]
     if route == "tiled":
-        align = 8 if g == 32 else 4  # a lane reads its scales of a slab in one load
+        g32 = int(code != 1 and g == 32)
+        align = 8 if g32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
-        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count), **(variant or {})}
-        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": int(g == 32), **defines,
+        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1), **(variant or {})}
+        kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
                                                   **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)
     elif route == "mma":

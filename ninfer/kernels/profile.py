@@ -37,10 +37,10 @@ from ninfer.kernels.launchers import ATTN_DECODE_ROUTES, GEMV_FORMATS, GEMV_ROUT
 PROFILE_VERSION = 1
 CUBLAS = "cublas"  # the decode route through torch.mm (unquantized weights only)
 DENSE_FORMATS = ("bf16", "f32")
-# decode gemv route per weight format, from H200 timings (docs/PERF.md): tensor cores win bf16 and int4
-# at every row count (int4 on tiles: llama-8b tg128 195.5 -> 305.8 tok/s over the mma route); for
-# int8 they win rows 4..8 but lose a third at one row, which decides
-DEFAULT_GEMV_ROUTES = {"bf16": "mma", "int8": "warp", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
+# decode gemv route per weight format, from H200 / H100 timings (docs/PERF.md): tensor cores win bf16,
+# int4 and int8 on tiles (int4: llama-8b tg128 195.5 -> 305.8 tok/s over the mma route on the H200;
+# int8: see the int8 tiles section; its mma route lost a third to warp at one row)
+DEFAULT_GEMV_ROUTES = {"bf16": "mma", "int8": "tiled", "int4_sym": "tiled", "int4_asym": "tiled", "f32": "warp"}
 DEFAULT_PARTITION = 64
 DEFAULT_DECODE_ATTENTION = "mma"  # tensor cores for Q K^T and P V (docs/PERF.md, decode attention on tensor cores)
 DEFAULT_PROMPT_ROWS = 128

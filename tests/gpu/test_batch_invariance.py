@@ -72,8 +72,9 @@ PROFILES = {"defaults": DeviceProfile(),
                                                   graph_rows=(2, 8))}
 
 
-# every profile on bf16 and int4; int8 on both of its gemv routes (the default, warp, and mma)
-CASES = [(w, p) for w in ("bf16", "int4") for p in PROFILES] + [("int8", "defaults"), ("int8", "gemv-mma")]
+# every profile on bf16 and int4; int8 on each of its gemv routes (the default, tiled, warp and mma)
+CASES = ([(w, p) for w in ("bf16", "int4") for p in PROFILES]
+         + [("int8", "defaults"), ("int8", "gemv-warp"), ("int8", "gemv-mma")])
 
 
 @pytest.mark.parametrize("weights, profile", CASES)

@@ -1,6 +1,6 @@
 """The gated MLP activation fused into the gate_up gemv's epilogue (common.cuh tile_epilogue,
 GEMV_GLU) on every route that has it — launchers.gemv mma (bf16, int8, int4 narrow and wide) and
-tiled (int4), blocks.gemv_blocks mma and tile — against, on fresh random data: the same weight's gemv
+tiled (int4, int8), blocks.gemv_blocks mma and tile — against, on fresh random data: the same weight's gemv
 into bf16 followed by swiglu / geglu (bit-equal: what the unfused decode step computed), torch in
 fp64 (close), and its own lone rows (batch invariant); the interleaved swiglu / geglu of the prompt
 route against torch; and a model on the fused route (cuda decode logits against the torch backend)."""
@@ -33,6 +33,8 @@ CASES = [
     ("gemv", "mma", TensorFormat("int4", 32, True), 1024),   # interleaved 16-byte rows
     ("gemv", "tiled", TensorFormat("int4", 32, False), 576),
     ("gemv", "tiled", TensorFormat("int4", 64, True), 1536),
+    ("gemv", "tiled", TensorFormat("int8", 32), 576),
+    ("gemv", "tiled", TensorFormat("int8", 64), 1536),
     ("blocks", "mma", TensorFormat("q5_0"), 2304),
     ("blocks", "mma", TensorFormat("q5_k"), 2304),
     ("blocks", "tile", TensorFormat("q4_k"), 2304),
@@ -157,8 +159,7 @@ def test_model_with_fused_glu_matches_unfused(base: str, weights: str, monkeypat
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     fused = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     glu = [layer.mlp.gate_up.glu for layer in fused.model.layers]
-    # int8 decodes on the warp route by default (no fused epilogue): its weights stay unfused
-    assert all(glu) if weights != "int8" else not any(glu)
+    assert all(glu)  # every format decodes on a route with the fused epilogue (int8: tiled)
     monkeypatch.setattr(CudaOps, "_glu_ok", lambda self, items, bias: False)
     plain = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     assert not any(layer.mlp.gate_up.glu for layer in plain.model.layers)

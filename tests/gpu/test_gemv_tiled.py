@@ -1,4 +1,4 @@
-"""The tiled int4 gemv route (kernels/gemv_tiled.cu) on the GPU: against fp64 on fresh random data at
+"""The tiled int4 / int8 gemv route (kernels/gemv_tiled.cu) on the GPU: against fp64 on fresh random data at
 the llama-8b and SmolLM2 decode shapes, rows 1..8; batch invariance; every tuning variant (stages in
 flight, activations prefetched or not) bit-equal at 8 and at 16 warps a block; and a model on the route: prompt
 logits bit-equal to the mma route's (the prompt expands the weights from either layout to the same
@@ -15,8 +15,8 @@ from ninfer.kernels.compiler import KernelCompiler
 DEV = "cuda"
 BF, F32 = torch.bfloat16, torch.float32
 FORMATS = [TensorFormat("int4", 32, False), TensorFormat("int4", 32, True), TensorFormat("int4", 64, False),
-           TensorFormat("int4", 128, True)]
-FORMAT_IDS = ["asym-g32", "sym-g32", "asym-g64", "sym-g128"]
+           TensorFormat("int4", 128, True), TensorFormat("int8", 32), TensorFormat("int8", 128)]
+FORMAT_IDS = ["asym-g32", "sym-g32", "asym-g64", "sym-g128", "int8-g32", "int8-g128"]
 # (N, K): llama-8b q/o, gate or up, down, fused gate_up, lm_head; SmolLM2-135M q/o, fused qkv, gate/up, down
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 4096), (128256, 4096), (576, 576), (960, 576),
           (1536, 576), (576, 1536)]
@@ -74,7 +74,7 @@ VARIANTS = ([{"T4_STAGES": s, "T4_XPRE": 0, "T4_MINB": 0} for s in (1, 2, 3, 4, 
 
 @pytest.mark.parametrize("warps", [8, 16])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("K", [64, 576, 1536, 4096, 14336])
+@pytest.mark.parametrize("K", [64, 576, 1536, 4096, 14336])  # int8: 2 .. 448 slabs
 def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat, K: int, warps: int) -> None:
     """Stages in flight, where the activations load and register caps change speed only: at a block's
     warp count every variant gives the same bits, at widths where the warps' slab counts (K / 64 over
@@ -137,25 +137,34 @@ def test_gemv_tiled_strided_rows_and_refusals(kc: KernelCompiler) -> None:
         L.gemv(kc, torch.randn(1, K, device=DEV), fmt, packed, poisoned((1, N), F32), route="tiled")
 
 
-def test_model_on_the_tiled_route() -> None:
-    """SmolLM2-135M shape, int4: prompt logits bit-equal to the mma route's (the prompt route expands
-    either layout to quant.dequantize's bits), and teacher-forced decode logits close to them."""
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_model_on_the_tiled_route(weights: str) -> None:
+    """SmolLM2-135M shape, int4 / int8: prompt logits bit-equal to the other route's (mma for int4,
+    warp for int8: the prompt route expands either layout to quant.dequantize's bits), and
+    teacher-forced decode logits close to them."""
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
     from ninfer.engine.batch import ScheduledBatch, SequenceWork
     from ninfer.engine.request import SamplingParams
     from ninfer.engine.synthetic import SyntheticArtifact
     from ninfer.kernels.profile import DeviceProfile
 
-    artifact = SyntheticArtifact("smollm2-135m", "int4", seed=4)
+    artifact = SyntheticArtifact("smollm2-135m", weights, seed=4)
+    other = "mma" if weights == "int4" else "warp"
     runners = {r: CudaModelRunner(artifact, num_pages=16, page_size=64, device="cuda",
-                                  profile=DeviceProfile(gemv={"int4_sym": r, "int4_asym": r}))
-               for r in ("mma", "tiled")}
-    ops, asym = runners["tiled"].ops, TensorFormat("int4", 32, False)
-    assert ops.gemv_route(asym, 576, 960) == "tiled"
-    assert ops.gemv_route(asym, 608, 960) == "mma" and ops.gemv_route(asym, 576, 40) == "mma"  # K, N do not fit
+                                  profile=DeviceProfile(gemv={"int4_sym": r, "int4_asym": r, "int8": r}))
+               for r in (other, "tiled")}
+    ops = runners["tiled"].ops
+    if weights == "int4":
+        asym = TensorFormat("int4", 32, False)
+        assert ops.gemv_route(asym, 576, 960) == "tiled"
+        assert ops.gemv_route(asym, 608, 960) == "mma" and ops.gemv_route(asym, 576, 40) == "mma"  # K, N do not fit
+    else:
+        int8 = TensorFormat("int8", 32)
+        assert ops.gemv_route(int8, 576, 960) == "tiled" and ops.gemv_route(int8, 608, 960) == "tiled"
+        assert ops.gemv_route(int8, 576, 40) == "warp"  # N not in 16s: warp, not int8's slower mma
     prompt = torch.randint(0, 49152, (120,), generator=torch.Generator().manual_seed(2)).tolist()
     first = {r: run.forward_logits(prompt) for r, run in runners.items()}
-    assert torch.equal(first["mma"], first["tiled"])
+    assert torch.equal(first[other], first["tiled"])
     forced = torch.randint(0, 49152, (12,), generator=torch.Generator().manual_seed(3)).tolist()
     pages = [0, 1, 2]
     logits = {}
@@ -169,7 +178,7 @@ def test_model_on_the_tiled_route() -> None:
             steps.append(run.run_with_logits(ScheduledBatch([work]))[1][0])
         logits[r] = torch.stack(steps)
     assert any(src == "gemv_tiled.cu" for src, _ in runners["tiled"].kc._modules)  # decode ran the kernel
-    assert not any(src == "gemv_tiled.cu" for src, _ in runners["mma"].kc._modules)
-    a, b = logits["tiled"].double(), logits["mma"].double()
+    assert not any(src == "gemv_tiled.cu" for src, _ in runners[other].kc._modules)
+    a, b = logits["tiled"].double(), logits[other].double()
     assert ((a - b).norm(dim=-1) / b.norm(dim=-1)).max().item() < 0.05
 

@@ -216,12 +216,13 @@ class CudaOps:
     def gemv_route(self, fmt: TensorFormat, k: int, n: int | None = None) -> str:
         """The decode route for weights of `fmt`, input width k and n outputs (one route per weight,
         never per batch: rows must not depend on their batch): the profile's route for the format where
-        it takes them (cublas: unquantized weights in the activation dtype), else the mma route where a
-        tiled route does not take them (N not in 16s, K not in 64s), else warp."""
+        it takes them (cublas: unquantized weights in the activation dtype), else, for int4, the mma route
+        where a tiled route does not take them (N not in 16s, K not in 64s), else warp (int8's mma
+        route is slower than warp at one row)."""
         route = self.profile.gemv_route(fmt)
         if route == CUBLAS:
             return route if fmt == DTYPES[self.dtype] else "warp"
-        for r in (route, "mma") if route == "tiled" else (route,):
+        for r in (route, "mma") if route == "tiled" and fmt.format == "int4" else (route,):
             if L.gemv_route_ok(r, fmt, k, self.dtype, n):
                 return r
         return "warp"
