@@ -12,11 +12,17 @@ from ninfer.engine.quant import TensorFormat, dequantize, quantize
 from ninfer.kernels import launchers as L
 
 
-def kernel_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], x: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """y [M, N] as gemv_tiled.cu computes it (in float64), from the packed parts."""
+def flat(packed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The packed parts as the kernel addresses them: 32-bit words, and scales / mins as float64."""
     words = packed[""].contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
     mn = packed[".mins"].contiguous().view(-1).to(torch.float64) if ".mins" in packed else None
+    return words, sc, mn
+
+
+def kernel_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], x: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """y [M, N] as gemv_tiled.cu computes it (in float64), from the packed parts."""
+    words, sc, mn = flat(packed)
     gs, S, M = fmt.group_size, K // 64, x.shape[0]
     xd = x.to(torch.float64)
     y = torch.zeros(M, N, dtype=torch.float64)
@@ -46,9 +52,7 @@ def dequant_reads(fmt: TensorFormat, packed: dict[str, torch.Tensor], N: int, K:
     """W [N, K] as dequant.cu's dequantize_tiles expands it, with its address formulas: a warp per
     512-byte slab, lane 4 r + t its 16 bytes, word 2 c + h of them to row 16 T + 8 h + r at
     k = 64 j + 32 c + 8 t. Every element is written exactly once (NaN left anywhere fails)."""
-    words = packed[""].contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
-    mn = packed[".mins"].contiguous().view(-1).to(torch.float64) if ".mins" in packed else None
+    words, sc, mn = flat(packed)
     gs, S, E = fmt.group_size, K // 64, (2 if fmt.group_size == 32 else 1)
     out = torch.full((N, K), float("nan"), dtype=torch.float64)
     for slab in range(N // 16 * S):
@@ -72,8 +76,7 @@ def kernel_reads_int8(packed: dict[str, torch.Tensor], x: torch.Tensor, N: int, 
     """int8 (T4_FMT 1): each lane's word 2 c + h of a slab, its nibble pairs as pair8 makes them (the low
     nibbles, and the signed high ones times 16) met by the activation pairs (k0, k1) and (k2, k3) of
     its k = 32 j + 8 t + 4 c .. + 3, one scale per slab (the group's)."""
-    words = packed[""].contiguous().view(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
+    words, sc, _ = flat(packed)
     S, M = K // 32, x.shape[0]
     xd = x.to(torch.float64)
     y = torch.zeros(M, N, dtype=torch.float64)
@@ -100,7 +103,7 @@ def dequant_reads_int8(packed: dict[str, torch.Tensor], N: int, K: int, gs: int)
     """W [N, K] as dequantize_tiles expands int8 tiles: lane 4 r + t, word 2 c + h, byte
     e / 2 + 2 (e % 2) to row 16 T + 8 h + r, k = 32 j + 8 t + 4 c + e; every element once."""
     data = packed[""].contiguous().view(-1).to(torch.float64)
-    sc = packed[".scales"].contiguous().view(-1).to(torch.float64)
+    _, sc, _ = flat(packed)
     S = K // 32
     out = torch.full((N, K), float("nan"), dtype=torch.float64)
     for slab in range(N // 16 * S):
