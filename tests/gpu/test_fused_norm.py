@@ -83,14 +83,15 @@ TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attentio
 @pytest.mark.parametrize("weights", ["bf16", "int4", "q4_k_m"])
 def test_model_with_fused_norm_matches_unfused(weights: str, monkeypatch) -> None:
     """A tiny llama in bf16 on the cuda runner: o_proj and down_proj with the residual norm in their
-    epilogue against the same runner with it refused: 24 greedy tokens through CUDA-graph decode
-    identical."""
+    epilogue (CudaOps.FUSE_NORM on; off by default) against the same runner with it refused: 24 greedy
+    tokens through CUDA-graph decode identical."""
     from ninfer.engine.backends.cuda_runner import CudaModelRunner
     from ninfer.engine.ops.cuda_ops import CudaOps
     from ninfer.engine.synthetic import SHAPES, SyntheticArtifact
     from test_architectures_cuda import PAGE, greedy
 
     monkeypatch.setitem(SHAPES, "tiny", dict(SHAPES["smollm2-135m"], **TINY))
+    monkeypatch.setattr(CudaOps, "FUSE_NORM", True)
     artifact = SyntheticArtifact("tiny", weights, seed=6)
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     fused = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)

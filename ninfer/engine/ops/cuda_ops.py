@@ -268,14 +268,21 @@ class CudaOps:
         L.rmsnorm_residual(self.kc, x, w, out, eps, residual=residual)
         return out
 
+    # linear_add_rms_norm's one-launch form (the residual norm in the gemv's epilogue, by the block that
+    # finishes last) is off: measured on the H100, the separate rmsnorm_residual launch, overlapped by
+    # PDL, costs less than that block's serial tail (llama-8b int4 tg128 410.7 -> 420.3 unfused, bf16
+    # 165.3 -> 172.7, SmolLM2 int4 1,822 -> 2,057; docs/PERF.md, session 21). Kept, with its tests
+    # (tests/gpu/test_fused_norm.py), until an H200 run says whether it pays anywhere.
+    FUSE_NORM = False
+
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float) -> torch.Tensor:
-        """add_rms_norm(linear(x, w), residual, norm, eps); on the decode route of one row one launch
-        where w's gemv epilogue is tile_epilogue (the norm by the block that finishes last, the same
-        bits). Past one row that last block's norms cost more than the launch they save (int4
-        llama-8b, 8 streams: 1,745 fused against 2,362 tok/s unfused, docs/PERF.md)."""
+        """add_rms_norm(linear(x, w), residual, norm, eps); with FUSE_NORM, on the decode route of one
+        row one launch where w's gemv epilogue is tile_epilogue (the norm by the block that finishes
+        last, the same bits). Past one row that last block's norms cost more than the launch they save
+        (int4 llama-8b, 8 streams: 1,745 fused against 2,362 tok/s unfused, docs/PERF.md)."""
         n = x.shape[0]
-        if not (self.ctx.decode and n == 1 and self._norm_route(w)):
+        if not (self.FUSE_NORM and self.ctx.decode and n == 1 and self._norm_route(w)):
             return self.add_rms_norm(self.linear(x, w), residual, norm, eps)
         y, out = self._empty(n, w.rows), torch.empty_like(residual)
         fused = (residual, norm, out, eps, self.norm_counter)
