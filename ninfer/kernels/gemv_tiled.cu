@@ -37,7 +37,7 @@
 #include "common.cuh"
 
 #ifndef T4_FMT
-#error "compile with -DT4_FMT=2|3"
+#error "compile with -DT4_FMT=1|2|3"
 #endif
 #ifndef T4_G32
 #define T4_G32 1  // int4 with group size 32 (else a power of two >= 64; int8: 0, any power of two >= 32)

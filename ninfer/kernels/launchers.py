@@ -554,15 +554,15 @@ def _interleave(q: torch.Tensor) -> torch.Tensor:
     return q.view(N, B // 64, 4, 4, 4).transpose(2, 3).contiguous().view(N, B)
 
 
+SLAB_K = {"int4": 64, "int8": 32}  # k a 512-byte slab of a 16-row tile holds (gemv_tiled.cu)
+
+
 def _tiled(fmt: TensorFormat, N: int, K: int) -> bool:
     """Whether the tiled route lays out (and takes) int4 / int8 weights [N, K]: N in 16s, K in slabs
     (64 int4, 32 int8), group sizes powers of two from 32 that divide K."""
     g = fmt.group_size
     return (fmt.format in SLAB_K and N % 16 == 0 and K % SLAB_K[fmt.format] == 0 and g >= 32 and g & (g - 1) == 0
             and K % g == 0)
-
-
-SLAB_K = {"int4": 64, "int8": 32}  # k a 512-byte slab of a 16-row tile holds (gemv_tiled.cu)
 
 
 # Element e (0..7) of a word of gemv_tiled.cu's layout sits in nibble TILE_NIBBLE[e]; TILE_ORDER is
@@ -644,13 +644,13 @@ def _tile_parts(fmt: TensorFormat, parts: dict[str, torch.Tensor], tile: bool) -
 def _tiled_parts(fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> bool:
     """Whether the tiled route lays out these parts (quant.py's shapes: int4 rows hold K / 2 bytes)."""
     w = parts[""]
-    return fmt.format in SLAB_K and _tiled(fmt, w.shape[0], w.shape[1] * (2 if fmt.format == "int4" else 1))
+    return _tiled(fmt, w.shape[0], w.shape[1] * (2 if fmt.format == "int4" else 1))
 
 
 def gemv_pack(route: str, fmt: TensorFormat, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weight parts as `route` reads them, from quant.py's layout: the mma route interleaves int8
-    rows and int4 rows whose width is a multiple of 128 (see gemv_mma.cu); the tiled route tiles int4
-    weights and reorders their scales and mins where it takes them (see gemv_tiled.cu); everything else
+    rows and int4 rows whose width is a multiple of 128 (see gemv_mma.cu); the tiled route tiles int4 /
+    int8 weights and reorders their scales and mins where it takes them (see gemv_tiled.cu); everything else
     is kept."""
     if route == "mma" and fmt.quantized and _mma_wide(fmt, parts[""].shape[1] * (2 if fmt.format == "int4" else 1)):
         return {**parts, "": _interleave(parts[""])}
