@@ -12,14 +12,20 @@
 #       --decode-ahead off; and BASE_DIR's ninfer, an
 #       unpacked `git archive` of another commit) alternated, two rounds, pp512 and tg128, and prints
 #       one table
+#   scripts/gpu_session.sh targets OUTDIR                # carry .whl; after `start` with
+#       NINFER_PEER_TYPES="f16 q8_0 q4_1": issue 9's targets in one sitting, llama-8b's shape in bf16 /
+#       int8 / int4 (`--synthetic`) beside llama.cpp's F16 / Q8_0 / Q4_1 files: tg128 (1 stream, and
+#       8 streams at a 128-token context against llama-batched-bench), pp2048, SmolLM2-135M tg128 /
+#       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
+#       prints one table per target (~8 min)
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
 # q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
 # One type's two rounds take ~3-4 min of an 8B file: `start` with all types, then one `compare` call per
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -51,6 +57,8 @@ start)
       > /dev/null 2>&1 < /dev/null &
   fi
   make=""
+  smol=/tmp/smollm2-135m.q4_1.gguf
+  [ -f "$smol" ] || make+="python3 scripts/synthetic_gguf.py smollm2-135m $smol.part --type q4_1 >> /tmp/synth.log 2>&1 && mv $smol.part $smol; "
   for t in $TYPES; do
     f=$(gguf "$t")
     [ -f "$f" ] || make+="python3 scripts/synthetic_gguf.py llama-8b $f.part --type $t >> /tmp/synth.log 2>&1 && mv $f.part $f; "
@@ -62,11 +70,17 @@ start)
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
-compare)
+compare|targets)
   BASE="${1:-}"
   for _ in $(seq 120); do [ -f "$PEER/built" ] && break; sleep 5; done
   BENCH="$PEER/src/build-peer/bin/llama-bench"
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
+  ;;
+*)
+  echo "usage: scripts/gpu_session.sh start|compare|targets OUTDIR ..."; exit 2 ;;
+esac
+case "$MODE" in
+compare)
   for t in $TYPES; do
     GGUF=$(gguf "$t")
     for _ in $(seq 60); do [ -f "$GGUF" ] && break; sleep 5; done
@@ -85,6 +99,22 @@ compare)
   done
   python3 scripts/bench_table.py "$OUT"
   ;;
-*)
-  echo "usage: scripts/gpu_session.sh start|compare OUTDIR ..."; exit 2 ;;
+targets)
+  ours() { python3 -m ninfer.cli.main bench --backend cuda --device-profile off -o json "$@"; }
+  for pair in "f16 bf16" "q8_0 int8" "q4_1 int4"; do
+    set -- $pair
+    GGUF=$(gguf "$1")
+    for _ in $(seq 60); do [ -f "$GGUF" ] && break; sleep 5; done
+    "$BENCH" -m "$GGUF" -p 2048 -n 128 -ngl 99 -r 5 -o json > "$OUT/llamacpp_$2.json" 2> "$OUT/llamacpp_$2.log"
+    "$PEER/src/build-peer/bin/llama-batched-bench" -m "$GGUF" -c 4096 -b 2048 -ub 512 -npp 128 -ntg 128 -npl 1,8 \
+      -ngl 99 --output-format jsonl > "$OUT/batched_$2.log" 2>&1
+    ours --synthetic llama-8b --weights "$2" -p 2048 -n 128 -c 1,8 -d 0,128 -r 3 > "$OUT/ninfer_$2.json" \
+      2> "$OUT/ninfer_$2.log"
+  done
+  "$BENCH" -m /tmp/smollm2-135m.q4_1.gguf -p 512 -n 128 -ngl 99 -r 5 -o json > "$OUT/llamacpp_smol.json" 2> "$OUT/llamacpp_smol.log"
+  ours --synthetic smollm2-135m --weights int4 -p 512 -n 128 -r 5 > "$OUT/ninfer_smol.json" 2> "$OUT/ninfer_smol.log"
+  "$BENCH" -m "$(gguf f16)" -p 0 -n 128 -d 16384 -ngl 99 -r 3 -o json > "$OUT/llamacpp_16k.json" 2> "$OUT/llamacpp_16k.log"
+  ours --synthetic llama-8b --weights bf16 -p 0 -n 128 -d 16384 -r 3 > "$OUT/ninfer_16k.json" 2> "$OUT/ninfer_16k.log"
+  python3 scripts/targets_table.py "$OUT"
+  ;;
 esac

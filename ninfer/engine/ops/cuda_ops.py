@@ -154,9 +154,18 @@ class CudaOps:
         self._decode_routes: dict[tuple[int, bool], str] = {}  # (page size, compressed) -> _decode_route's answer
         no_split_k()  # from the start, so every cuBLAS call of the run (graphs captured too) sees one setting
         self.call_rows: dict[tuple[int, int], int] = {}  # (K, N) -> prompt_call_rows, once per weight shape
+        # the prompt route's expansion one projection ahead (_prompt_dense): id(weight) -> the weight whose
+        # prompt matmul came next in the last prompt forward, the previous weight of this forward, and
+        # (weight, its copy, the event that copy was written by) issued on the side stream
+        self._next_weight: dict[int, Weight] = {}
+        self._last_weight: Weight | None = None
+        self._ahead: tuple[Weight, torch.Tensor, torch.cuda.Event] | None = None
+        self._side: torch.cuda.Stream | None = None
+        self.expanded_ahead = 0  # prompt matmuls that found their weight's copy written ahead
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
+        self._last_weight = None  # the order is followed within a forward, never across two
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -305,11 +314,51 @@ class CudaOps:
             for r in range(0, n, L.MAX_GEMV_ROWS):  # verify steps have more rows than one gemv takes
                 self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS])
         else:
-            w_t = self.dense(w).t()
+            w_t = self._prompt_dense(w).t()
             y = block_mm(x, w_t, self.profile.prompt_rows, self._call_rows(w_t))
         if w.bias is not None:
             y.add_(w.bias)
         return y
+
+    # The prompt route multiplies by a bf16 copy of a quantized weight, expanded per prompt chunk: a
+    # memory-bound kernel before each compute-bound cuBLAS call. With EXPAND_AHEAD the copy of the
+    # projection that came next in the previous prompt forward (the model calls its projections in one
+    # order) is written on a side stream while the current one's matmul runs; the same kernels, the
+    # same bits. A copy past AHEAD_BYTES is written in line instead (the KV pool leaves 1 GiB free).
+    EXPAND_AHEAD = True
+    AHEAD_BYTES = 512 << 20
+
+    def _prompt_dense(self, w: Weight) -> torch.Tensor:
+        """dense(w) for a prompt matmul: the copy written ahead where there is one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] is w:
+            torch.cuda.current_stream(self.device).wait_event(ahead[2])
+            t = ahead[1]
+            self.expanded_ahead += 1
+        else:
+            t = self.dense(w)
+        if self._last_weight is not None:
+            self._next_weight[id(self._last_weight)] = w
+        self._last_weight = w
+        nxt = self._next_weight.get(id(w))
+        if (self.EXPAND_AHEAD and nxt is not None and self._expands(nxt)
+                and not torch.cuda.is_current_stream_capturing()):
+            main = torch.cuda.current_stream(self.device)
+            self._side = self._side or torch.cuda.Stream(self.device)
+            with torch.cuda.stream(self._side):  # allocated in the side stream's order, then lent to main's
+                copy = self.dense(nxt)
+                done = torch.cuda.Event()
+                done.record()
+            copy.record_stream(main)
+            self._ahead = (nxt, copy, done)
+        return t
+
+    def _expands(self, w: Weight) -> bool:
+        """Whether dense(w) writes a copy (not the stored tensor) of at most AHEAD_BYTES."""
+        if not (w.segments or w.fmt.blocks or w.fmt.quantized or w.parts[""].dtype != self.dtype):
+            return False
+        k = in_features(w.segments[0].fmt, w.segments[0].parts[""]) if w.segments else in_features(w.fmt, w.parts[""])
+        return w.rows * k * self.dtype.itemsize <= self.AHEAD_BYTES
 
     def _call_rows(self, w_t: torch.Tensor) -> int:
         key = tuple(w_t.shape)
