@@ -68,6 +68,7 @@ class Weight:
     route: str = "warp"  # the decode gemv kernel (launchers.GEMV_ROUTES; blocks.cu's: BLOCK_ROUTES)
     segments: list[Weight] | None = None  # row blocks in their own formats (then fmt/parts unused)
     glu: bool = False  # a gated MLP's gate and up rows in launchers.glu_rows' order (see gated_linear)
+    prompt_copy: torch.Tensor | None = None  # [N, K] in the activation dtype, kept for prompt matmuls (see dense)
 
     @property
     def rows(self) -> int:
@@ -162,6 +163,7 @@ class CudaOps:
         self._ahead: tuple[Weight, torch.Tensor, torch.cuda.Event] | None = None
         self._side: torch.cuda.Stream | None = None
         self.expanded_ahead = 0  # prompt matmuls that found their weight's copy written ahead
+        self.copies_bytes = 0  # prompt copies kept (PROMPT_COPY_BYTES)
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -169,11 +171,27 @@ class CudaOps:
 
     # -- weights ----------------------------------------------------------------------------
 
+    # Prompt matmuls multiply by a copy of a quantized weight in the activation dtype, expanded per
+    # prompt chunk; for a small model that is a launch per projection and chunk whose host time the
+    # matmuls do not hide (SmolLM2-135M int4: pp512 at ~1/3 of bf16's rate). The first
+    # PROMPT_COPY_BYTES of copies a model's projections need are kept from the load instead (not the
+    # lm_head's: logits are a gemv).
+    PROMPT_COPY_BYTES = 512 << 20
+
     def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
                       bias: torch.Tensor | None = None, glu: bool = False) -> Weight:
+        w = self._linear_weight(items, bias, glu)
+        size = self._copy_bytes(w)
+        if size and w.rows != self.config.vocab_size and self.copies_bytes + size <= self.PROMPT_COPY_BYTES:
+            w.prompt_copy = self.dense(w)
+            self.copies_bytes += size
+        return w
+
+    def _linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
+                       bias: torch.Tensor | None = None, glu: bool = False) -> Weight:
         if glu and self._glu_ok(items, bias):  # rows interleaved for the fused epilogue (gated_linear)
             (fmt, gate), (_, up) = items
-            w = self.linear_weight([(fmt, {sfx: L.glu_rows(gate[sfx], up[sfx]) for sfx in gate})])
+            w = self._linear_weight([(fmt, {sfx: L.glu_rows(gate[sfx], up[sfx]) for sfx in gate})])
             w.glu = True
             return w
         fmts = [fmt for fmt, _ in items]
@@ -191,7 +209,7 @@ class CudaOps:
                     runs[-1].append(item)
                 else:
                     runs.append([item])
-            return Weight(DTYPES[self.dtype], {}, b, segments=[self.linear_weight(run) for run in runs])
+            return Weight(DTYPES[self.dtype], {}, b, segments=[self._linear_weight(run) for run in runs])
         if all(f == first_fmt for f in fmts) and gemv_ok(first_fmt, k) and (
                 first_fmt.quantized or first_fmt.format == "bf16"):  # bf16 is exact in either dtype
             route = self.gemv_route(first_fmt, k, sum(parts[""].shape[0] for _, parts in items))
@@ -324,9 +342,11 @@ class CudaOps:
     # memory-bound kernel before each compute-bound cuBLAS call. With EXPAND_AHEAD the copy of the
     # projection that came next in the previous prompt forward (the model calls its projections in one
     # order) is written on a side stream while the current one's matmul runs; the same kernels, the
-    # same bits. A copy past AHEAD_BYTES is written in line instead (the KV pool leaves 1 GiB free).
+    # same bits. A copy past AHEAD_BYTES is written in line instead (the KV pool leaves 1 GiB free), and
+    # one under AHEAD_MIN_BYTES too (its kernel is too short to hide; the side stream costs host time).
     EXPAND_AHEAD = True
     AHEAD_BYTES = 512 << 20
+    AHEAD_MIN_BYTES = 16 << 20
 
     def _prompt_dense(self, w: Weight) -> torch.Tensor:
         """dense(w) for a prompt matmul: the copy written ahead where there is one."""
@@ -341,7 +361,7 @@ class CudaOps:
             self._next_weight[id(self._last_weight)] = w
         self._last_weight = w
         nxt = self._next_weight.get(id(w))
-        if (self.EXPAND_AHEAD and nxt is not None and self._expands(nxt)
+        if (self.EXPAND_AHEAD and nxt is not None and self.AHEAD_MIN_BYTES <= self._copy_bytes(nxt) <= self.AHEAD_BYTES
                 and not torch.cuda.is_current_stream_capturing()):
             main = torch.cuda.current_stream(self.device)
             self._side = self._side or torch.cuda.Stream(self.device)
@@ -353,12 +373,13 @@ class CudaOps:
             self._ahead = (nxt, copy, done)
         return t
 
-    def _expands(self, w: Weight) -> bool:
-        """Whether dense(w) writes a copy (not the stored tensor) of at most AHEAD_BYTES."""
-        if not (w.segments or w.fmt.blocks or w.fmt.quantized or w.parts[""].dtype != self.dtype):
-            return False
+    def _copy_bytes(self, w: Weight) -> int:
+        """The bytes of the copy dense(w) writes; 0 where it returns a tensor it holds."""
+        if w.prompt_copy is not None or not (w.segments or w.fmt.blocks or w.fmt.quantized
+                                             or w.parts[""].dtype != self.dtype):
+            return 0
         k = in_features(w.segments[0].fmt, w.segments[0].parts[""]) if w.segments else in_features(w.fmt, w.parts[""])
-        return w.rows * k * self.dtype.itemsize <= self.AHEAD_BYTES
+        return w.rows * k * self.dtype.itemsize
 
     def _call_rows(self, w_t: torch.Tensor) -> int:
         key = tuple(w_t.shape)
@@ -389,7 +410,10 @@ class CudaOps:
 
     def dense(self, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
         """w as [N, K] in the activation dtype: the stored tensor where it is one, else a fresh copy
-        (or `out`) expanded by the dequantize kernels (torch where no kernel takes the format)."""
+        (or `out`) expanded by the dequantize kernels (torch where no kernel takes the format); the
+        prompt copy where w keeps one."""
+        if w.prompt_copy is not None:
+            return w.prompt_copy if out is None else out.copy_(w.prompt_copy)
         if w.segments:
             K = in_features(w.segments[0].fmt, w.segments[0].parts[""])
             out = out if out is not None else self._empty(w.rows, K)
