@@ -182,7 +182,8 @@ class CudaOps:
                       bias: torch.Tensor | None = None, glu: bool = False) -> Weight:
         w = self._linear_weight(items, bias, glu)
         size = self._copy_bytes(w)
-        if size and w.rows != self.config.vocab_size and self.copies_bytes + size <= self.PROMPT_COPY_BYTES:
+        if (size and self.kc is not None and w.rows != self.config.vocab_size  # (no kernels: weights built on CPU)
+                and self.copies_bytes + size <= self.PROMPT_COPY_BYTES):
             w.prompt_copy = self.dense(w)
             self.copies_bytes += size
         return w
