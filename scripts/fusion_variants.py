@@ -1,17 +1,15 @@
 """ninfer bench with decode fusions turned off past one row, by monkeypatching CudaOps (the experiment behind
 docs/PERF.md "fewer launches per decode step"): argv[1] in {none, norm, norm+glu, glu, fused-norm,
-inline-expand, no-copies}; the rest: bench args. Since c704338 the norm fusion is one-row only in the code, so "none" and "norm" run the same path;
+no-copies}; the rest: bench args. Since c704338 the norm fusion is one-row only in the code, so "none" and "norm" run the same path;
 since bc4401f it is off (CudaOps.FUSE_NORM), and "fused-norm" turns it back on at one row ("the residual
-norm back in its own launch"). "inline-expand" turns CudaOps.EXPAND_AHEAD off: the prompt route's weight
-copies written in line before each matmul, "no-copies" sets CudaOps.PROMPT_COPY_BYTES to 0: no copies kept from
-the load ("quantized prefill: copies ahead on a side stream, or kept for a small model")."""
+norm back in its own launch"). "no-copies" sets CudaOps.PROMPT_COPY_BYTES to 0: no prompt copies
+of quantized weights kept from the load ("quantized prefill: ... a small model's copies kept").
+"""
 import runpy, sys
 import ninfer.engine.ops.cuda_ops as C
 which = sys.argv[1]
 if which == "fused-norm":
     C.CudaOps.FUSE_NORM = True
-if which == "inline-expand":
-    C.CudaOps.EXPAND_AHEAD = False
 if which == "no-copies":
     C.CudaOps.PROMPT_COPY_BYTES = 0
 if "norm" in which:

@@ -112,7 +112,7 @@ class Gemma3Model:
                                       w.vector(p + "post_feedforward_layernorm.weight", 1.0)))
             w.release(p)
         embed = w.embedding("model.embed_tokens.weight", lm_head=c.tie_word_embeddings)
-        lm_head = embed if c.tie_word_embeddings else w.linear(["lm_head.weight"])
+        lm_head = embed if c.tie_word_embeddings else w.linear(["lm_head.weight"], logits=True)
         return cls(c, embed, layers, w.vector("model.norm.weight", 1.0), lm_head)
 
     def forward(self, ops: Any, input_ids: torch.Tensor) -> torch.Tensor:

@@ -154,7 +154,7 @@ class LlamaModel:
                                        w.vector(p + "post_attention_layernorm.weight"), MLP.load(w, p)))
             w.release(p)
         embed = w.embedding("model.embed_tokens.weight", lm_head=c.tie_word_embeddings)
-        lm_head = embed if c.tie_word_embeddings else w.linear(["lm_head.weight"])
+        lm_head = embed if c.tie_word_embeddings else w.linear(["lm_head.weight"], logits=True)
         return cls(c, embed, layers, w.vector("model.norm.weight"), lm_head)
 
     def forward(self, ops: Any, input_ids: torch.Tensor) -> torch.Tensor:

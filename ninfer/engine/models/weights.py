@@ -30,11 +30,12 @@ class WeightReader:
         """A small tensor kept in float32 whatever the compute dtype (per-head gate parameters)."""
         return self.ops.parameter(self.float32(name))
 
-    def linear(self, names: list[str], bias: list[str] | None = None, glu: bool = False) -> Any:
+    def linear(self, names: list[str], bias: list[str] | None = None, glu: bool = False, logits: bool = False) -> Any:
         """One weight whose rows are the named weights stacked in order (a fused projection); glu:
-        names are a gated MLP's [gate, up], used only through ops.gated_linear."""
+        names are a gated MLP's [gate, up], used only through ops.gated_linear; logits: an untied
+        lm_head, used only through ops.logits."""
         b = torch.cat([self.float32(n) for n in bias]) if bias else None
-        return self.ops.linear_weight([(self.formats[n], self.parts[n]) for n in names], b, glu=glu)
+        return self.ops.linear_weight([(self.formats[n], self.parts[n]) for n in names], b, glu=glu, logits=logits)
 
     def embedding(self, name: str, lm_head: bool) -> Any:
         return self.ops.embedding_weight(self.formats[name], self.parts[name], lm_head)

@@ -5,9 +5,10 @@ kernel, a cache tensor or a device. Before each forward the runner calls `ops.be
 step context (positions, block tables, caches, state slots); the ops that need it read it there.
 
 Weights (at load, through models.weights.WeightReader, the one loader):
-    linear_weight(items, bias, glu=False)   fused rows of stored (format, parts) -> the backend's weight
+    linear_weight(items, bias, glu=False, logits=False)   fused rows of stored (format, parts) -> the backend's weight
                                     (glu: items are a gated MLP's [gate, up], for gated_linear only;
-                                    the backend may keep the rows in its own order)
+                                    the backend may keep the rows in its own order; logits: an
+                                    untied lm_head, for logits only)
     embedding_weight(fmt, parts, lm_head)
     vector(t)                       a norm weight or conv taps, in the backend's dtype, on the device
     parameter(t)                    a small float32 tensor kept float32 (A_log, dt_bias)

@@ -155,35 +155,25 @@ class CudaOps:
         self._decode_routes: dict[tuple[int, bool], str] = {}  # (page size, compressed) -> _decode_route's answer
         no_split_k()  # from the start, so every cuBLAS call of the run (graphs captured too) sees one setting
         self.call_rows: dict[tuple[int, int], int] = {}  # (K, N) -> prompt_call_rows, once per weight shape
-        # the prompt route's expansion one projection ahead (_prompt_dense): id(weight) -> the weight whose
-        # prompt matmul came next in the last prompt forward, the previous weight of this forward, and
-        # (weight, its copy, the event that copy was written by) issued on the side stream
-        self._next_weight: dict[int, Weight] = {}
-        self._last_weight: Weight | None = None
-        self._ahead: tuple[Weight, torch.Tensor, torch.cuda.Event] | None = None
-        self._side: torch.cuda.Stream | None = None
-        self.expanded_ahead = 0  # prompt matmuls that found their weight's copy written ahead
         self.copies_bytes = 0  # prompt copies kept (PROMPT_COPY_BYTES)
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
-        self._last_weight = None  # the order is followed within a forward, never across two
 
     # -- weights ----------------------------------------------------------------------------
 
     # Prompt matmuls multiply by a copy of a quantized weight in the activation dtype, expanded per
     # prompt chunk; for a small model that is a launch per projection and chunk whose host time the
     # matmuls do not hide (SmolLM2-135M int4: pp512 at ~1/3 of bf16's rate). The first
-    # PROMPT_COPY_BYTES of copies a model's projections need are kept from the load instead (not the
-    # lm_head's: logits are a gemv).
+    # PROMPT_COPY_BYTES of copies a model's projections need are kept from the load instead (not an
+    # lm_head's: logits are a gemv; none where there are no kernels, weights built on CPU for a test).
     PROMPT_COPY_BYTES = 512 << 20
 
     def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
-                      bias: torch.Tensor | None = None, glu: bool = False) -> Weight:
+                      bias: torch.Tensor | None = None, glu: bool = False, logits: bool = False) -> Weight:
         w = self._linear_weight(items, bias, glu)
         size = self._copy_bytes(w)
-        if (size and self.kc is not None and w.rows != self.config.vocab_size  # (no kernels: weights built on CPU)
-                and self.copies_bytes + size <= self.PROMPT_COPY_BYTES):
+        if size and not logits and self.kc is not None and self.copies_bytes + size <= self.PROMPT_COPY_BYTES:
             w.prompt_copy = self.dense(w)
             self.copies_bytes += size
         return w
@@ -333,46 +323,11 @@ class CudaOps:
             for r in range(0, n, L.MAX_GEMV_ROWS):  # verify steps have more rows than one gemv takes
                 self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS])
         else:
-            w_t = self._prompt_dense(w).t()
+            w_t = self.dense(w).t()
             y = block_mm(x, w_t, self.profile.prompt_rows, self._call_rows(w_t))
         if w.bias is not None:
             y.add_(w.bias)
         return y
-
-    # The prompt route multiplies by a bf16 copy of a quantized weight, expanded per prompt chunk: a
-    # memory-bound kernel before each compute-bound cuBLAS call. With EXPAND_AHEAD the copy of the
-    # projection that came next in the previous prompt forward (the model calls its projections in one
-    # order) is written on a side stream while the current one's matmul runs; the same kernels, the
-    # same bits. A copy past AHEAD_BYTES is written in line instead (the KV pool leaves 1 GiB free), and
-    # one under AHEAD_MIN_BYTES too (its kernel is too short to hide; the side stream costs host time).
-    EXPAND_AHEAD = True
-    AHEAD_BYTES = 512 << 20
-    AHEAD_MIN_BYTES = 16 << 20
-
-    def _prompt_dense(self, w: Weight) -> torch.Tensor:
-        """dense(w) for a prompt matmul: the copy written ahead where there is one."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] is w:
-            torch.cuda.current_stream(self.device).wait_event(ahead[2])
-            t = ahead[1]
-            self.expanded_ahead += 1
-        else:
-            t = self.dense(w)
-        if self._last_weight is not None:
-            self._next_weight[id(self._last_weight)] = w
-        self._last_weight = w
-        nxt = self._next_weight.get(id(w))
-        if (self.EXPAND_AHEAD and nxt is not None and self.AHEAD_MIN_BYTES <= self._copy_bytes(nxt) <= self.AHEAD_BYTES
-                and not torch.cuda.is_current_stream_capturing()):
-            main = torch.cuda.current_stream(self.device)
-            self._side = self._side or torch.cuda.Stream(self.device)
-            with torch.cuda.stream(self._side):  # allocated in the side stream's order, then lent to main's
-                copy = self.dense(nxt)
-                done = torch.cuda.Event()
-                done.record()
-            copy.record_stream(main)
-            self._ahead = (nxt, copy, done)
-        return t
 
     def _copy_bytes(self, w: Weight) -> int:
         """The bytes of the copy dense(w) writes; 0 where it returns a tensor it holds."""

@@ -549,9 +549,9 @@ class TorchOps:
     # -- weights ----------------------------------------------------------------------------
 
     def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
-                      bias: torch.Tensor | None = None, glu: bool = False) -> Linear:
+                      bias: torch.Tensor | None = None, glu: bool = False, logits: bool = False) -> Linear:
         """One Linear whose rows are the given stored weights stacked in order (a fused projection;
-        glu, [gate, up] of a gated MLP for gated_linear, changes nothing here)."""
+        glu, [gate, up] of a gated MLP for gated_linear, and logits, an lm_head, change nothing here)."""
         weight = torch.cat([dequantize(fmt, parts, self.dtype) for fmt, parts in items])
         lin = self.make_linear(weight.contiguous(), bias.to(self.dtype) if bias is not None else None)
         fmts = {fmt for fmt, _ in items}
