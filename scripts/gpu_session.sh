@@ -17,7 +17,7 @@
 #       int8 / int4 (`--synthetic`) beside llama.cpp's F16 / Q8_0 / Q4_1 files: tg128 (1 stream, and
 #       8 streams at a 128-token context against llama-batched-bench), pp2048, SmolLM2-135M tg128 /
 #       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
-#       prints one table per target (~8 min)
+#       prints one table per target (~2 min on an H100 once the build and the files are there)
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
 # q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
 # One type's two rounds take ~3-4 min of an 8B file: `start` with all types, then one `compare` call per
