@@ -330,9 +330,8 @@ class CudaOps:
         return y
 
     def _copy_bytes(self, w: Weight) -> int:
-        """The bytes of the copy dense(w) writes; 0 where it returns a tensor it holds."""
-        if w.prompt_copy is not None or not (w.segments or w.fmt.blocks or w.fmt.quantized
-                                             or w.parts[""].dtype != self.dtype):
+        """The bytes of the copy dense(w) writes; 0 where it returns the stored tensor."""
+        if not (w.segments or w.fmt.blocks or w.fmt.quantized or w.parts[""].dtype != self.dtype):
             return 0
         k = in_features(w.segments[0].fmt, w.segments[0].parts[""]) if w.segments else in_features(w.fmt, w.parts[""])
         return w.rows * k * self.dtype.itemsize
