@@ -85,14 +85,15 @@ class Kernel:
 
         # kernelParams is a void*[] of addresses of the argument values; `args` stays alive
         # across the call, which is all the launch needs (it copies the values).
-        addrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        addrs = (ctypes.c_void_p * len(args))(*map(ctypes.addressof, args))
         c = self.config
         c.gridDimX, c.gridDimY, c.gridDimZ = grid
         c.blockDimX, c.blockDimY, c.blockDimZ = block
         c.sharedMemBytes = shared_mem
-        c.hStream = driver.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        _check_driver(driver.cuLaunchKernelEx(c, self.handle, ctypes.addressof(addrs), 0),
-                      f"cuLaunchKernelEx({self.name})")
+        c.hStream = current_stream(self.device)
+        result = driver.cuLaunchKernelEx(c, self.handle, ctypes.addressof(addrs), 0)
+        if result[0] != driver.CUresult.CUDA_SUCCESS:
+            _check_driver(result, f"cuLaunchKernelEx({self.name})")
 
     def blocks_per_sm(self, threads: int) -> int:
         """How many blocks of `threads` threads (no dynamic shared memory) one SM holds at once (the
@@ -101,6 +102,24 @@ class Kernel:
 
         return _check_driver(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.handle, threads, 0),
                              f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})")
+
+
+_STREAMS: dict[int, Any] = {}  # raw stream handle -> its CUstream (a launch's host time matters: prompts)
+
+
+def current_stream(device: int) -> Any:
+    """torch's current stream on `device` as a CUstream (cached per handle; the raw handle without
+    building a torch Stream object where this torch offers it)."""
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    raw = raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get(raw)
+    if stream is None:
+        from cuda.bindings import driver
+
+        if len(_STREAMS) >= 64:  # streams come and go (side streams): keep the table small
+            _STREAMS.clear()
+        stream = _STREAMS[raw] = driver.CUstream(raw)
+    return stream
 
 
 def launch_config(pdl: bool) -> Any:

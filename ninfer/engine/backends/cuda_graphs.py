@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -129,34 +130,128 @@ class DecodeGraphs:
         return {w for _, _, w in self._graphs}
 
     def _capture(self, n: int, parts: int, width: int) -> torch.cuda.CUDAGraph:
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
+        def warm_up() -> None:
             restore = self.preserve(n) if self.preserve is not None else None
             self.step(n, parts, width)
             if restore is not None:
                 restore()
-        current.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the server's other threads may touch CUDA (stats) while this thread captures.
-        # No garbage collection during the capture (torch collects just before it begins): a cycle
-        # holding an old runner's graphs, collected here, would destroy them mid-capture, which
-        # CUDA forbids and which invalidates this capture.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                self.step(n, parts, width)
-        finally:
-            if collecting:
-                gc.enable()
+        graph, _ = capture(lambda: self.step(n, parts, width), warm_up, self.device, self._pool, self._stream)
         self._graphs[(n, parts, width)] = graph
         self.captures += 1
         return graph
+
+
+def capture(fn: Callable[[], Any], warm_up: Callable[[], None], device: torch.device, pool: Any,
+            stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """fn's launches as a CUDA graph in `pool` on `stream` -> (the graph, what fn returned: tensors
+    from the pool that its replays write). The usual recipe: warm_up() first, eagerly on a side stream
+    (it loads every kernel module and makes every first-use check, which a capture forbids)."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        warm_up()
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the server's other threads may touch CUDA (stats) while this thread captures.
+    # No garbage collection during the capture (torch collects just before it begins): a cycle
+    # holding an old runner's graphs, collected here, would destroy them mid-capture, which
+    # CUDA forbids and which invalidates this capture.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        if collecting:
+            gc.enable()
+    return graph, out
+
+
+class PromptInputs:
+    """The fixed device buffers a captured prompt forward reads, for one sequence of up to `rows`
+    tokens: i32 ids, positions, kv slots [rows] each, cu_seqlens [2], start_pos [1], state slot
+    [1] and the block table [1, max_pages], written by the host into a pinned mirror and copied in
+    with one asynchronous copy (as DecodeState's)."""
+
+    def __init__(self, rows: int, max_pages: int, device: torch.device) -> None:
+        R = self.rows = rows
+        self.max_pages = max_pages
+        self.i32 = torch.zeros(3 * R + 4 + max_pages, dtype=torch.int32, device=device)
+        self._staging = torch.zeros(self.i32.shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host = self._staging.numpy()
+        self._uploaded: torch.cuda.Event | None = None
+        v = self.i32
+        self.ids, self.positions, self.kv_slots = v[0:R], v[R:2 * R], v[2 * R:3 * R]
+        self.cu_seqlens, self.start_pos, self.state_slots = v[3 * R:3 * R + 2], v[3 * R + 2:3 * R + 3], v[3 * R + 3:3 * R + 4]
+        self.block_tables = v[3 * R + 4:].view(1, max_pages)
+
+    def load(self, ids: list[int], start_pos: int, pages: list[int], page_size: int, state_slot: int,
+             rows: int) -> None:
+        """One sequence's chunk (its pages: the block table up to the chunk's end) as the first `rows`
+        rows; the rows past it are padding: token 0 at position 0, no K/V write (slot -1)."""
+        if self._uploaded is not None:  # the mirror is free once the last upload's copy has run
+            self._uploaded.synchronize()
+        R, n, h = self.rows, len(ids), self.host
+        pos = np.arange(start_pos, start_pos + n, dtype=np.int64)
+        table = np.asarray(pages, dtype=np.int64)
+        h[0:n] = ids
+        h[n:rows] = 0
+        h[R:R + n] = pos
+        h[R + n:R + rows] = 0
+        h[2 * R:2 * R + n] = table[pos // page_size] * page_size + pos % page_size
+        h[2 * R + n:2 * R + rows] = -1
+        h[3 * R:3 * R + 4] = (0, n, start_pos, state_slot)
+        h[3 * R + 4:3 * R + 4 + len(pages)] = table
+        self.i32.copy_(self._staging, non_blocking=True)
+        if self._uploaded is None:
+            self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+
+
+class PromptGraphs:
+    """A prompt chunk of one sequence (a prefill, a later chunk, a prefix hit's suffix) through CUDA
+    graphs captured on first use, one per row bucket: T tokens run as the next multiple of
+    `bucket` rows, which the prompt route's matmuls pad to anyway (ops/cuda_ops.block_mm), so a row
+    gets the eager forward's bits; the padding rows (PromptInputs.load) write no K/V and lie past
+    the sequence's end, where prompt attention skips them. forward(rows) runs the model over the
+    first `rows` rows of `inputs` and returns its normed hidden [rows, hidden]. For models whose
+    prompt forward is bound by the host's launches (a small model's chunk costs the device less than
+    the host takes to launch its ~10 kernels a layer)."""
+
+    def __init__(self, forward: Callable[[int], torch.Tensor], inputs: PromptInputs, bucket: int,
+                 device: torch.device) -> None:
+        self.forward = forward
+        self.inputs = inputs
+        self.bucket = bucket
+        self.device = device
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._stream = None
+        self.captures = 0
+
+    def rows(self, n: int) -> int:
+        """The bucket a chunk of n tokens runs in (0: none, longer than the inputs hold)."""
+        rows = -(-n // self.bucket) * self.bucket
+        return rows if 0 < n and rows <= self.inputs.rows else 0
+
+    def run(self, rows: int) -> torch.Tensor:
+        """Replay (capturing on first use) the forward over `rows` rows of the loaded inputs -> its
+        hidden [rows, hidden], valid until the next run."""
+        entry = self._graphs.get(rows)
+        if entry is None:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+                self._stream = torch.cuda.Stream(self.device)
+            entry = self._graphs[rows] = capture(lambda: self.forward(rows), lambda: self.forward(rows),
+                                                 self.device, self._pool, self._stream)
+            self.captures += 1
+        graph, hidden = entry
+        graph.replay()
+        return hidden
 
 
 class StagedGraphs:

@@ -12,8 +12,10 @@ sampling. A step splits its sequences in two routes:
   counts and grammar mask; the host applies the acceptance rule (ninfer.engine.speculative) and
   restores a hybrid model's state from the per-row states the step kept. A graph per (sequences,
   split bucket, verify width).
-- prompt rows (prefill, chunks, prefix-hit suffixes): the forward on the prompt route; rows that
-  sample take the lm_head gemv and the sampler like decode rows.
+- prompt rows (prefill, chunks, prefix-hit suffixes): the forward on the prompt route (one
+  sequence's chunk of up to 1,024 tokens replayed from a CUDA graph per 128-row bucket, where
+  every launch of the model's prompt forward can be captured); rows that sample take the lm_head
+  gemv and the sampler like decode rows.
 The sampler is the one definition (ninfer.engine.sampler): the kernel draws every token; rows that
 ask for logprobs get the records of the drawn token, computed from the same logits.
 """
@@ -27,7 +29,8 @@ import numpy as np
 import torch
 
 from ninfer.engine.backends import vmm
-from ninfer.engine.backends.cuda_graphs import MAX_DECODE_ROWS, DecodeGraphs, DecodeState, StagedGraphs
+from ninfer.engine.backends.cuda_graphs import (MAX_DECODE_ROWS, DecodeGraphs, DecodeState, PromptGraphs, PromptInputs,
+                                                StagedGraphs)
 from ninfer.engine.backends.torch_runner import check_state_slots, release_device_memory, tensor_bytes
 from ninfer.engine.batch import ScheduledBatch, SequenceWork, StepOutput
 from ninfer.engine.config import ModelConfig
@@ -149,9 +152,39 @@ class CudaModelRunner:
         self._drawn_at = [torch.cuda.Event() for _ in range(2)]
         graphs = [self._stage_graphs(i, cuda_graph) for i in range(len(self.stages))]
         self.graphs = graphs[0] if len(graphs) == 1 else StagedGraphs(graphs, self._hand_off)
+        self._cuda_graph = cuda_graph
+        self.prompt_graphs = self._prompt_graphs(cuda_graph)
         self._arenas: dict[str, vmm.Adopted] | None = None  # fix_addresses
         self._stash: dict[str, object] | None = None  # the objects over the arenas while suspended
         self._arenas_refused = False
+
+    # the longest chunk a prompt graph takes: the default prefill chunk (--prefill-chunk)
+    PROMPT_GRAPH_ROWS = 1024
+
+    def _prompt_graphs(self, enabled: bool) -> PromptGraphs | None:
+        """One sequence's prompt chunks through CUDA graphs (cuda_graphs.PromptGraphs), where every
+        launch of the prompt forward can be captured: one stage, no recurrent state (its reset of a
+        fresh sequence's slot is the host's), K/V in the compute dtype, and prompt attention whose
+        launch reads the sequence's extent from the device (the mma route: CudaOps.prompt_graph_ok)."""
+        if not (enabled and len(self.stages) == 1 and not self.spec.recurrent and not self.k_scale
+                and self.ops.prompt_graph_ok()):
+            return None
+        with torch.cuda.device(self.device):
+            inputs = PromptInputs(self.PROMPT_GRAPH_ROWS, -(-self.max_context // self.page_size), self.device)
+        return PromptGraphs(self._prompt_graph_forward, inputs, self.ops.profile.prompt_rows, self.device)
+
+    def _prompt_graph_forward(self, rows: int) -> torch.Tensor:
+        """The prompt forward a prompt graph captures: the first `rows` rows of its inputs."""
+        st, stage = self.prompt_graphs.inputs, self.stages[0]
+
+        def begin(stage: Stage) -> None:
+            stage.ops.begin(CudaContext(
+                decode=False, positions=st.positions[:rows], kv_slots=st.kv_slots[:rows],
+                block_tables=st.block_tables, seq_lens=st.start_pos, max_context=self.max_context,
+                cu_seqlens=st.cu_seqlens, state_slots=st.state_slots,
+                **self._pools(stage.plan, self.k_cache, self.v_cache, self.k_scale, self.v_scale, self.conv,
+                              self.ssm)))
+        return forward_stages([stage], st.ids[:rows], begin)
 
     def _stage_graphs(self, i: int, enabled: bool) -> DecodeGraphs:
         """Stage i's decode graphs (captured on first use) on its device."""
@@ -231,7 +264,7 @@ class CudaModelRunner:
             torch.cuda.synchronize(self.device)
             weight_bytes = tensor_bytes((self.model, self.ops))
             for name in ("model", "ops", "k_cache", "v_cache", "k_scale", "v_scale", "conv", "ssm", "state",
-                         "verify_conv", "verify_ssm", "graphs", "stages", "stage_states"):
+                         "verify_conv", "verify_ssm", "graphs", "prompt_graphs", "stages", "stage_states"):
                 setattr(self, name, None)
             release_device_memory(self.device)
         return snapshot, snapshot_bytes(snapshot), weight_bytes
@@ -299,6 +332,8 @@ class CudaModelRunner:
                 return False
             if self.graphs is not None and self.graphs.captures:
                 self.graphs = self._stage_graphs(0, self.graphs.enabled)
+            if self.prompt_graphs is not None and self.prompt_graphs.captures:
+                self.prompt_graphs = self._prompt_graphs(self._cuda_graph)
         self._arenas, self._arenas_refused = arenas, False
         log.debug("model suspend: %s at fixed addresses",
                   ", ".join(f"{name} {a.arena.nbytes / 2**20:.0f} MiB" for name, a in arenas.items()))
@@ -319,6 +354,7 @@ class CudaModelRunner:
             self._stash = {name: getattr(self, name) for name in self._SUSPENDED}
             for name in self._SUSPENDED:  # nothing reaches the released memory while suspended
                 setattr(self, name, None)
+            self.prompt_graphs = None  # their pool (a chunk's activations) goes too: captured again after the resume
             for adopted in self._arenas.values():
                 adopted.arena.release()
             release_device_memory(self.device)
@@ -360,6 +396,7 @@ class CudaModelRunner:
                 release_device_memory(self.device)
                 raise
             self._stash = None
+            self.prompt_graphs = self._prompt_graphs(self._cuda_graph)
         state_bytes = snapshot_bytes({k: v for k, v in snapshot.items() if k != "weights"})
         return state_bytes, weights.nbytes, read
 
@@ -748,10 +785,23 @@ class CudaModelRunner:
     def _prompt_forward(self, seqs: list[SequenceWork], k_cache: list[torch.Tensor], v_cache: list[torch.Tensor],
                         conv: list[torch.Tensor], ssm: list[torch.Tensor],
                         kv_scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])) -> torch.Tensor:
-        """Every token of `seqs` through the model (K/V and state written into the given caches).
-        -> final normed hidden [tokens, hidden]."""
+        """Every token of `seqs` through the model (K/V and state written into the given caches);
+        one sequence's chunk of up to PROMPT_GRAPH_ROWS tokens into the runner's own caches from a
+        prompt graph where the runner keeps them (_prompt_graphs). -> final normed hidden [tokens, hidden]."""
         ps = self.page_size
         n = sum(len(s.token_ids) for s in seqs)
+        graphs = self.prompt_graphs
+        rows = (graphs.rows(n) if graphs is not None and len(seqs) == 1 and k_cache is self.k_cache
+                and seqs[0].start_pos + n <= self.max_context else 0)
+        if rows:
+            s = seqs[0]
+            graphs.inputs.load(s.token_ids, s.start_pos, s.block_table[:-(-(s.start_pos + n) // ps)], ps,
+                               s.state_slot, rows)
+            try:
+                return graphs.run(rows)[:n]
+            except RuntimeError as e:  # a capture the forward's launches refused: eager from now on
+                log.warning("prompt CUDA graphs off: the capture of %d rows failed (%s)", rows, e)
+                self.prompt_graphs = None
         ids, positions, slots = [], [], []
         max_pages = max(-(-(s.start_pos + len(s.token_ids)) // ps) for s in seqs)
         tables = np.zeros((len(seqs), max_pages), dtype=np.int32)

@@ -456,6 +456,13 @@ class CudaOps:
                                       window=window, softcap=softcap, k_scale=scales[0], v_scale=scales[1])
         return out.view(T, -1)
 
+    def prompt_graph_ok(self) -> bool:
+        """Whether every prompt attention launch takes the mma route (its grid and reads fixed by the
+        chunk's padded row count, the sequence's extent read on the device), so that a CUDA graph
+        can hold a prompt forward (with a bf16 / fp32 cache: a compressed one takes warp)."""
+        return (self.prefill_attention == "mma" and not self.config.attn_logit_softcapping
+                and not any(a.window for a in self.layers))
+
     def _decode_route(self, layer: int) -> str:
         """The profile's decode attention route where it takes this layer's cache, else warp (decided
         once per cache layout: page size and compression are fixed for the runner's life)."""
@@ -547,8 +554,11 @@ def block_mm(x: torch.Tensor, w_t: torch.Tensor, rows: int, call_rows: int = 0) 
         padded = torch.zeros(total, x.shape[1], dtype=x.dtype, device=x.device)
         padded[:n] = x
         x = padded
-    y = torch.empty(total, w_t.shape[1], dtype=x.dtype, device=x.device)
     step = max(rows, call_rows)
+    if total <= step:  # one call (a prompt chunk up to call_rows)
+        y = torch.mm(x, w_t)
+        return y if total == n else y[:n]
+    y = torch.empty(total, w_t.shape[1], dtype=x.dtype, device=x.device)
     for r0 in range(0, total, step):
         torch.mm(x[r0:r0 + step], w_t, out=y[r0:r0 + step])
     return y[:n]
