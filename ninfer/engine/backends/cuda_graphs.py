@@ -195,6 +195,15 @@ class PromptInputs:
         rows; the rows past it are padding: token 0 at position 0, no K/V write (slot -1)."""
         if self._uploaded is not None:  # the mirror is free once the last upload's copy has run
             self._uploaded.synchronize()
+        self.fill(ids, start_pos, pages, page_size, state_slot, rows)
+        self.i32.copy_(self._staging, non_blocking=True)
+        if self._uploaded is None:
+            self._uploaded = torch.cuda.Event()
+        self._uploaded.record()
+
+    def fill(self, ids: list[int], start_pos: int, pages: list[int], page_size: int, state_slot: int,
+             rows: int) -> None:
+        """load's host half: the chunk into the pinned mirror."""
         R, n, h = self.rows, len(ids), self.host
         pos = np.arange(start_pos, start_pos + n, dtype=np.int64)
         table = np.asarray(pages, dtype=np.int64)
@@ -206,10 +215,6 @@ class PromptInputs:
         h[2 * R + n:2 * R + rows] = -1
         h[3 * R:3 * R + 4] = (0, n, start_pos, state_slot)
         h[3 * R + 4:3 * R + 4 + len(pages)] = table
-        self.i32.copy_(self._staging, non_blocking=True)
-        if self._uploaded is None:
-            self._uploaded = torch.cuda.Event()
-        self._uploaded.record()
 
 
 class PromptGraphs:
