@@ -727,6 +727,12 @@ def tiled_variant(N: int, K: int, sms: int = 0, int8: bool = False) -> dict[str,
     return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1, **minb}
 
 
+def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
+    """gemv_mma's tuning defines for a weight [N, K] of format code (speed only: every variant gives
+    the same bits): the built-in MMA_UNROLL 4, no L2 hint."""
+    return {}
+
+
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
          out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None, glu: str = "",
          norm: tuple | None = None) -> None:
@@ -735,7 +741,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
     variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB) over tiled_variant's
-    (tuning scripts; stages and prefetch change speed only, warps the order of the sum).
+    (tuning scripts; stages and prefetch change speed only, warps the order of the sum); mma: MMA_UNROLL,
+    MMA_L2PF over mma_variant's (speed only).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
     dtype followed by swiglu / geglu.
@@ -782,7 +789,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
                                                   **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)
     elif route == "mma":
-        kc.kernel("gemv_mma.cu", "gemv_mma", {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **glu_defines}).launch(
+        defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K), **(variant or {})}
+        kc.kernel("gemv_mma.cu", "gemv_mma", {**defines, **glu_defines}).launch(
             (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
     else:
         kc.kernel("gemv.cu", "gemv", {"GEMV_FMT": code, **act_defines}).launch(
