@@ -1,11 +1,13 @@
-"""gemv_mma.cu's bf16 tuning variants (MMA_UNROLL iterations in flight a warp, MMA_L2PF: weight loads
-with an L2 256-byte fetch hint) on a GPU at llama-8b decode shapes, and end to end.
+"""gemv_mma.cu's bf16 tuning variants on a GPU at llama-8b decode shapes, and end to end. A variant is
+a comma-free label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling pipeline), uN (MMA_UNROLL
+N, the plain loop's unroll), l2 (MMA_L2PF 1: the plain loop's weight loads with an L2 256-byte fetch
+hint), joined by '+'; "p0" is the built-in kernel.
 
-  PYTHONPATH=. python scripts/gemv_mma_ab.py sweep [--unroll 2,4,8,16] [--l2pf 0,1]
-      each shape at rows 1 and 8: every variant's output bit-equal to the default's (variants change
+  PYTHONPATH=. python scripts/gemv_mma_ab.py sweep [p0,p2,p3,p4,p6,p8,u8,l2]
+      each shape at rows 1 and 8: every variant's output bit-equal to the built-in's (variants change
       speed only) and within 1e-5 of fp64, then its time reading enough weight copies to exceed L2
       (calls in a CUDA graph, best of 7 samples) and GB/s; then the per-token sum over llama-8b's shapes
-  PYTHONPATH=. python scripts/gemv_mma_ab.py bench UNROLL L2PF BENCH_ARGS...
+  PYTHONPATH=. python scripts/gemv_mma_ab.py bench VARIANT BENCH_ARGS...
       `ninfer bench BENCH_ARGS` with that variant for every bf16 gemv_mma launch (launchers.mma_variant)
 """
 from __future__ import annotations
@@ -25,14 +27,27 @@ ROTATE = 512 << 20  # bytes a sample reads at least (L2: 50 MiB on an H100, 60 o
 SHAPES = [(6144, 4096, 32), (4096, 4096, 32), (28672, 4096, 32), (4096, 14336, 32), (128256, 4096, 1)]
 
 
-def sweep(unrolls: list[int], l2pfs: list[int]) -> None:
+def defines(label: str) -> dict[str, int]:
+    """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
+    out = {}
+    for part in label.split("+"):
+        if part == "l2":
+            out["MMA_L2PF"] = 1
+        elif part[:1] in ("p", "u") and part[1:].isdigit():
+            out["MMA_PIPE" if part[0] == "p" else "MMA_UNROLL"] = int(part[1:])
+        else:
+            raise SystemExit(f"unknown variant {label!r}: pN, uN, l2 joined by '+'")
+    return out
+
+
+def sweep(labels: list[str]) -> None:
     from ninfer.kernels.compiler import KernelCompiler
     from ninfer.kernels.timing import sample_seconds
 
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     fmt = TensorFormat("bf16")
-    variants = [{"MMA_UNROLL": u, "MMA_L2PF": p} for p in l2pfs for u in unrolls]
+    variants = {label: defines(label) for label in labels}
     per_token: dict[tuple[int, str], float] = {}
     print(f"{torch.cuda.get_device_name()}  (GB/s: weight bytes / time; samples read >= {ROTATE >> 20} MiB)")
     for N, K, count in SHAPES:
@@ -46,8 +61,7 @@ def sweep(unrolls: list[int], l2pfs: list[int]) -> None:
             base = torch.empty(M, N, device=dev, dtype=torch.float32)
             L.gemv(kc, x, fmt, copies[0], base, "mma")
             line = []
-            for v in variants:
-                label = f"u{v['MMA_UNROLL']}p{v['MMA_L2PF']}"
+            for label, v in variants.items():
                 out = torch.full((M, N), float("nan"), device=dev)
                 L.gemv(kc, x, fmt, copies[0], out, "mma", v)
                 err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -73,13 +87,11 @@ def sweep(unrolls: list[int], l2pfs: list[int]) -> None:
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "sweep"
     if mode == "sweep":
-        args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
-        sweep([int(u) for u in args.get("--unroll", "2,4,8,16").split(",")],
-              [int(p) for p in args.get("--l2pf", "0,1").split(",")])
+        sweep((sys.argv[2] if len(sys.argv) > 2 else "p0,p2,p3,p4,p6,p8,u8,l2").split(","))
     elif mode == "bench":
-        unroll, l2pf = int(sys.argv[2]), int(sys.argv[3])
-        L.mma_variant = lambda code, N, K: {"MMA_UNROLL": unroll, "MMA_L2PF": l2pf} if code == 0 else {}
-        sys.argv = ["ninfer", "bench", *sys.argv[4:]]
+        chosen = defines(sys.argv[2])
+        L.mma_variant = lambda code, N, K: dict(chosen) if code == 0 else {}
+        sys.argv = ["ninfer", "bench", *sys.argv[3:]]
         runpy.run_module("ninfer.cli.main", run_name="__main__")
     else:
         raise SystemExit(__doc__)

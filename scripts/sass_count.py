@@ -10,22 +10,19 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from ninfer.kernels.compiler import HEADERS, KERNEL_DIR, nvrtc_compile
+from ninfer.kernels.compiler import HEADERS, KERNEL_DIR, cuobjdump_path, nvrtc_compile
 
 
 def cuobjdump() -> str:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    for p in Path(sys.prefix).glob("lib/python*/site-packages/nvidia/cu*/bin/cuobjdump"):
-        return str(p)
-    raise SystemExit("cuobjdump not found (pip install nvidia-cuda-cuobjdump, or put it on PATH)")
+    found = cuobjdump_path()
+    if found is None:
+        raise SystemExit("cuobjdump not found (pip install nvidia-cuda-cuobjdump, or put it on PATH)")
+    return found
 
 
 def hottest_loop(sass: str) -> tuple[int, collections.Counter]:

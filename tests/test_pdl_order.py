@@ -7,14 +7,13 @@ needed; skipped where NVRTC or cuobjdump is missing."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ninfer.kernels.compiler import HEADERS, KERNEL_DIR, nvrtc_compile
+from ninfer.kernels.compiler import HEADERS, KERNEL_DIR, cuobjdump_path, nvrtc_compile
 
 CASES = [
     ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 3, "T4_XPRE": 1}),
@@ -26,6 +25,7 @@ CASES = [
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 2, "T4_XPRE": 0, "T4_MINB": 2}),
     ("gemv_mma.cu", {"MMA_FMT": 0}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_UNROLL": 8, "MMA_L2PF": 1}),
+    ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 4}),
     ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1}),
     ("gemv.cu", {"GEMV_FMT": 1}),
     ("attention.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "ROPE_KV": 1}),
@@ -38,18 +38,8 @@ CASES = [
 EARLY_WEIGHTS = {"gemv_tiled.cu"}  # kernels that load weights before the wait
 
 
-def cuobjdump() -> str | None:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    for pattern in ("nvidia/*/bin/cuobjdump", "triton/backends/nvidia/bin/cuobjdump"):  # CUDA wheels
-        for p in Path(sys.prefix).glob(f"lib/python*/site-packages/{pattern}"):
-            return str(p)
-    return None
-
-
 def sass(source: str, defines: dict[str, int], tmp: Path) -> str:
-    tool = cuobjdump()
+    tool = cuobjdump_path()
     if tool is None:
         pytest.skip("cuobjdump not found")
     options = ["--gpu-architecture=sm_90", "--std=c++17", "-default-device", *(f"-D{k}={v}" for k, v in defines.items())]

@@ -247,6 +247,20 @@ class KernelCompiler:
         return fn
 
 
+def cuobjdump_path() -> str | None:
+    """cuobjdump (SASS of a cubin; tests and tuning scripts): on PATH, else from a CUDA or triton wheel."""
+    import shutil
+    import sys
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for pattern in ("nvidia/*/bin/cuobjdump", "triton/backends/nvidia/bin/cuobjdump"):  # CUDA wheels
+        for p in Path(sys.prefix).glob(f"lib/python*/site-packages/{pattern}"):
+            return str(p)
+    return None
+
+
 def nvrtc_compile(text: str, name: str, options: Sequence[str], headers: dict[str, str]) -> bytes:
     """Compile CUDA C++ `text` with NVRTC to a cubin; raises KernelError with the log on failure."""
     from cuda.bindings import nvrtc

@@ -33,13 +33,17 @@
 #if ACT_F32
 #error "gemv_mma takes bf16 activations only"
 #endif
-// bf16 tuning (speed only, the same bits): MMA_UNROLL iterations a warp has in flight, MMA_L2PF
-// weight loads that ask L2 to fetch the 256-byte block around them (launchers.mma_variant)
+// bf16 tuning (speed only, the same bits): MMA_UNROLL (the loop's unroll), MMA_PIPE (iterations whose
+// loads a warp issues before their mmas), MMA_L2PF (weight loads that ask L2 to fetch the 256-byte
+// block around them); launchers.mma_variant
 #ifndef MMA_UNROLL
 #define MMA_UNROLL 4
 #endif
 #ifndef MMA_L2PF
 #define MMA_L2PF 0
+#endif
+#ifndef MMA_PIPE
+#define MMA_PIPE 0  // > 0: that many iterations' loads before their mmas (below)
 #endif
 #define MMA_PRAGMA(x) _Pragma(#x)
 #define MMA_UNROLL_BY(n) MMA_PRAGMA(unroll n)
@@ -119,6 +123,52 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
   const u16* w0 = (const u16*)w + r0 * K + 8 * t;
   const u16* w1 = (const u16*)w + r1 * K + 8 * t;
   const int iters = K / 32;
+#if MMA_PIPE
+  // MMA_PIPE iterations in flight a warp, as a rolling pipeline (gemv_tiled.cu's stages): iteration
+  // j + MMA_PIPE is loaded into the slot iteration j leaves, so its loads stay ahead of the mmas that
+  // wait for j + 1 (the loop below leaves ptxas one iteration in flight: too few bytes where a shape
+  // has 1-3 blocks an SM). The mmas run in the loop's order: the same bits. Loads volatile
+  // (common.cuh), the activations coherent, so ptxas keeps them after the PDL wait.
+  constexpr int STEP = MMA_WARPS * 32;  // elements from one of a warp's iterations to its next
+  const int n = iters > warp ? (iters - warp + MMA_WARPS - 1) / MMA_WARPS : 0;  // this warp's iterations
+  const u16* pa = w0 + warp * 32;
+  const u16* pb = w1 + warp * 32;
+  const act* px = xr + warp * 32 + 8 * t;
+  uint4 a[MMA_PIPE], b[MMA_PIPE], xv[MMA_PIPE];
+  auto load = [&](int p, int i) {  // iteration base + i (pointers at base) into slot p
+    a[p] = ld_stream(pa + i * STEP);
+    b[p] = ld_stream(pb + i * STEP);
+    xv[p] = has_x ? ld_act(px + i * STEP) : ZERO4;
+  };
+  auto compute = [&](int p) {
+    mma16816(acc, a[p].x, b[p].x, a[p].y, b[p].y, xv[p].x, xv[p].y);
+    mma16816(acc, a[p].z, b[p].z, a[p].w, b[p].w, xv[p].z, xv[p].w);
+  };
+#pragma unroll
+  for (int p = 0; p < MMA_PIPE; ++p)
+    if (p < n) load(p, p);
+  int base = 0;
+  for (; base + 2 * MMA_PIPE <= n; base += MMA_PIPE) {
+#pragma unroll
+    for (int p = 0; p < MMA_PIPE; ++p) {
+      compute(p);
+      load(p, p + MMA_PIPE);
+    }
+    pa += MMA_PIPE * STEP;
+    pb += MMA_PIPE * STEP;
+    px += MMA_PIPE * STEP;
+  }
+#pragma unroll
+  for (int p = 0; p < MMA_PIPE; ++p) {
+    if (base + p < n) {
+      compute(p);
+      if (base + p + MMA_PIPE < n) load(p, p + MMA_PIPE);
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < MMA_PIPE; ++p)
+    if (base + MMA_PIPE + p < n) compute(p);
+#else
   MMA_UNROLL_BY(MMA_UNROLL)
   for (int it = warp; it < iters; it += MMA_WARPS) {
     const int kb = it * 32;
@@ -128,6 +178,7 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
     mma16816(acc, a.x, b.x, a.y, b.y, xv.x, xv.y);
     mma16816(acc, a.z, b.z, a.w, b.w, xv.z, xv.w);
   }
+#endif
 #elif MMA_FMT == 1
   // int8 rows interleaved (gemv_pack): in each 64-byte block (64 k), lane t's 16 bytes hold word t
   // of its four 16-wide chunks. With u = q ^ 0x80 = 16 uh + ul, q = 16 (uh - 8) + ul: per chunk one

@@ -94,44 +94,6 @@ struct Stage {
 #endif
 };
 
-// Streaming loads: weights and scales are read once, so they do not displace the activations in L1.
-// nc false (a constant where inlined): a coherent load, which ptxas leaves before a PDL_WAIT (it
-// moves .nc loads after one).
-__device__ __forceinline__ uint4 ld_stream(const void* p, bool nc = true) {
-  uint4 v;
-  if (nc)
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  else
-    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ld_stream2(const void* p, bool nc = true) {
-  uint2 v;
-  if (nc)
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  else
-    asm volatile("ld.global.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ u32 ld_stream1(const void* p, bool nc = true) {
-  u32 v;
-  if (nc)
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  else
-    asm volatile("ld.global.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// The activations (the kernel before's output): a coherent load, which ptxas keeps after PDL_WAIT
-// (an .nc one, as __ldg, it may move above it).
-__device__ __forceinline__ uint4 ld_act(const act* p) {
-  uint4 v;
-  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-
 // Nibbles at bits 4 i and 16 + 4 i of w as two bf16 (exact): sym q - 8, asym 16 + q. `mask` is
 // T4_MASK held in a register: as a literal, ptxas rematerializes it before most lop3s (one extra
 // instruction per pair), so the kernel derives it from an argument ptxas cannot fold.

@@ -729,7 +729,9 @@ def tiled_variant(N: int, K: int, sms: int = 0, int8: bool = False) -> dict[str,
 
 def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
     """gemv_mma's tuning defines for a weight [N, K] of format code (speed only: every variant gives
-    the same bits): the built-in MMA_UNROLL 4, no L2 hint."""
+    the same bits; scripts/gemv_mma_ab.py sweeps them): the built-in loop for now. bf16's MMA_PIPE
+    (iterations in flight a warp) is the candidate for the shapes of 1-3 blocks an SM, which run at
+    64-75 % of the read ceiling on the H200 where gate_up runs at 87 % (docs/PERF.md, session 23)."""
     return {}
 
 
@@ -741,8 +743,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
     variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB) over tiled_variant's
-    (tuning scripts; stages and prefetch change speed only, warps the order of the sum); mma: MMA_UNROLL,
-    MMA_L2PF over mma_variant's (speed only).
+    (tuning scripts; stages and prefetch change speed only, warps the order of the sum); mma: MMA_PIPE,
+    MMA_UNROLL, MMA_L2PF over mma_variant's (speed only).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
     dtype followed by swiglu / geglu.
