@@ -164,8 +164,9 @@ class CudaModelRunner:
     def _prompt_graphs(self, enabled: bool) -> PromptGraphs | None:
         """One sequence's prompt chunks through CUDA graphs (cuda_graphs.PromptGraphs), where every
         launch of the prompt forward can be captured: one stage, no recurrent state (its reset of a
-        fresh sequence's slot is the host's), K/V in the compute dtype, and prompt attention whose
-        launch reads the sequence's extent from the device (the mma route: CudaOps.prompt_graph_ok)."""
+        fresh sequence's slot is the host's), K/V in the compute dtype, prompt attention whose launch
+        reads the sequence's extent from the device (the mma route), and no weight expanded per chunk
+        (CudaOps.prompt_graph_ok)."""
         if not (enabled and len(self.stages) == 1 and not self.spec.recurrent and not self.k_scale
                 and self.ops.prompt_graph_ok()):
             return None

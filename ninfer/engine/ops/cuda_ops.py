@@ -156,6 +156,7 @@ class CudaOps:
         no_split_k()  # from the start, so every cuBLAS call of the run (graphs captured too) sees one setting
         self.call_rows: dict[tuple[int, int], int] = {}  # (K, N) -> prompt_call_rows, once per weight shape
         self.copies_bytes = 0  # prompt copies kept (PROMPT_COPY_BYTES)
+        self.expands = False  # a projection's prompt matmul expands its weight per chunk (no copy kept)
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
@@ -172,10 +173,12 @@ class CudaOps:
     def linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
                       bias: torch.Tensor | None = None, glu: bool = False, logits: bool = False) -> Weight:
         w = self._linear_weight(items, bias, glu)
-        size = self._copy_bytes(w)
-        if size and not logits and self.kc is not None and self.copies_bytes + size <= self.PROMPT_COPY_BYTES:
+        size = self._copy_bytes(w) if not logits else 0
+        if size and self.kc is not None and self.copies_bytes + size <= self.PROMPT_COPY_BYTES:
             w.prompt_copy = self.dense(w)
             self.copies_bytes += size
+        elif size:
+            self.expands = True
         return w
 
     def _linear_weight(self, items: list[tuple[TensorFormat, dict[str, torch.Tensor]]],
@@ -457,11 +460,13 @@ class CudaOps:
         return out.view(T, -1)
 
     def prompt_graph_ok(self) -> bool:
-        """Whether every prompt attention launch takes the mma route (its grid and reads fixed by the
-        chunk's padded row count, the sequence's extent read on the device), so that a CUDA graph
-        can hold a prompt forward (with a bf16 / fp32 cache: a compressed one takes warp)."""
+        """Whether a CUDA graph can hold a prompt forward, and holds little memory: every prompt
+        attention launch takes the mma route (its grid and reads fixed by the chunk's padded row
+        count, the sequence's extent read on the device; with a bf16 / fp32 cache: a compressed one
+        takes warp), and no projection is expanded per chunk (the graph's pool would keep the largest
+        expanded weight, a quarter GiB for an 8B model's gate_up, beside the eager allocator's)."""
         return (self.prefill_attention == "mma" and not self.config.attn_logit_softcapping
-                and not any(a.window for a in self.layers))
+                and not any(a.window for a in self.layers) and not self.expands)
 
     def _decode_route(self, layer: int) -> str:
         """The profile's decode attention route where it takes this layer's cache, else warp (decided
