@@ -17,7 +17,7 @@ DEVICES = typer.Option(None, "--devices",
 STAGE_LAYERS = typer.Option(None, "--stage-layers",
                             help="Layers per --devices stage, in order (default: split by each device's free "
                                  "memory; on CPU, evenly).")
-NO_CUDA_GRAPH = typer.Option(False, "--no-cuda-graph", help="Disable CUDA Graph decode (cuda backend).")
+NO_CUDA_GRAPH = typer.Option(False, "--no-cuda-graph", help="Disable CUDA graphs (cuda backend: decode steps, and one sequence's prompt chunks).")
 DEVICE_PROFILE = typer.Option("auto", "--device-profile",
                               help="cuda route profile: auto (stored one; calibrate a GPU without one), off "
                                    "(built-in routes), calibrate (measure anew) or a profile file.")
