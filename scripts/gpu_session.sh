@@ -18,14 +18,18 @@
 #       8 streams at a 128-token context against llama-batched-bench), pp2048, SmolLM2-135M tg128 /
 #       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
 #       prints one table per target (~2 min on an H100 once the build and the files are there)
+#   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
+#       gemv_mma's bf16 variants (scripts/gemv_mma_ab.py: default p0,p2,p4,p6,p8): the kernel sweep (bits
+#       against the built-in loop, µs per llama-8b shape), then llama-8b bf16 tg128 per variant,
+#       alternated twice (~2 min)
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
 # q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
 # One type's two rounds take ~3-4 min of an 8B file: `start` with all types, then one `compare` call per
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -70,6 +74,20 @@ start)
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
+mma)
+  VARIANTS="${1:-p0,p2,p4,p6,p8}"
+  python3 scripts/gemv_mma_ab.py sweep "$VARIANTS" > "$OUT/mma_sweep.txt" 2>&1
+  grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
+  for r in 1 2; do
+    for v in ${VARIANTS//,/ }; do
+      python3 scripts/gemv_mma_ab.py bench "$v" --synthetic llama-8b --weights bf16 --backend cuda -p 0 -n 128 -r 3 \
+        --ceilings off --device-profile off -o json > "$OUT/mma_${v}_$r.json" 2> "$OUT/mma_${v}_$r.log"
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'], r['stddev_ts'])" \
+        "$OUT/mma_${v}_$r.json" "$v tg128 round $r" || tail -n 3 "$OUT/mma_${v}_$r.log"
+    done
+  done
+  exit 0
+  ;;
 compare|targets)
   BASE="${1:-}"
   for _ in $(seq 120); do [ -f "$PEER/built" ] && break; sleep 5; done
@@ -77,7 +95,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)
