@@ -19,9 +19,10 @@
 #       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
 #       prints one table per target (~2 min on an H100 once the build and the files are there)
 #   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
-#       gemv_mma's bf16 variants (scripts/gemv_mma_ab.py: default p0,p2,p4,p6,p8): the kernel sweep (bits
-#       against the built-in loop, µs per llama-8b shape), then llama-8b bf16 tg128 per variant,
-#       alternated twice (~2 min)
+#       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p0,p2,p4,p6,p8) by
+#       the kernel sweep (bits against the built-in loop, µs per llama-8b shape), then llama-8b bf16
+#       tg128 per variant, alternated twice; then tg128 at a 16k context with the decode attention cut
+#       into at most 32, 64 or 128 partitions (s32, s64, s128) (~4 min)
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
 # q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
 # One type's two rounds take ~3-4 min of an 8B file: `start` with all types, then one `compare` call per
@@ -76,16 +77,18 @@ start)
   ;;
 mma)
   VARIANTS="${1:-p0,p2,p4,p6,p8}"
-  python3 scripts/gemv_mma_ab.py sweep "$VARIANTS" > "$OUT/mma_sweep.txt" 2>&1
+  python3 scripts/decode_variants.py sweep "$VARIANTS" > "$OUT/mma_sweep.txt" 2>&1
   grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
+  variant() {  # label, file name, bench args
+    python3 scripts/decode_variants.py bench "$1" --synthetic llama-8b --weights bf16 --backend cuda -n 128 -r 3 \
+      --ceilings off --device-profile off -o json "${@:3}" > "$OUT/$2.json" 2> "$OUT/$2.log"
+    python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'], r['stddev_ts'])" \
+      "$OUT/$2.json" "$2" || tail -n 3 "$OUT/$2.log"
+  }
   for r in 1 2; do
-    for v in ${VARIANTS//,/ }; do
-      python3 scripts/gemv_mma_ab.py bench "$v" --synthetic llama-8b --weights bf16 --backend cuda -p 0 -n 128 -r 3 \
-        --ceilings off --device-profile off -o json > "$OUT/mma_${v}_$r.json" 2> "$OUT/mma_${v}_$r.log"
-      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'], r['stddev_ts'])" \
-        "$OUT/mma_${v}_$r.json" "$v tg128 round $r" || tail -n 3 "$OUT/mma_${v}_$r.log"
-    done
+    for v in ${VARIANTS//,/ }; do variant "$v" "tg128_${v}_$r" -p 0; done
   done
+  for v in s32 s64 s128; do variant "$v" "tg128_d16384_$v" -p 0 -d 16384; done
   exit 0
   ;;
 compare|targets)

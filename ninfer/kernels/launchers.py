@@ -729,7 +729,7 @@ def tiled_variant(N: int, K: int, sms: int = 0, int8: bool = False) -> dict[str,
 
 def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
     """gemv_mma's tuning defines for a weight [N, K] of format code (speed only: every variant gives
-    the same bits; scripts/gemv_mma_ab.py sweeps them): the built-in loop for now. bf16's MMA_PIPE
+    the same bits; scripts/decode_variants.py sweeps them): the built-in loop for now. bf16's MMA_PIPE
     (iterations in flight a warp) is the candidate for the shapes of 1-3 blocks an SM, which run at
     64-75 % of the read ceiling on the H200 where gate_up runs at 87 % (docs/PERF.md, session 23)."""
     return {}

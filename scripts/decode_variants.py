@@ -1,14 +1,16 @@
-"""gemv_mma.cu's bf16 tuning variants on a GPU at llama-8b decode shapes, and end to end. A variant is
-a comma-free label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling pipeline), uN (MMA_UNROLL
-N, the plain loop's unroll), l2 (MMA_L2PF 1: the plain loop's weight loads with an L2 256-byte fetch
-hint), joined by '+'; "p0" is the built-in kernel.
+"""Decode tuning variants on a GPU: gemv_mma.cu's bf16 variants at llama-8b decode shapes, and any
+variant end to end. A variant is a label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling
+pipeline), uN (MMA_UNROLL N, the plain loop's unroll), l2 (MMA_L2PF 1: the plain loop's weight loads
+with an L2 256-byte fetch hint), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's
+keys are cut into; end to end only), joined by '+'; "p0" is the built-in kernel.
 
-  PYTHONPATH=. python scripts/gemv_mma_ab.py sweep [p0,p2,p3,p4,p6,p8,u8,l2]
-      each shape at rows 1 and 8: every variant's output bit-equal to the built-in's (variants change
-      speed only) and within 1e-5 of fp64, then its time reading enough weight copies to exceed L2
-      (calls in a CUDA graph, best of 7 samples) and GB/s; then the per-token sum over llama-8b's shapes
-  PYTHONPATH=. python scripts/gemv_mma_ab.py bench VARIANT BENCH_ARGS...
-      `ninfer bench BENCH_ARGS` with that variant for every bf16 gemv_mma launch (launchers.mma_variant)
+  PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8,u8,l2]
+      each shape at rows 1 and 8: every gemv variant's output bit-equal to the built-in's (variants
+      change speed only) and within 1e-5 of fp64, then its time reading enough weight copies to exceed
+      L2 (calls in a CUDA graph, best of 7 samples) and GB/s; then the per-token sum over llama-8b's shapes
+  PYTHONPATH=. python scripts/decode_variants.py bench VARIANT BENCH_ARGS...
+      `ninfer bench BENCH_ARGS` with that variant (launchers.mma_variant for every bf16 gemv_mma launch;
+      launchers.ATTN_MAX_SPLIT)
 """
 from __future__ import annotations
 
@@ -33,10 +35,10 @@ def defines(label: str) -> dict[str, int]:
     for part in label.split("+"):
         if part == "l2":
             out["MMA_L2PF"] = 1
-        elif part[:1] in ("p", "u") and part[1:].isdigit():
-            out["MMA_PIPE" if part[0] == "p" else "MMA_UNROLL"] = int(part[1:])
+        elif part[:1] in ("p", "u", "s") and part[1:].isdigit():
+            out[{"p": "MMA_PIPE", "u": "MMA_UNROLL", "s": "ATTN_MAX_SPLIT"}[part[0]]] = int(part[1:])
         else:
-            raise SystemExit(f"unknown variant {label!r}: pN, uN, l2 joined by '+'")
+            raise SystemExit(f"unknown variant {label!r}: pN, uN, l2, sN joined by '+'")
     return out
 
 
@@ -44,10 +46,12 @@ def sweep(labels: list[str]) -> None:
     from ninfer.kernels.compiler import KernelCompiler
     from ninfer.kernels.timing import sample_seconds
 
+    variants = {label: defines(label) for label in labels}
+    if any("ATTN_MAX_SPLIT" in v for v in variants.values()):
+        raise SystemExit("sN is a decode attention setting: bench it end to end (the sweep times gemv_mma)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     fmt = TensorFormat("bf16")
-    variants = {label: defines(label) for label in labels}
     per_token: dict[tuple[int, str], float] = {}
     print(f"{torch.cuda.get_device_name()}  (GB/s: weight bytes / time; samples read >= {ROTATE >> 20} MiB)")
     for N, K, count in SHAPES:
@@ -90,6 +94,7 @@ def main() -> None:
         sweep((sys.argv[2] if len(sys.argv) > 2 else "p0,p2,p3,p4,p6,p8,u8,l2").split(","))
     elif mode == "bench":
         chosen = defines(sys.argv[2])
+        L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)
         L.mma_variant = lambda code, N, K: dict(chosen) if code == 0 else {}
         sys.argv = ["ninfer", "bench", *sys.argv[3:]]
         runpy.run_module("ninfer.cli.main", run_name="__main__")
