@@ -1,10 +1,9 @@
 """Decode tuning variants on a GPU: gemv_mma.cu's bf16 variants at llama-8b decode shapes, and any
 variant end to end. A variant is a label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling
-pipeline), uN (MMA_UNROLL N, the plain loop's unroll), l2 (MMA_L2PF 1: the plain loop's weight loads
-with an L2 256-byte fetch hint), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's
-keys are cut into; end to end only), joined by '+'; "p0" is the built-in kernel.
+pipeline), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's keys are cut into;
+end to end only), joined by '+'; "p0" is the built-in kernel.
 
-  PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8,u8,l2]
+  PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8]
       each shape at rows 1 and 8: every gemv variant's output bit-equal to the built-in's (variants
       change speed only) and within 1e-5 of fp64, then its time reading enough weight copies to exceed
       L2 (calls in a CUDA graph, best of 7 samples) and GB/s; then the per-token sum over llama-8b's shapes
@@ -33,12 +32,9 @@ def defines(label: str) -> dict[str, int]:
     """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
     out = {}
     for part in label.split("+"):
-        if part == "l2":
-            out["MMA_L2PF"] = 1
-        elif part[:1] in ("p", "u", "s") and part[1:].isdigit():
-            out[{"p": "MMA_PIPE", "u": "MMA_UNROLL", "s": "ATTN_MAX_SPLIT"}[part[0]]] = int(part[1:])
-        else:
-            raise SystemExit(f"unknown variant {label!r}: pN, uN, l2, sN joined by '+'")
+        if part[:1] not in ("p", "s") or not part[1:].isdigit():
+            raise SystemExit(f"unknown variant {label!r}: pN, sN joined by '+'")
+        out["MMA_PIPE" if part[0] == "p" else "ATTN_MAX_SPLIT"] = int(part[1:])
     return out
 
 
@@ -91,7 +87,7 @@ def sweep(labels: list[str]) -> None:
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "sweep"
     if mode == "sweep":
-        sweep((sys.argv[2] if len(sys.argv) > 2 else "p0,p2,p3,p4,p6,p8,u8,l2").split(","))
+        sweep((sys.argv[2] if len(sys.argv) > 2 else "p0,p2,p3,p4,p6,p8").split(","))
     elif mode == "bench":
         chosen = defines(sys.argv[2])
         L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)

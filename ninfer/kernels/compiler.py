@@ -105,13 +105,13 @@ class Kernel:
 
 
 _STREAMS: dict[int, Any] = {}  # raw stream handle -> its CUstream (a launch's host time matters: prompts)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
 
 
 def current_stream(device: int) -> Any:
     """torch's current stream on `device` as a CUstream (cached per handle; the raw handle without
     building a torch Stream object where this torch offers it)."""
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    raw = raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    raw = _RAW_STREAM(device) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
     stream = _STREAMS.get(raw)
     if stream is None:
         from cuda.bindings import driver

@@ -33,31 +33,11 @@
 #if ACT_F32
 #error "gemv_mma takes bf16 activations only"
 #endif
-// bf16 tuning (speed only, the same bits): MMA_UNROLL (the loop's unroll), MMA_PIPE (iterations whose
-// loads a warp issues before their mmas), MMA_L2PF (weight loads that ask L2 to fetch the 256-byte
-// block around them); launchers.mma_variant
-#ifndef MMA_UNROLL
-#define MMA_UNROLL 4
-#endif
-#ifndef MMA_L2PF
-#define MMA_L2PF 0
-#endif
+// MMA_PIPE > 0 (bf16; speed only, the same bits): that many iterations in flight a warp, a rolling
+// pipeline (below; launchers.mma_variant)
 #ifndef MMA_PIPE
-#define MMA_PIPE 0  // > 0: that many iterations' loads before their mmas (below)
+#define MMA_PIPE 0
 #endif
-#define MMA_PRAGMA(x) _Pragma(#x)
-#define MMA_UNROLL_BY(n) MMA_PRAGMA(unroll n)
-
-__device__ __forceinline__ uint4 load_w16(const u16* p) {
-#if MMA_L2PF
-  uint4 r;
-  asm volatile("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-  return r;
-#else
-  return __ldg((const uint4*)p);
-#endif
-}
 
 // The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
 __device__ __forceinline__ u32 bf16_pair(u32 w, int shift, u32 neg_off2) {
@@ -169,11 +149,11 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
   for (int p = 0; p < MMA_PIPE; ++p)
     if (base + MMA_PIPE + p < n) compute(p);
 #else
-  MMA_UNROLL_BY(MMA_UNROLL)
+#pragma unroll 4
   for (int it = warp; it < iters; it += MMA_WARPS) {
     const int kb = it * 32;
-    const uint4 a = load_w16(w0 + kb);
-    const uint4 b = load_w16(w1 + kb);
+    const uint4 a = __ldg((const uint4*)(w0 + kb));
+    const uint4 b = __ldg((const uint4*)(w1 + kb));
     const uint4 xv = has_x ? __ldg((const uint4*)(xr + kb + 8 * t)) : ZERO4;
     mma16816(acc, a.x, b.x, a.y, b.y, xv.x, xv.y);
     mma16816(acc, a.z, b.z, a.w, b.w, xv.z, xv.w);

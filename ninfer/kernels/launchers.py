@@ -743,8 +743,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
     variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB) over tiled_variant's
-    (tuning scripts; stages and prefetch change speed only, warps the order of the sum); mma: MMA_PIPE,
-    MMA_UNROLL, MMA_L2PF over mma_variant's (speed only).
+    (tuning scripts; stages and prefetch change speed only, warps the order of the sum); mma: MMA_PIPE
+    over mma_variant's (speed only).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
     dtype followed by swiglu / geglu.
