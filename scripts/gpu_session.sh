@@ -17,7 +17,8 @@
 #       int8 / int4 (`--synthetic`) beside llama.cpp's F16 / Q8_0 / Q4_1 files: tg128 (1 stream, and
 #       8 streams at a 128-token context against llama-batched-bench), pp2048, SmolLM2-135M tg128 /
 #       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
-#       prints one table per target (~2 min on an H100 once the build and the files are there)
+#       prints one table per target (~2 min on an H100 once the build and the files are there);
+#       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant
 #   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
 #       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p0,p2,p4,p6,p8) by
 #       the kernel sweep (bits against the built-in loop, µs per llama-8b shape), then llama-8b bf16
@@ -121,7 +122,14 @@ compare)
   python3 scripts/bench_table.py "$OUT"
   ;;
 targets)
-  ours() { python3 -m ninfer.cli.main bench --backend cuda --device-profile off -o json "$@"; }
+  # NINFER_DECODE_VARIANT: ninfer's rows with a scripts/decode_variants.py variant (p4, p4+s64, ...)
+  ours() {
+    if [ -n "${NINFER_DECODE_VARIANT:-}" ]; then
+      python3 scripts/decode_variants.py bench "$NINFER_DECODE_VARIANT" --backend cuda --device-profile off -o json "$@"
+    else
+      python3 -m ninfer.cli.main bench --backend cuda --device-profile off -o json "$@"
+    fi
+  }
   for pair in "f16 bf16" "q8_0 int8" "q4_1 int4"; do
     set -- $pair
     GGUF=$(gguf "$1")

@@ -234,9 +234,11 @@ __device__ __forceinline__ void load_act8_l2(const act* p, float* f) {
 // as an add in that dtype would be) and out = rmsnorm(rr) * w. fp32 sum of squares in an order fixed
 // by nt alone, so elementwise.cu's rmsnorm_residual (nt = its block size) and the fused gemv epilogue
 // (GEMV_NORM, the same nt) give the same bits. L2: x is read through L2 (written by other blocks).
-template <bool L2>
+// PRE > 0: wpre[p] holds the weight's 8 values at vector threadIdx.x + p nt (rmsnorm_weights, loaded
+// before a PDL wait), for the first PRE of this thread's vectors; the same values, so the same bits.
+template <bool L2, int PRE = 0>
 __device__ __forceinline__ void rmsnorm_row(const act* x, act* rr, const act* __restrict__ weight, act* orow, int H,
-                                            float eps, int nt, float* scratch) {
+                                            float eps, int nt, float* scratch, const float (*wpre)[8] = nullptr) {
   const int nvec = H / 8;
   const bool mine = threadIdx.x < nt;
   float ss = 0.0f;
@@ -255,15 +257,43 @@ __device__ __forceinline__ void rmsnorm_row(const act* x, act* rr, const act* __
     for (int j = 0; j < 8; ++j) ss += a[j] * a[j];
   }
   const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
-  for (int i = threadIdx.x; mine && i < nvec; i += nt) {
-    float a[8], w[8];
+  auto scale = [&](int i, const float* w) {
+    float a[8];
     if (rr) load_act<8>(rr + i * 8, a);  // this thread's own writes above: no barrier needed
     else if (L2) load_act8_l2(x + i * 8, a);
     else load_act<8>(x + i * 8, a);
-    load_act<8>(weight + i * 8, w);
 #pragma unroll
     for (int j = 0; j < 8; ++j) a[j] = a[j] * inv * w[j];
     store_act<8>(orow + i * 8, a);
+  };
+  int i = threadIdx.x;
+#pragma unroll
+  for (int p = 0; p < PRE; ++p, i += nt)
+    if (mine && i < nvec) scale(i, wpre[p]);
+  for (; mine && i < nvec; i += nt) {
+    float w[8];
+    load_act<8>(weight + i * 8, w);
+    scale(i, w);
+  }
+}
+
+// rmsnorm_row's first PRE weight vectors of this thread (threadIdx.x + p nt < H / 8), by coherent loads,
+// which may come before a PDL wait (nothing writes a weight).
+template <int PRE>
+__device__ __forceinline__ void rmsnorm_weights(const act* weight, int H, int nt, float (*w)[8]) {
+#pragma unroll
+  for (int p = 0; p < PRE; ++p) {
+    const int i = threadIdx.x + p * nt;
+    if (threadIdx.x < nt && i < H / 8) {
+#if ACT_F32
+      const uint4 a = ld_stream(weight + i * 8, false), b = ld_stream(weight + i * 8 + 4, false);
+      w[p][0] = __uint_as_float(a.x); w[p][1] = __uint_as_float(a.y); w[p][2] = __uint_as_float(a.z);
+      w[p][3] = __uint_as_float(a.w); w[p][4] = __uint_as_float(b.x); w[p][5] = __uint_as_float(b.y);
+      w[p][6] = __uint_as_float(b.z); w[p][7] = __uint_as_float(b.w);
+#else
+      unpack8(ld_stream(weight + i * 8, false), w[p]);
+#endif
+    }
   }
 }
 

@@ -72,11 +72,15 @@ extern "C" __global__ void embedding_quant(const i32* __restrict__ ids, const u8
 extern "C" __global__ void rmsnorm_residual(const act* __restrict__ x, act* residual, const act* __restrict__ weight,
                                             act* __restrict__ out, int H, i64 x_stride, i64 res_stride,
                                             i64 out_stride, float eps) {
-  PDL_ENTRY();
+  // the weight (up to 4 vectors a thread: H <= 8192 at 256 threads) is read while the kernel before runs
+  PDL_LAUNCH();
+  float w[4][8];
+  rmsnorm_weights<4>(weight, H, blockDim.x, w);
+  PDL_WAIT();
   __shared__ float scratch[32];
   const int t = blockIdx.x;
-  rmsnorm_row<false>(x + t * x_stride, residual ? residual + t * res_stride : nullptr, weight, out + t * out_stride, H,
-                     eps, blockDim.x, scratch);
+  rmsnorm_row<false, 4>(x + t * x_stride, residual ? residual + t * res_stride : nullptr, weight, out + t * out_stride,
+                        H, eps, blockDim.x, scratch, w);
 }
 
 // gate_up [T, 2I] -> out [T, I] = act(g) * up, act silu (swiglu) or gelu_tanh (geglu, Gemma's MLP).
