@@ -241,23 +241,6 @@ def test_llama_8b_kquant_matches_torch_backend(weights: str) -> None:
     from ninfer.engine.synthetic import SyntheticArtifact
 
     artifact = T.SharedWeights(SyntheticArtifact("llama-8b", weights, seed=1))
-    vocab = artifact.meta.config.vocab_size
-    pages = list(range(-(-(T.PROMPT + T.STEPS) // T.PAGE)))
-    ours, ref, truth = T.runners(artifact, num_pages=len(pages) + 2)
-    del artifact
     g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, vocab, (T.PROMPT,), generator=g).tolist()
-    T.check(f"llama-8b {weights} prompt", ours.forward_logits(prompt), ref.forward_logits(prompt),
-            truth.forward_logits(prompt))
-    first = T.ScheduledBatch([T.seq(prompt, 0, pages, [])])
-    rows = [[r.batch_logits(first)] for r in (ours, ref, truth)]
-    generated: list[int] = []
-    for step in range(T.STEPS):
-        generated.append(int(rows[2][-1][0].argmax()))
-        batch = T.ScheduledBatch([T.seq([generated[-1]], T.PROMPT + step, pages, generated)])
-        for r, out in zip((ours, ref, truth), rows):
-            out.append(r.batch_logits(batch))
-    T.check(f"llama-8b {weights} decode", *(torch.cat(r) for r in rows))
-    del ours, ref, truth
-    gc.collect()
-    torch.cuda.empty_cache()
+    prompt = torch.randint(0, artifact.meta.config.vocab_size, (T.PROMPT,), generator=g).tolist()
+    T.check_against_torch(f"llama-8b {weights}", artifact, prompt, list(range(-(-(T.PROMPT + T.STEPS) // T.PAGE))))

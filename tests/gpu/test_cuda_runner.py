@@ -76,33 +76,53 @@ CASES = [("smollm2-135m", "bf16"), ("smollm2-135m", "int8"), ("smollm2-135m", "i
          ("llama-8b", "int8"), ("qwen3-8b", "int4")]
 
 
+def teacher_forced(runner, prompt: list[int], pages: list[int], generated: list[int] | None = None):
+    """A runner's prompt logits (forward_logits) and, through its pages, the prompt's last row then one
+    row per decode step fed `generated` (None: its own greedy picks) -> (prompt logits, decode logits,
+    the tokens fed), on the host."""
+    prompt_logits = runner.forward_logits(prompt).cpu()
+    rows = [runner.batch_logits(ScheduledBatch([seq(prompt, 0, pages, [])])).cpu()]
+    fed = [] if generated is None else generated
+    for step in range(STEPS):
+        if generated is None:
+            fed.append(int(rows[-1][0].argmax()))
+        rows.append(runner.batch_logits(ScheduledBatch([seq([fed[step]], len(prompt) + step, pages,
+                                                            fed[:step + 1])])).cpu())
+    return prompt_logits, torch.cat(rows), fed
+
+
+def check_against_torch(label: str, artifact, prompt: list[int], pages: list[int]) -> None:
+    """The cuda runner (bf16) against the torch runner in bf16 and in fp32 (check's criterion), prompt
+    and decode teacher-forced on the fp32 runner's picks. One runner on the GPU at a time: three 8B
+    runners beside the shared weights do not fit an 80 GB card."""
+    from ninfer.engine.backends.cuda_runner import CudaModelRunner
+    from ninfer.engine.backends.torch_runner import TorchModelRunner
+
+    def once(make, generated=None):
+        runner = make(artifact, num_pages=len(pages) + 2, page_size=PAGE, device="cuda")
+        try:
+            got = teacher_forced(runner, prompt, pages, generated)
+            return got, getattr(getattr(runner, "graphs", None), "captures", None)
+        finally:
+            del runner
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    (truth_prompt, truth, generated), _ = once(lambda *a, **k: TorchModelRunner(*a, dtype=torch.float32, **k))
+    (ref_prompt, ref, _), _ = once(TorchModelRunner, generated)
+    (ours_prompt, ours, _), captures = once(CudaModelRunner, generated)
+    print()
+    check(f"{label} prompt", ours_prompt, ref_prompt, truth_prompt)
+    check(f"{label} decode", ours, ref, truth)
+    assert captures >= 1
+
+
 @pytest.mark.parametrize("shape,weights", CASES, ids=[f"{s}-{w}" for s, w in CASES])
 def test_matches_torch_backend(shape: str, weights: str) -> None:
     artifact = SharedWeights(SyntheticArtifact(shape, weights, seed=1))
-    vocab = artifact.meta.config.vocab_size
-    pages = list(range(-(-(PROMPT + STEPS) // PAGE)))
-    ours, ref, truth = runners(artifact, num_pages=len(pages) + 2)
-    del artifact
     g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, vocab, (PROMPT,), generator=g).tolist()
-    print()
-    check(f"{shape} {weights} prompt", ours.forward_logits(prompt), ref.forward_logits(prompt),
-          truth.forward_logits(prompt))
-
-    # the prompt into each runner's own pages, then teacher-forced decode on the fp32 picks
-    first = ScheduledBatch([seq(prompt, 0, pages, [])])
-    rows = [[r.batch_logits(first)] for r in (ours, ref, truth)]
-    generated: list[int] = []
-    for step in range(STEPS):
-        generated.append(int(rows[2][-1][0].argmax()))
-        batch = ScheduledBatch([seq([generated[-1]], PROMPT + step, pages, generated)])
-        for r, out in zip((ours, ref, truth), rows):
-            out.append(r.batch_logits(batch))
-    check(f"{shape} {weights} decode", *(torch.cat(r) for r in rows))
-    assert ours.graphs.captures >= 1
-    del ours, ref, truth
-    gc.collect()
-    torch.cuda.empty_cache()
+    prompt = torch.randint(0, artifact.meta.config.vocab_size, (PROMPT,), generator=g).tolist()
+    check_against_torch(f"{shape} {weights}", artifact, prompt, list(range(-(-(PROMPT + STEPS) // PAGE))))
 
 
 FP32_CASES = [("smollm2-135m", "f32"), ("smollm2-135m", "bf16"), ("smollm2-135m", "int4"), ("qwen3-8b", "int8")]
