@@ -1,10 +1,11 @@
 """Decode tuning variants on a GPU: gemv_mma.cu's bf16 variants at llama-8b decode shapes, and any
 variant end to end. A variant is a label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling
 pipeline), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's keys are cut into;
-end to end only), joined by '+'; "p0" is the built-in kernel.
+end to end only), joined by '+'; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's
+rule by shape.
 
   PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8]
-      each shape at rows 1 and 8: every gemv variant's output bit-equal to the built-in's (variants
+      each shape at rows 1 and 8: every gemv variant's output bit-equal to the rule's (variants
       change speed only) and within 1e-5 of fp64, then its time reading enough weight copies to exceed
       L2 (calls in a CUDA graph, best of 7 samples) and GB/s; then the per-token sum over llama-8b's shapes
   PYTHONPATH=. python scripts/decode_variants.py bench VARIANT BENCH_ARGS...
@@ -91,7 +92,9 @@ def main() -> None:
     elif mode == "bench":
         chosen = defines(sys.argv[2])
         L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)
-        L.mma_variant = lambda code, N, K: dict(chosen) if code == 0 else {}
+        if chosen:
+            rule = L.mma_variant
+            L.mma_variant = lambda code, N, K: dict(chosen) if code == 0 else rule(code, N, K)
         sys.argv = ["ninfer", "bench", *sys.argv[3:]]
         runpy.run_module("ninfer.cli.main", run_name="__main__")
     else:

@@ -93,6 +93,18 @@ def test_choose_offers_cublas_to_bf16_only() -> None:
     DeviceProfile(**chosen)  # a valid profile
 
 
+def test_choose_the_bf16_mma_pipe() -> None:
+    """The rule by shape (None) stays unless a pipe beats it by the margin at one row (latency) or
+    over all row counts (throughput); no measurements: the rule."""
+    pipes = {None: {1: 1.00, 8: 1.00}, 0: {1: 1.05, 8: 1.00}, 2: {1: 0.99, 8: 0.98}, 4: {1: 0.90, 8: 1.20}}
+    assert cal.choose({}, {}, {}, {}, None, mma_pipe=pipes)["mma_pipe"] == 4
+    assert cal.choose({}, {}, {}, {}, None, "throughput", pipes)["mma_pipe"] is None  # 4 loses at 8 rows
+    pipes[4] = {1: 0.995, 8: 1.0}
+    assert cal.choose({}, {}, {}, {}, None, mma_pipe=pipes)["mma_pipe"] is None  # within the margin
+    assert cal.choose({}, {}, {}, {}, None)["mma_pipe"] is None
+    DeviceProfile(**cal.choose({}, {}, {}, {}, None, mma_pipe={None: {1: 2.0}, 8: {1: 1.0}}))
+
+
 # -- the profile ---------------------------------------------------------------------------------
 
 def test_defaults_are_the_former_constants() -> None:
@@ -116,6 +128,9 @@ def test_defaults_are_the_former_constants() -> None:
     ({"prompt_rows": 100}, "prompt_rows"),
     ({"graph_rows": (1, 4)}, "graph_rows"),
     ({"graph_rows": (4, 2, 8)}, "graph_rows"),
+    ({"mma_pipe": 3}, "mma_pipe"),
+    ({"mma_pipe": True}, "mma_pipe"),
+    ({"mma_pipe": "4"}, "mma_pipe"),
 ])
 def test_profile_validation(fields: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -124,8 +139,8 @@ def test_profile_validation(fields: dict, message: str) -> None:
 
 def test_yaml_round_trip(tmp_path: Path) -> None:
     measured = {"gemv": {"bf16": {"warp": {1: 1.234567e-05, 8: 2e-05}}}, "attention": {512: {"r1/c512": 3e-06}}}
-    p = DeviceProfile(gemv={"bf16": "cublas"}, attention_partition=1024, decode_attention="warp", prompt_rows=64,
-                      graph_rows=(4, 8), device=KEY, calibrated_on="x (llama)", measured=measured)
+    p = DeviceProfile(gemv={"bf16": "cublas"}, mma_pipe=4, attention_partition=1024, decode_attention="warp",
+                      prompt_rows=64, graph_rows=(4, 8), device=KEY, calibrated_on="x (llama)", measured=measured)
     path = p.save(profile_path(tmp_path, KEY))
     assert path.parent == tmp_path / "device-profiles" and path.name == "NVIDIA_H200-sm9.0-driver12.8-ninfer0.1.0.yaml"
     back = DeviceProfile.load(path)
@@ -134,6 +149,8 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
     assert back.measured["gemv"]["bf16"]["warp"] == {1: 1.235e-05, 8: 2e-05}
     assert str(path) in back.describe() and "bf16 cublas" in back.describe()
     assert back.decode_attention == "warp" and "decode attention warp" in back.describe()
+    assert back.mma_pipe == 4 and "bf16 mma pipe 4" in back.describe()
+    assert "bf16 mma pipe by shape" in DeviceProfile().describe()
 
 
 def test_bad_profile_files(tmp_path: Path) -> None:
@@ -286,10 +303,11 @@ def test_calibrator_loops_on_cpu_with_the_kernels_stubbed(monkeypatch: pytest.Mo
     shapes = [cal.LinearShape(256, 64, 2), cal.LinearShape(64, 128, 2), cal.LinearShape(256, 64, 1)]
     gemv_calls, attention_calls = [], []
 
-    def fake_gemv(kc, x, fmt, parts, out, route="warp"):
+    def fake_gemv(kc, x, fmt, parts, out, route="warp", variant=None):
         assert x.is_contiguous() and out.shape == (x.shape[0], parts[""].shape[0])
         assert cal.L.gemv_route_ok(route, fmt, x.shape[1], x.dtype)
-        gemv_calls.append((fmt.format, fmt.symmetric, route))
+        assert variant is None or (fmt.format, route, set(variant)) == ("bf16", "mma", {"MMA_PIPE"})
+        gemv_calls.append((fmt.format, fmt.symmetric, route, (variant or {}).get("MMA_PIPE")))
 
     def fake_attention(kc, q, k_cache, v_cache, tables, lens, max_len, out, scale, partition, ws, route="warp"):
         assert route == "mma"  # the route this model runs: bf16, head_dim 64, 2 query heads per kv head
@@ -310,19 +328,23 @@ def test_calibrator_loops_on_cpu_with_the_kernels_stubbed(monkeypatch: pytest.Mo
     assert {k: set(r) for k, r in gemv.items()} == {"bf16": {"warp", "mma"}, "int8": {"warp", "mma", "tiled"},
                                                     "int4_sym": {"warp", "mma", "tiled"},
                                                     "int4_asym": {"warp", "mma", "tiled"}}
-    assert ("int4", False, "tiled") in gemv_calls
-    assert ("int8", True, "mma") in gemv_calls
+    assert ("int4", False, "tiled", None) in gemv_calls
+    assert ("int8", True, "mma", None) in gemv_calls
     assert set(cublas) == {1, 8} and all(v > 0 for v in cublas.values())
     attention = c.attention()
     assert set(attention) == {256, 512} and set(attention[256]) == {"r1/c512", "r2/c512"}
     assert {(r, p) for r, _, p in attention_calls} == {(1, 256), (1, 512), (2, 256), (2, 512)}
     prompt = c.prompt_rows()
     assert set(prompt) == {64, 128} and all(set(t) == {100} and t[100] > 0 for t in prompt.values())
+    pipes = c.mma_pipes()
+    assert set(pipes) == {None, *cal.L.MMA_PIPES} and all(set(t) == {1, 8} for t in pipes.values())
+    assert {call[3] for call in gemv_calls} == {None, *cal.L.MMA_PIPES}  # None: the rule, no variant given
     routes = sum(len(cal.gemv_routes(f, shapes)) for f in c.formats.values())
-    assert len(ticks) == plan.steps(routes=routes, graph=False)
-    measured = {"gemv": gemv, "cublas": cublas, "attention": attention, "prompt_rows": prompt, "decode_step": {}}
-    profile = DeviceProfile(**cal.choose(gemv, cublas, attention, prompt, None), device=KEY, calibrated_on="tiny",
-                            measured=measured)
+    assert len(ticks) == plan.steps(routes=routes, graph=False, pipes=len(pipes))
+    measured = {"gemv": gemv, "cublas": cublas, "mma_pipe": {"rule" if p is None else p: t for p, t in pipes.items()},
+                "attention": attention, "prompt_rows": prompt, "decode_step": {}}
+    profile = DeviceProfile(**cal.choose(gemv, cublas, attention, prompt, None, mma_pipe=pipes), device=KEY,
+                            calibrated_on="tiny", measured=measured)
     assert profile.prompt_rows in (64, 128) and profile.attention_partition in (256, 512)
 
     # the route table `ninfer calibrate` prints
@@ -335,4 +357,5 @@ def test_calibrator_loops_on_cpu_with_the_kernels_stubbed(monkeypatch: pytest.Mo
     print_profile(profile, Console(file=buf, width=200))
     text = buf.getvalue()
     assert "NVIDIA H200" in text and "int4_asym" in text and "r2/c512" in text and "graph rows" in text
-    assert text.count(" *") == len(gemv) + 2  # one mark per choice: a route per format, partition, rows
+    assert "by pipe" in text
+    assert text.count(" *") == len(gemv) + 3  # one mark per choice: a route per format, the pipe, partition, rows

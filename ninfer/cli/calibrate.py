@@ -89,6 +89,9 @@ def print_profile(profile, console) -> None:
     mark = " *" if profile.gemv["bf16"] == "cublas" else ""
     gemv.add_row("bf16 (dense)", "cublas" + mark, *(f"{1e6 * m['cublas'][r]:.1f}" for r in rows))
     console.print(gemv)
+    if m.get("mma_pipe"):
+        _choice_table(console, "bf16 decode matmuls on the mma route per step (us) by pipe (iterations in flight a "
+                      "warp; rule: by shape)", "pipe", m["mma_pipe"], "rule" if profile.mma_pipe is None else profile.mma_pipe)
     _choice_table(console, "decode attention per layer (us) by split partition", "partition", m["attention"],
                   profile.attention_partition)
     _choice_table(console, "prompt matmuls per layer set (us) by cuBLAS row block", "rows", m["prompt_rows"],

@@ -727,12 +727,19 @@ def tiled_variant(N: int, K: int, sms: int = 0, int8: bool = False) -> dict[str,
     return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1, **minb}
 
 
+MMA_PIPES = (0, 2, 4, 8)  # gemv_mma's bf16 MMA_PIPE values `ninfer calibrate` times (0: the built-in loop)
+
+
 def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
     """gemv_mma's tuning defines for a weight [N, K] of format code (speed only: every variant gives
-    the same bits; scripts/decode_variants.py sweeps them): the built-in loop for now. bf16's MMA_PIPE
-    (iterations in flight a warp) is the candidate for the shapes of 1-3 blocks an SM, which run at
-    64-75 % of the read ceiling on the H200 where gate_up runs at 87 % (docs/PERF.md, session 23)."""
-    return {}
+    the same bits, tests/gpu/test_kernels.py), unless a device profile names its own MMA_PIPE. bf16:
+    MMA_PIPE (iterations in flight a warp) 2, and 8 for rows in the tens of thousands (a 128k-vocab
+    lm_head). H100, llama-8b's shapes (scripts/decode_variants.py sweep, docs/PERF.md session 24):
+    4096 x 14336 45.4 -> 42.5 us, 4096 x 4096 14.4 -> 13.4, 6144 x 4096 and 28672 x 4096 even;
+    128256 x 4096 414 -> 356 us with 8 (2: 424); tg128 bf16 167.8 -> 170.9 tok/s with 2."""
+    if code != 0:
+        return {}
+    return {"MMA_PIPE": 8 if N >= 65536 else 2}
 
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],

@@ -15,11 +15,14 @@ What a profile chooses, and why each choice keeps results batch-invariant:
 - decode_attention: the decode attention route (launchers.ATTN_DECODE_ROUTES) where it takes the
   layer (bf16 caches, head_dim 64 / 128, at most 8 query heads per kv head for "mma"; else "warp"),
   one route for the whole run.
+- mma_pipe: bf16 gemv_mma's iterations in flight a warp (launchers.MMA_PIPES) for every bf16 weight on
+  the mma route, or None: launchers.mma_variant's rule by shape. Speed only: every value gives the same
+  bits.
 - prompt_rows: the row block of every prompt matmul (cuBLAS sees only [prompt_rows, K] blocks),
   fixed for the whole run.
 - graph_rows: the decode row counts that get their own CUDA graph; a step of n rows runs the graph
   of the smallest listed count >= n, padded rows computing nothing any real row reads.
-The defaults: DEFAULT_GEMV_ROUTES, DEFAULT_PARTITION (64), DEFAULT_DECODE_ATTENTION ("mma"),
+The defaults: DEFAULT_GEMV_ROUTES, mma_pipe None, DEFAULT_PARTITION (64), DEFAULT_DECODE_ATTENTION ("mma"),
 DEFAULT_PROMPT_ROWS (128), graph rows 1..8. A profile is passed explicitly (CudaOps, the cuda runner); nothing reads it from a module
 global.
 """
@@ -32,7 +35,7 @@ from typing import Any, Mapping
 
 from ninfer.errors import ConfigError
 from ninfer.formats import TensorFormat
-from ninfer.kernels.launchers import ATTN_DECODE_ROUTES, GEMV_FORMATS, GEMV_ROUTES, MAX_GEMV_ROWS
+from ninfer.kernels.launchers import ATTN_DECODE_ROUTES, GEMV_FORMATS, GEMV_ROUTES, MAX_GEMV_ROWS, MMA_PIPES
 
 PROFILE_VERSION = 1
 CUBLAS = "cublas"  # the decode route through torch.mm (unquantized weights only)
@@ -79,6 +82,7 @@ class DeviceProfile:
     timings behind the choices, seconds) are kept for the record."""
 
     gemv: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_GEMV_ROUTES))
+    mma_pipe: int | None = None
     attention_partition: int = DEFAULT_PARTITION
     decode_attention: str = DEFAULT_DECODE_ATTENTION
     prompt_rows: int = DEFAULT_PROMPT_ROWS
@@ -99,6 +103,9 @@ class DeviceProfile:
                 raise ConfigError(f"device profile: gemv route {route!r} for {key} is not one of this build's "
                                   f"routes ({', '.join(GEMV_ROUTES + (CUBLAS,))}); recalibrate")
         object.__setattr__(self, "gemv", {**DEFAULT_GEMV_ROUTES, **self.gemv})
+        if self.mma_pipe is not None and (isinstance(self.mma_pipe, bool) or self.mma_pipe not in MMA_PIPES):
+            raise ConfigError(f"device profile: mma_pipe must be null or one of {', '.join(map(str, MMA_PIPES))}, "
+                              f"got {self.mma_pipe!r}")
         if self.decode_attention not in ATTN_DECODE_ROUTES:
             raise ConfigError(f"device profile: decode_attention must be one of {', '.join(ATTN_DECODE_ROUTES)}, "
                               f"got {self.decode_attention!r}")
@@ -123,12 +130,13 @@ class DeviceProfile:
     def describe(self) -> str:
         """One line for the log: where it came from and what it chose."""
         routes = ", ".join(f"{k} {v}" for k, v in self.gemv.items())
-        return (f"device profile {self.source}: gemv [{routes}], attention partition {self.attention_partition}, "
+        pipe = "by shape" if self.mma_pipe is None else self.mma_pipe
+        return (f"device profile {self.source}: gemv [{routes}], bf16 mma pipe {pipe}, attention partition {self.attention_partition}, "
                 f"decode attention {self.decode_attention}, prompt rows {self.prompt_rows}, graph rows {list(self.graph_rows)}")
 
     def to_dict(self) -> dict:
         return {"version": PROFILE_VERSION, "device": self.device.to_dict() if self.device else None,
-                "calibrated_on": self.calibrated_on, "gemv": dict(self.gemv),
+                "calibrated_on": self.calibrated_on, "gemv": dict(self.gemv), "mma_pipe": self.mma_pipe,
                 "attention_partition": self.attention_partition, "decode_attention": self.decode_attention,
                 "prompt_rows": self.prompt_rows,
                 "graph_rows": list(self.graph_rows), "measured": _plain(self.measured)}
@@ -140,7 +148,7 @@ class DeviceProfile:
             raise ConfigError(f"device profile {source}: not a version {PROFILE_VERSION} profile")
         try:
             dev = d.get("device")
-            return cls(gemv=dict(d.get("gemv") or {}),
+            return cls(gemv=dict(d.get("gemv") or {}), mma_pipe=d.get("mma_pipe"),
                        attention_partition=d.get("attention_partition", DEFAULT_PARTITION),
                        decode_attention=d.get("decode_attention", DEFAULT_DECODE_ATTENTION),
                        prompt_rows=d.get("prompt_rows", DEFAULT_PROMPT_ROWS),

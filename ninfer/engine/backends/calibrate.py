@@ -8,6 +8,8 @@ What is timed, all in bf16 activations, each figure the best of a few samples:
   matmul shapes weighted by how often a step runs each; beside them cuBLAS (torch.mm on the
   dequantized bf16 weight, rows padded to 8). Each sample runs enough copies of a weight to
   exceed the L2 cache, captured in a CUDA graph, as a decode step reads them.
+- mma_pipe: bf16 on the mma route (where it takes the model) with each of launchers.MMA_PIPES and with
+  launchers.mma_variant's rule by shape (None), per row count, over the same shapes and weights.
 - attention_partition: split-K decode attention over context lengths, 1 and 8 rows, on the decode
   attention route the model runs (DEFAULT_DECODE_ATTENTION where it takes the model; the route
   itself is not timed against the other yet).
@@ -68,9 +70,10 @@ class CalibrationPlan:
         contexts = tuple(c for c in self.contexts if c <= max_context) or (min(self.contexts[0], max_context),)
         return dataclasses.replace(self, contexts=contexts)
 
-    def steps(self, routes: int, graph: bool) -> int:
-        """Measurements `run` makes (for a progress bar); routes: (format, gemv route) pairs."""
-        return (len(self.rows) * (routes + 1) + len(self.partitions) * len(self.contexts)
+    def steps(self, routes: int, graph: bool, pipes: int = 0) -> int:
+        """Measurements `run` makes (for a progress bar); routes: (format, gemv route) pairs; pipes: the
+        bf16 mma pipe candidates timed."""
+        return (len(self.rows) * (routes + 1 + pipes) + len(self.partitions) * len(self.contexts)
                 * len(self.attention_rows) + len(self.prompt_rows) * len(self.prompt_tokens)
                 + (len(self.rows) if graph else 0))
 
@@ -158,6 +161,29 @@ class Calibrator:
         return [(torch.randn(s.n, s.k, device=self.device) * 0.02).to(torch.bfloat16).t()
                 for _ in range(_copies(2 * s.n * s.k))]
 
+    def mma_pipe_candidates(self) -> tuple[int | None, ...]:
+        """The bf16 mma pipes to time: the rule (None) and launchers.MMA_PIPES, where the mma route
+        takes every bf16 matrix of the model; else none."""
+        return (None, *L.MMA_PIPES) if "mma" in gemv_routes(self.formats["bf16"], self.shapes) else ()
+
+    def mma_pipes(self) -> dict[int | None, dict[int, float]]:
+        """{pipe (None: the rule by shape): {rows: seconds per step}} of bf16 on the mma route."""
+        dev, plan, fmt = self.device, self.plan, self.formats["bf16"]
+        candidates = self.mma_pipe_candidates()
+        if not candidates:
+            return {}
+        x = torch.randn(L.MAX_GEMV_ROWS, max(s.k for s in self.shapes), device=dev).to(torch.bfloat16)
+        weights = [(s, [L.gemv_pack("mma", fmt, random_parts(fmt, s.n, s.k, dev)) for _ in range(_copies(_bytes(fmt, s)))])
+                   for s in self.shapes]
+        table: dict[int | None, dict[int, float]] = {}
+        for pipe in candidates:
+            variant = None if pipe is None else {"MMA_PIPE": pipe}
+            for rows in plan.rows:
+                self.progress(f"gemv bf16 mma pipe {'rule' if pipe is None else pipe} x{rows}")
+                table.setdefault(pipe, {})[rows] = sum(
+                    s.count * self._gemv_one(x, fmt, copies, s, rows, "mma", variant) for s, copies in weights)
+        return table
+
     def gemv(self) -> tuple[dict[str, dict[str, dict[int, float]]], dict[int, float]]:
         """{format: {route: {rows: seconds per step}}} and cuBLAS {rows: seconds per step}."""
         dev, plan = self.device, self.plan
@@ -194,13 +220,13 @@ class Calibrator:
         return table, cublas
 
     def _gemv_one(self, x: torch.Tensor, fmt: TensorFormat, copies: list[dict], s: LinearShape, rows: int,
-                  route: str) -> float:
+                  route: str, variant: dict[str, int] | None = None) -> float:
         xs = x[:rows, :s.k].contiguous()
         out = torch.empty(rows, s.n, dtype=torch.bfloat16, device=self.device)
 
         def run() -> None:
             for parts in copies:
-                L.gemv(self.kc, xs, fmt, parts, out, route=route)
+                L.gemv(self.kc, xs, fmt, parts, out, route=route, variant=variant)
         return _best(run, self.device, self.plan.reps) / len(copies)
 
     def attention(self) -> dict[int, dict[str, float]]:
@@ -273,28 +299,32 @@ GEMV_POLICIES = ("latency", "throughput")
 
 
 def choose(gemv: dict, cublas: dict[int, float], attention: dict, prompt: dict,
-           step: dict[int, float] | None, gemv_policy: str = "latency") -> dict:
+           step: dict[int, float] | None, gemv_policy: str = "latency", mma_pipe: dict | None = None) -> dict:
     """The profile fields from the measurements (pure; see ninfer/kernels/selection.py). The gemv
-    route per format: latency (default): the fastest at one row (a single stream) decides, the
-    other row counts break near-ties; throughput: the least relative time over all row counts."""
+    route per format and the bf16 mma pipe: latency (default): the fastest at one row (a single
+    stream) decides, the other row counts break near-ties; throughput: the least relative time over
+    all row counts. The pipe stays the rule by shape (None) unless another beats it."""
     if gemv_policy not in GEMV_POLICIES:
         raise ConfigError(f"gemv policy must be one of {', '.join(GEMV_POLICIES)}, got {gemv_policy!r}")
+    def by_policy(candidates: dict, default):
+        if gemv_policy == "latency" and any(1 in t for t in candidates.values()):
+            return pick_first_point(candidates, default, first=1)
+        return pick(candidates, default=default)
+
     routes = {}
     for key, by_route in gemv.items():
         candidates = dict(by_route)
         if key == "bf16" and cublas:
             candidates[CUBLAS] = cublas
         default = DEFAULT_GEMV_ROUTES[key] if DEFAULT_GEMV_ROUTES[key] in candidates else "warp"
-        if gemv_policy == "latency" and any(1 in t for t in candidates.values()):
-            routes[key] = pick_first_point(candidates, default, first=1)
-        else:
-            routes[key] = pick(candidates, default=default)
+        routes[key] = by_policy(candidates, default)
     graph_rows = ALL_ROWS
     if step:
         measured = pick_graph_rows(step)
         # counts not measured keep their own graph
         graph_rows = tuple(sorted(set(measured) | (set(ALL_ROWS) - set(step))))
-    return {"gemv": routes, "attention_partition": pick(attention, default=DEFAULT_PARTITION),
+    return {"gemv": routes, "mma_pipe": by_policy(mma_pipe, None) if mma_pipe else None,
+            "attention_partition": pick(attention, default=DEFAULT_PARTITION),
             "prompt_rows": pick(prompt, default=DEFAULT_PROMPT_ROWS), "graph_rows": graph_rows}
 
 
@@ -323,13 +353,15 @@ def calibrate(artifact, *, device: torch.device, kernel_cache_dir, key: DeviceKe
         group = quantized[0] if quantized else DEFAULT_GROUP_SIZE
         cal = Calibrator(runner.kc, shapes, c, device, plan, group_size=group, progress=progress)
         if on_plan is not None:
-            on_plan(plan.steps(sum(len(gemv_routes(f, shapes)) for f in cal.formats.values()), graph=not recurrent))
+            on_plan(plan.steps(sum(len(gemv_routes(f, shapes)) for f in cal.formats.values()), graph=not recurrent,
+                               pipes=len(cal.mma_pipe_candidates())))
         del runner
         _free_device_memory()
         gemv, cublas = cal.gemv()
+        pipes = cal.mma_pipes()
         attention = cal.attention()
         prompt = cal.prompt_rows()
-        chosen = choose(gemv, cublas, attention, prompt, None, plan.gemv_policy)
+        chosen = choose(gemv, cublas, attention, prompt, None, plan.gemv_policy, pipes)
         step = None
         if not recurrent:
             # whole decode steps on the routes just chosen: padding n rows up to a larger graph
@@ -339,8 +371,9 @@ def calibrate(artifact, *, device: torch.device, kernel_cache_dir, key: DeviceKe
             step = decode_step_times(runner, plan, progress)
             del runner
             _free_device_memory()
-            chosen = choose(gemv, cublas, attention, prompt, step, plan.gemv_policy)
-    measured = {"gemv": gemv, "cublas": cublas, "attention": attention, "prompt_rows": prompt,
+            chosen = choose(gemv, cublas, attention, prompt, step, plan.gemv_policy, pipes)
+    measured = {"gemv": gemv, "cublas": cublas, "mma_pipe": {"rule" if p is None else p: t for p, t in pipes.items()},
+                "attention": attention, "prompt_rows": prompt,
                 "decode_step": step or {}, "shapes": [[s.n, s.k, s.count] for s in shapes]}
     return DeviceProfile(**chosen, device=key, calibrated_on=f"{artifact.meta.name} ({artifact.meta.architecture})",
                          measured=measured)

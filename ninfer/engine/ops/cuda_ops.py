@@ -310,7 +310,7 @@ class CudaOps:
         if w.fmt.blocks:
             B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], y, BLOCK_ROUTES[w.route], norm=fused)
         else:
-            L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, norm=fused)
+            L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), norm=fused)
         return out
 
     def _norm_route(self, w: Weight) -> bool:
@@ -351,7 +351,7 @@ class CudaOps:
             if w.fmt.blocks:
                 B.gemv_blocks(self.kc, x, w.fmt, w.parts[""], out, BLOCK_ROUTES[w.route], glu=glu)
             else:
-                L.gemv(self.kc, x, w.fmt, w.parts, out, w.route, glu=glu)
+                L.gemv(self.kc, x, w.fmt, w.parts, out, w.route, self._mma(w, w.route), glu=glu)
         elif w.segments:
             r0 = 0
             for seg in w.segments:
@@ -362,9 +362,15 @@ class CudaOps:
         elif w.route == CUBLAS and out.dtype == x.dtype:  # 8 padded rows: one cuBLAS shape whatever M is
             out.copy_(block_mm(x, w.parts[""].t(), L.MAX_GEMV_ROWS))
         elif w.route == CUBLAS:  # fp32 logits: a gemv kernel (cuBLAS would round them to the activation dtype)
-            L.gemv(self.kc, x, w.fmt, w.parts, out, self._gemv_kernel(w))
+            route = self._gemv_kernel(w)
+            L.gemv(self.kc, x, w.fmt, w.parts, out, route, self._mma(w, route))
         else:
-            L.gemv(self.kc, x, w.fmt, w.parts, out, w.route)
+            L.gemv(self.kc, x, w.fmt, w.parts, out, w.route, self._mma(w, w.route))
+
+    def _mma(self, w: Weight, route: str) -> dict[str, int] | None:
+        """The profile's MMA_PIPE for a bf16 weight on the mma route; None: launchers.mma_variant's rule."""
+        pipe = self.profile.mma_pipe
+        return {"MMA_PIPE": pipe} if pipe is not None and route == "mma" and w.fmt.format == "bf16" else None
 
     def dense(self, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
         """w as [N, K] in the activation dtype: the stored tensor where it is one, else a fresh copy
