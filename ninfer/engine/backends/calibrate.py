@@ -306,6 +306,7 @@ def choose(gemv: dict, cublas: dict[int, float], attention: dict, prompt: dict,
     all row counts. The pipe stays the rule by shape (None) unless another beats it."""
     if gemv_policy not in GEMV_POLICIES:
         raise ConfigError(f"gemv policy must be one of {', '.join(GEMV_POLICIES)}, got {gemv_policy!r}")
+
     def by_policy(candidates: dict, default):
         if gemv_policy == "latency" and any(1 in t for t in candidates.values()):
             return pick_first_point(candidates, default, first=1)
