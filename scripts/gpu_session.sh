@@ -23,7 +23,8 @@
 #       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p0,p2,p4,p6,p8) by
 #       the kernel sweep (bits against the built-in loop, µs per llama-8b shape), then llama-8b bf16
 #       tg128 per variant, alternated twice; then tg128 at a 16k context with the decode attention cut
-#       into at most 32, 64 or 128 partitions (s32, s64, s128) (~4 min)
+#       into at most 32, 64 or 128 partitions (s32, s64, s128); then the sampler's SAMPLE_VEC scan
+#       against today's, alternated twice (~5 min)
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
 # q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
 # One type's two rounds take ~3-4 min of an 8B file: `start` with all types, then one `compare` call per
@@ -90,6 +91,8 @@ mma)
     for v in ${VARIANTS//,/ }; do variant "$v" "tg128_${v}_$r" -p 0; done
   done
   for v in s32 s64 s128; do variant "$v" "tg128_d16384_$v" -p 0 -d 16384; done
+  # the sampler's SAMPLE_VEC scan against today's, end to end (bf16 llama-8b: a 128k-vocabulary row)
+  for r in 1 2; do variant rule "sample_scan_$r" -p 0; variant v "sample_vec_$r" -p 0; done
   exit 0
   ;;
 compare|targets)

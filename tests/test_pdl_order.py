@@ -34,6 +34,7 @@ CASES = [
     ("blocks.cu", {"BLK_FMT": 6}),
     ("elementwise.cu", {}),
     ("sampling.cu", {}),
+    ("sampling.cu", {"SAMPLE_VEC": 1}),
 ]
 # kernels that load weights before the wait: every kernel of a source, or the functions named
 EARLY_WEIGHTS = {"gemv_tiled.cu": None, "elementwise.cu": {"rmsnorm_residual"}}

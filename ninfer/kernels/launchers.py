@@ -851,10 +851,25 @@ def _out_stride(out: torch.Tensor, M: int) -> int:
     return stride
 
 
+# sampling.cu's SAMPLE_VEC scan (four logits a load, the k-th best in registers; the same tokens) where
+# the rows allow it. Off until timed on a GPU: the one-block scan of a 128k-vocabulary row took 58 us of
+# an H200 decode step (docs/PERF.md, session 23); tests/gpu/test_kernels.py runs both scans.
+SAMPLE_VEC = False
+
+
+def sample_vec_ok(logits: torch.Tensor, counts: torch.Tensor | None) -> bool:
+    """Whether sampling.cu's SAMPLE_VEC scan takes these rows: V in 4s, rows (and counts' rows) 16-byte
+    aligned."""
+    def aligned(t: torch.Tensor) -> bool:
+        return t.data_ptr() % 16 == 0 and t.stride(0) % 4 == 0 and t.stride(-1) == 1
+    return logits.shape[1] % 4 == 0 and aligned(logits) and (counts is None or aligned(counts))
+
+
 def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor, temperature: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
                   steps: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor | None = None,
-                  presence: torch.Tensor | None = None, frequency: torch.Tensor | None = None) -> None:
+                  presence: torch.Tensor | None = None, frequency: torch.Tensor | None = None,
+                  vec: bool | None = None) -> None:
     """Sample one token per row of fp32 logits [B, V] into tokens [B] int32 (see sampling.cu; the
     same definition as ninfer.engine.sampler).
 
@@ -864,7 +879,8 @@ def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor,
     captures one static buffer. Per-row parameters [B]: temperature (<= 0: greedy), top_k int32
     (1..20), top_p, min_p fp32; seeds, steps int64 (the Philox key and counter: the same
     (seed, step) draws the same number). counts [B, V] int32 with presence/frequency [B] fp32:
-    penalties on generated-token counts.
+    penalties on generated-token counts. vec (None: SAMPLE_VEC): the SAMPLE_VEC scan where
+    sample_vec_ok; the same tokens either way.
     """
     B, V = logits.shape
     _check(logits, "logits", F32_DT, [B, V], kc.device, contiguous=False)
@@ -879,8 +895,10 @@ def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor,
             raise KernelError("counts need presence and frequency penalties")
         _check(presence, "presence", F32_DT, [B], kc.device)
         _check(frequency, "frequency", F32_DT, [B], kc.device)
+    vec = SAMPLE_VEC if vec is None else vec
     if B:
-        kc.kernel("sampling.cu", "sample_tokens").launch(
+        defines = {"SAMPLE_VEC": 1} if vec and sample_vec_ok(logits, counts) else {}
+        kc.kernel("sampling.cu", "sample_tokens", defines).launch(
             (B, 1, 1), (SAMPLE_THREADS, 1, 1),
             [ptr(logits), I64(logits.stride(0)), I32(V), ptr(masks), I64(masks.stride(0)), ptr(counts),
              I64(counts.stride(0) if counts is not None else 0),

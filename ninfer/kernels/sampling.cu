@@ -20,6 +20,9 @@
 
 #define SAMPLE_THREADS 512
 #define SAMPLE_UNROLL 8
+#ifndef SAMPLE_VEC
+#define SAMPLE_VEC 0  // 1: four logits (and counts) a load; V % 4 == 0 and 16-byte aligned rows (the launcher's check)
+#endif
 #define TOPK_MAX 20
 #define NO_ID 0x7fffffff
 
@@ -62,9 +65,67 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
   float lv[TOPK_MAX];
   int li[TOPK_MAX];
   int cnt = 0;
-  // SAMPLE_UNROLL values per thread are loaded before any is compared, so the loads overlap (the
-  // scan is otherwise one dependent global load per element); which thread sees an element does not
-  // matter: candidates are merged exactly below (value, then lowest id)
+#if SAMPLE_VEC
+  // lv[k - 1], li[k - 1] once the top-k is full, kept in registers: the common case (a logit that does
+  // not enter) then reads no local memory (lv and li are indexed at run time, so they live there)
+  float kv = NEG_INF;
+  int ki = NO_ID;
+#define KTH_V kv
+#define KTH_I ki
+#else
+#define KTH_V lv[k - 1]
+#define KTH_I li[k - 1]
+#endif
+  // one logit (id i, generated count c, its mask word) into this thread's top-k
+  auto consider = [&](float v, int i, int c, u32 word) {
+    if (v != v) v = NEG_INF;
+    if (crow) v = __fsub_rn(v, __fadd_rn(c > 0 ? pres : 0.0f, __fmul_rn(freq, (float)c)));
+    if (!((word >> (i & 31)) & 1u)) v = NEG_INF;
+    if (cnt == k && !better(v, i, KTH_V, KTH_I)) return;
+    int j = cnt < k ? cnt++ : k - 1;
+    while (j > 0 && better(v, i, lv[j - 1], li[j - 1])) {
+      lv[j] = lv[j - 1];
+      li[j] = li[j - 1];
+      --j;
+    }
+    lv[j] = v;
+    li[j] = i;
+#if SAMPLE_VEC
+    if (cnt == k) {
+      kv = j == k - 1 ? v : lv[k - 1];
+      ki = j == k - 1 ? i : li[k - 1];
+    }
+#endif
+  };
+#undef KTH_V
+#undef KTH_I
+  // SAMPLE_UNROLL loads per thread are issued before any value is compared, so the loads overlap (the
+  // scan is otherwise one dependent global load per element); which thread sees an element, and in
+  // which order, does not matter: a thread's top-k and the merge below order by value, then lowest id
+#if SAMPLE_VEC
+  const int quads = V / 4;  // quad q: ids 4q .. 4q + 3, one mask word (4q >> 5) for all four
+  for (int base = threadIdx.x; base < quads; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
+    float4 vals[SAMPLE_UNROLL];
+    u32 bits[SAMPLE_UNROLL];
+    int4 cs[SAMPLE_UNROLL];
+#pragma unroll
+    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+      const int q = base + u * SAMPLE_THREADS;
+      vals[u] = q < quads ? ((const float4*)row)[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      bits[u] = q < quads ? mrow[q >> 3] : 0u;
+      cs[u] = crow && q < quads ? ((const int4*)crow)[q] : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
+      const int q = base + u * SAMPLE_THREADS;
+      if (q >= quads) break;
+      consider(vals[u].x, 4 * q, cs[u].x, bits[u]);
+      consider(vals[u].y, 4 * q + 1, cs[u].y, bits[u]);
+      consider(vals[u].z, 4 * q + 2, cs[u].z, bits[u]);
+      consider(vals[u].w, 4 * q + 3, cs[u].w, bits[u]);
+    }
+  }
+#else
   for (int base = threadIdx.x; base < V; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
     float vals[SAMPLE_UNROLL];
     u32 bits[SAMPLE_UNROLL];
@@ -80,24 +141,10 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
     for (int u = 0; u < SAMPLE_UNROLL; ++u) {
       const int i = base + u * SAMPLE_THREADS;
       if (i >= V) break;
-      float v = vals[u];
-      if (v != v) v = NEG_INF;
-      if (crow) {
-        const int c = cs[u];
-        v = __fsub_rn(v, __fadd_rn(c > 0 ? pres : 0.0f, __fmul_rn(freq, (float)c)));
-      }
-      if (!((bits[u] >> (i & 31)) & 1u)) v = NEG_INF;
-      if (cnt == k && !better(v, i, lv[k - 1], li[k - 1])) continue;
-      int j = cnt < k ? cnt++ : k - 1;
-      while (j > 0 && better(v, i, lv[j - 1], li[j - 1])) {
-        lv[j] = lv[j - 1];
-        li[j] = li[j - 1];
-        --j;
-      }
-      lv[j] = v;
-      li[j] = i;
+      consider(vals[u], i, cs[u], bits[u]);
     }
   }
+#endif
   int head = 0;
   for (int r = 0; r < k; ++r) {
     float v = head < cnt ? lv[head] : NEG_INF;

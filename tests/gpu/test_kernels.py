@@ -465,7 +465,14 @@ def sampler_inputs(B: int, temp: list[float], k: list[int], tp: list[float], mp:
             "steps": torch.tensor(step, dtype=torch.int64, device=DEV)}
 
 
-def test_sample_greedy_ties_and_penalties(kc: KernelCompiler) -> None:
+@pytest.fixture(params=[False, True], ids=["scan", "vec"])
+def sample_vec(request, monkeypatch) -> bool:
+    """sample_tokens with its one-logit scan and with the SAMPLE_VEC scan (where the rows allow it)."""
+    monkeypatch.setattr(L, "SAMPLE_VEC", request.param)
+    return request.param
+
+
+def test_sample_greedy_ties_and_penalties(kc: KernelCompiler, sample_vec: bool) -> None:
     g = gen(11)
     B, V = 4, 50000
     logits = torch.randn((B, V), generator=g, device=DEV)
@@ -485,7 +492,7 @@ def test_sample_greedy_ties_and_penalties(kc: KernelCompiler) -> None:
     assert tokens[3].item() == int(penalized[3].argmax())
 
 
-def test_sample_matches_reference(kc: KernelCompiler) -> None:
+def test_sample_matches_reference(kc: KernelCompiler, sample_vec: bool) -> None:
     g = gen(12)
     B, V = 64, 32000
     logits = torch.randn((B, V), generator=g, device=DEV) * 3
@@ -512,7 +519,7 @@ def test_sample_matches_reference(kc: KernelCompiler) -> None:
     assert sum(a == r for a, r in zip(got, ref)) >= B - 2, (got, ref)
 
 
-def test_sample_distribution(kc: KernelCompiler) -> None:
+def test_sample_distribution(kc: KernelCompiler, sample_vec: bool) -> None:
     g = gen(13)
     B, V = 16384, 64
     row = torch.randn((V,), generator=g, device=DEV) * 2
@@ -548,7 +555,8 @@ def _sampler_rows(B: int, V: int, rng: np.random.Generator, masked: set[int]) ->
     return seqs
 
 
-def _kernel_sample(kc: KernelCompiler, logits: torch.Tensor, seqs: list[SequenceWork]) -> torch.Tensor:
+def _kernel_sample(kc: KernelCompiler, logits: torch.Tensor, seqs: list[SequenceWork],
+                   vec: bool | None = None) -> torch.Tensor:
     """tokens [B] int32 from sample_tokens, its inputs built from the rows as a runner builds them."""
     B, V = logits.shape
     masks = torch.empty((B, (V + 31) // 32), dtype=torch.int32, device=DEV)
@@ -566,7 +574,7 @@ def _kernel_sample(kc: KernelCompiler, logits: torch.Tensor, seqs: list[Sequence
                     f32([p.top_p for p in sps]), f32([p.min_p for p in sps]),
                     torch.tensor(seeds, dtype=torch.int64, device=DEV),
                     torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.int64, device=DEV), tokens,
-                    counts, f32([p.presence_penalty for p in sps]), f32([p.frequency_penalty for p in sps]))
+                    counts, f32([p.presence_penalty for p in sps]), f32([p.frequency_penalty for p in sps]), vec=vec)
     return tokens
 
 
@@ -574,8 +582,8 @@ def _allowed(mask: torch.Tensor, token: int) -> bool:
     return bool((int(mask.reshape(-1)[token // 32]) >> (token % 32)) & 1)
 
 
-@pytest.mark.parametrize("V", [50257, 1000])
-def test_sample_matches_torch_sampler(kc: KernelCompiler, V: int) -> None:
+@pytest.mark.parametrize("V", [50257, 50256, 1000])
+def test_sample_matches_torch_sampler(kc: KernelCompiler, V: int, sample_vec: bool) -> None:
     """One sampler definition: the kernel and ninfer.engine.sampler draw the same token, row for row."""
     rng = np.random.default_rng(V)
     B = 128
@@ -593,7 +601,23 @@ def test_sample_matches_torch_sampler(kc: KernelCompiler, V: int) -> None:
         assert _allowed(seqs[b].token_mask, ours[b])
 
 
-def test_sample_masked_rows_draw_only_allowed_ids(kc: KernelCompiler) -> None:
+@pytest.mark.parametrize("V", [50256, 1000, 64])
+def test_sample_vec_scan_draws_the_scans_tokens(kc: KernelCompiler, V: int) -> None:
+    """The SAMPLE_VEC scan (four logits a load) takes rows of V in 4s and gives the one-logit scan's
+    tokens row for row: grammar masks, penalties, ties across the top-k cut, NaN, every sampler setting."""
+    rng = np.random.default_rng(V + 1)
+    B = 96
+    logits = torch.from_numpy(rng.standard_normal((B, V)).astype(np.float32) * 3).to(DEV)
+    logits[1, 5] = float("nan")
+    logits[2, :] = 0.5
+    logits[3:5, 10:50] = 9.0
+    seqs = _sampler_rows(B, V, rng, set(rng.choice(B, B // 4, replace=False).tolist()) | {4})
+    assert L.sample_vec_ok(logits, torch.zeros((B, V), dtype=torch.int32, device=DEV))
+    assert not L.sample_vec_ok(logits[:, 1:], None) and not L.sample_vec_ok(logits[:, :V - 2], None)
+    assert torch.equal(_kernel_sample(kc, logits, seqs, vec=False), _kernel_sample(kc, logits, seqs, vec=True))
+
+
+def test_sample_masked_rows_draw_only_allowed_ids(kc: KernelCompiler, sample_vec: bool) -> None:
     g = gen(15)
     B, V = 4096, 32003  # a partial last mask word
     row = torch.randn((V,), generator=g, device=DEV)
