@@ -103,48 +103,40 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
   // scan is otherwise one dependent global load per element); which thread sees an element, and in
   // which order, does not matter: a thread's top-k and the merge below order by value, then lowest id
 #if SAMPLE_VEC
-  const int quads = V / 4;  // quad q: ids 4q .. 4q + 3, one mask word (4q >> 5) for all four
-  for (int base = threadIdx.x; base < quads; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
-    float4 vals[SAMPLE_UNROLL];
+  typedef float4 vals_t;  // a load: ids 4q .. 4q + 3, one mask word for all four (V % 4 == 0)
+  typedef int4 counts_t;
+  constexpr int W = 4;
+#else
+  typedef float vals_t;
+  typedef int counts_t;
+  constexpr int W = 1;
+#endif
+  const int loads = V / W;
+  for (int base = threadIdx.x; base < loads; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
+    vals_t vals[SAMPLE_UNROLL];
     u32 bits[SAMPLE_UNROLL];
-    int4 cs[SAMPLE_UNROLL];
+    counts_t cs[SAMPLE_UNROLL];
 #pragma unroll
     for (int u = 0; u < SAMPLE_UNROLL; ++u) {
       const int q = base + u * SAMPLE_THREADS;
-      vals[u] = q < quads ? ((const float4*)row)[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      bits[u] = q < quads ? mrow[q >> 3] : 0u;
-      cs[u] = crow && q < quads ? ((const int4*)crow)[q] : make_int4(0, 0, 0, 0);
+      vals[u] = q < loads ? ((const vals_t*)row)[q] : vals_t{};
+      bits[u] = q < loads ? mrow[(q * W) >> 5] : 0u;
+      cs[u] = crow && q < loads ? ((const counts_t*)crow)[q] : counts_t{};
     }
 #pragma unroll
     for (int u = 0; u < SAMPLE_UNROLL; ++u) {
       const int q = base + u * SAMPLE_THREADS;
-      if (q >= quads) break;
+      if (q >= loads) break;
+#if SAMPLE_VEC
       consider(vals[u].x, 4 * q, cs[u].x, bits[u]);
       consider(vals[u].y, 4 * q + 1, cs[u].y, bits[u]);
       consider(vals[u].z, 4 * q + 2, cs[u].z, bits[u]);
       consider(vals[u].w, 4 * q + 3, cs[u].w, bits[u]);
-    }
-  }
 #else
-  for (int base = threadIdx.x; base < V; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
-    float vals[SAMPLE_UNROLL];
-    u32 bits[SAMPLE_UNROLL];
-    int cs[SAMPLE_UNROLL];
-#pragma unroll
-    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
-      const int i = base + u * SAMPLE_THREADS;
-      vals[u] = i < V ? row[i] : NEG_INF;
-      bits[u] = i < V ? mrow[i >> 5] : 0u;
-      cs[u] = crow && i < V ? crow[i] : 0;
-    }
-#pragma unroll
-    for (int u = 0; u < SAMPLE_UNROLL; ++u) {
-      const int i = base + u * SAMPLE_THREADS;
-      if (i >= V) break;
-      consider(vals[u], i, cs[u], bits[u]);
+      consider(vals[u], q, cs[u], bits[u]);
+#endif
     }
   }
-#endif
   int head = 0;
   for (int r = 0; r < k; ++r) {
     float v = head < cnt ? lv[head] : NEG_INF;
