@@ -25,14 +25,17 @@
 #       tg128 per variant, alternated twice; then tg128 at a 16k context with the decode attention cut
 #       into at most 32, 64 or 128 partitions (s32, s64, s128); then the sampler's SAMPLE_VEC scan
 #       against today's, alternated twice (~5 min)
+#   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
+#       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
+#       and in its own launch, alternated twice (~3 min)
 # NINFER_PEER_TYPES (default q4_k_m): the files' types, scripts/synthetic_gguf.py's --type names (f16,
 # q8_0, q4_1, ...), each compared in turn; NINFER_PEER_P (default 512): the prompt lengths (512,2048).
 # One type's two rounds take ~3-4 min of an 8B file: `start` with all types, then one `compare` call per
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -73,7 +76,7 @@ start)
   [ -n "$make" ] && setsid nice -n 19 bash -c "$make" > /dev/null 2>&1 < /dev/null &
   [ $# -eq 0 ] && set -- -m gpu tests/gpu
   # stopped before a 10-minute call limit would lose the log (NINFER_TEST_TIMEOUT seconds)
-  timeout "${NINFER_TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
+  timeout "${NINFER_TEST_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider --durations=40 "$@" > "$OUT/pytest.log" 2>&1
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
@@ -95,6 +98,21 @@ mma)
   for r in 1 2; do variant rule "sample_scan_$r" -p 0; variant v "sample_vec_$r" -p 0; done
   exit 0
   ;;
+fusions)
+  # the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM, off since an H100 run) against its own
+  # launch, llama-8b tg128 in bf16 and int4, alternated twice (scripts/fusion_variants.py)
+  for r in 1 2; do
+    for w in bf16 int4; do
+      for f in none fused-norm; do
+        python3 scripts/fusion_variants.py "$f" --synthetic llama-8b --weights "$w" --backend cuda -p 0 -n 128 -r 3 \
+          --ceilings off --device-profile off -o json > "$OUT/norm_${f}_${w}_$r.json" 2> "$OUT/norm_${f}_${w}_$r.log"
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'])" \
+          "$OUT/norm_${f}_${w}_$r.json" "$f $w $r" || tail -n 3 "$OUT/norm_${f}_${w}_$r.log"
+      done
+    done
+  done
+  exit 0
+  ;;
 compare|targets)
   BASE="${1:-}"
   for _ in $(seq 120); do [ -f "$PEER/built" ] && break; sleep 5; done
@@ -102,7 +120,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)
