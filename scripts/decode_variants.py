@@ -1,7 +1,8 @@
 """Decode tuning variants on a GPU: gemv_mma.cu's bf16 variants at llama-8b decode shapes, and any
 variant end to end. A variant is a label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling
 pipeline), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's keys are cut into;
-end to end only), v (launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only),
+end to end only), fN (launchers.ATTN_PREFETCH N: decode attention's L2 prefetch N steps ahead; end
+to end only), v (launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only),
 joined by '+'; "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's
 rule by shape.
 
@@ -37,9 +38,9 @@ def defines(label: str) -> dict[str, int]:
         if part in ("v", "rule"):  # rule: nothing set (the built-in choices)
             out.update({"SAMPLE_VEC": 1} if part == "v" else {})
             continue
-        if part[:1] not in ("p", "s") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, v joined by '+'")
-        out["MMA_PIPE" if part[0] == "p" else "ATTN_MAX_SPLIT"] = int(part[1:])
+        if part[:1] not in ("p", "s", "f") or not part[1:].isdigit():
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, v joined by '+'")
+        out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH"}[part[0]]] = int(part[1:])
     return out
 
 
@@ -48,8 +49,8 @@ def sweep(labels: list[str]) -> None:
     from ninfer.kernels.timing import sample_seconds
 
     variants = {label: defines(label) for label in labels}
-    if any("ATTN_MAX_SPLIT" in v or "SAMPLE_VEC" in v for v in variants.values()):
-        raise SystemExit("sN and v are attention and sampling settings: bench them end to end (the sweep times gemv_mma)")
+    if any(set(v) - {"MMA_PIPE"} for v in variants.values()):
+        raise SystemExit("sN, fN and v are attention and sampling settings: bench them end to end (the sweep times gemv_mma)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     fmt = TensorFormat("bf16")
@@ -97,6 +98,7 @@ def main() -> None:
         chosen = defines(sys.argv[2])
         L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)
         L.SAMPLE_VEC = bool(chosen.pop("SAMPLE_VEC", L.SAMPLE_VEC))
+        L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
         if chosen:
             rule = L.mma_variant
             L.mma_variant = lambda code, N, K: dict(chosen) if code == 0 else rule(code, N, K)

@@ -23,7 +23,8 @@
 #       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p0,p2,p4,p6,p8) by
 #       the kernel sweep (bits against the built-in loop, µs per llama-8b shape), then llama-8b bf16
 #       tg128 per variant, alternated twice; then tg128 at a 16k context with the decode attention cut
-#       into at most 32, 64 or 128 partitions (s32, s64, s128); then the sampler's SAMPLE_VEC scan
+#       into at most 32, 64 or 128 partitions (s32, s64, s128) and with its L2 prefetch 1, 2 or 4 steps
+#       ahead (f1, f2, f4; s32 again last, the drift check); then the sampler's SAMPLE_VEC scan
 #       against today's, alternated twice (~5 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
@@ -93,7 +94,8 @@ mma)
   for r in 1 2; do
     for v in ${VARIANTS//,/ }; do variant "$v" "tg128_${v}_$r" -p 0; done
   done
-  for v in s32 s64 s128; do variant "$v" "tg128_d16384_$v" -p 0 -d 16384; done
+  for v in s32 s64 s128 f1 f2 f4; do variant "$v" "tg128_d16384_$v" -p 0 -d 16384; done
+  variant s32 tg128_d16384_s32_2 -p 0 -d 16384
   # the sampler's SAMPLE_VEC scan against today's, end to end (bf16 llama-8b: a 128k-vocabulary row)
   for r in 1 2; do variant rule "sample_scan_$r" -p 0; variant v "sample_vec_$r" -p 0; done
   exit 0

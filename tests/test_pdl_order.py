@@ -30,6 +30,7 @@ CASES = [
     ("gemv.cu", {"GEMV_FMT": 1}),
     ("attention.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "ROPE_KV": 1}),
     ("attention_decode_mma.cu", {"HEAD_DIM": 128, "GQA": 4, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4}),
+    ("attention_decode_mma.cu", {"HEAD_DIM": 128, "GQA": 4, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4, "ATTN_PF": 2}),
     ("attention_mma.cu", {"HEAD_DIM": 128, "GQA": 4}),
     ("blocks.cu", {"BLK_FMT": 6}),
     ("elementwise.cu", {}),

@@ -44,6 +44,9 @@
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM must be 64 or 128");
 static_assert(GQA >= 1 && GQA <= 8, "at most 8 query heads per kv head (the mma's n)");
 
+#ifndef ATTN_PF
+#define ATTN_PF 0  // > 0: a warp asks L2 for the K and V rows of its step ATTN_PF ahead (speed only)
+#endif
 #ifndef NW
 #error "compile with -DNW=<warps per block> (launchers.ATTN_MMA_WARPS: one value per run, it orders the sums)"
 #endif
@@ -154,6 +157,17 @@ paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cac
 
   for (int base = k0 + 16 * warp; base < k1; base += 16 * NW) {
     const int last = k1 - 1;  // keys past the partition read this one (finite) and get probability 0
+#if ATTN_PF
+    // the step ATTN_PF ahead: its 16 keys' K rows (lanes 0..15) and V rows (16..31), D * 2 bytes each,
+    // requested into L2 now, so that more of the partition's bytes are in flight than one step's
+    // loads (the registers hold one step: a second would cost the occupancy)
+    if (base + 16 * NW * ATTN_PF < k1) {
+      const act* p = row(lane < 16 ? (const act*)k_cache : (const act*)v_cache,
+                         min(base + 16 * NW * ATTN_PF + (lane & 15), last));
+#pragma unroll
+      for (int b = 0; b < D * 2; b += 128) prefetch_l2((const char*)p + b);
+    }
+#endif
     uint4 kr[2][KC], vr[4][VG];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {

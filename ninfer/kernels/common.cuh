@@ -211,6 +211,9 @@ __device__ __forceinline__ u32 ld_stream1(const void* p, bool nc = true) {
   return v;
 }
 
+// A hint: the 128-byte line at p into L2, no register written, nothing waits on it.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // The activations (the kernel before's output): a coherent load, which ptxas keeps after PDL_WAIT
 // (an .nc one, as __ldg, it may move above it).
 __device__ __forceinline__ uint4 ld_act(const act* p) {

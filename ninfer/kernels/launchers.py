@@ -27,6 +27,9 @@ ATTN_THREADS = 128  # attention.cu: NWARPS * 32
 # attention_decode_mma.cu's warps per block (a partition's 16-key steps go round them): one value for
 # every launch, since it orders the sums (batch invariance). 8 measured no faster than 4 (docs/PERF.md)
 ATTN_MMA_WARPS = 4
+# attention_decode_mma.cu's ATTN_PF: a warp's L2 prefetch of its K / V rows that many steps ahead (speed
+# only, the same bits); 0 (off) until timed on a GPU (scripts/decode_variants.py label fN)
+ATTN_PREFETCH = 0
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 ATTN_SPLIT_MIN = 256  # attention_split.cuh: a context of at most this many keys is one partition
 SAMPLE_THREADS = 512  # sampling.cu
@@ -411,7 +414,8 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     head = [ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv)]
     tail = [I32(partition), F32(scale), I32(window), F32(softcap), *(rope or [])]
     if route == "mma":  # decode only (the callers pass cu_seqlens=None)
-        kc.kernel("attention_decode_mma.cu", "paged_attention_decode_mma", {**defines, "NW": ATTN_MMA_WARPS}).launch(
+        pf = {"ATTN_PF": ATTN_PREFETCH} if ATTN_PREFETCH else {}
+        kc.kernel("attention_decode_mma.cu", "paged_attention_decode_mma", {**defines, "NW": ATTN_MMA_WARPS, **pf}).launch(
             (Hkv, T, max_parts), (32 * ATTN_MMA_WARPS, 1, 1),
             [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),
              ptr(lens), *head, I32(page_size.bit_length() - 1), *tail])

@@ -54,6 +54,26 @@ def test_window_and_softcap(kc, D: int, Hq: int, Hkv: int, window: int, softcap:
         assert rel(out[b], ref) < TOL[BF], f"sequence {b}"
 
 
+@pytest.mark.parametrize("prefetch", [1, 2, 4])
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8)])
+def test_l2_prefetch_gives_the_same_bits(kc, monkeypatch, D: int, Hq: int, Hkv: int, page_size: int,
+                                         prefetch: int) -> None:
+    """ATTN_PF (a warp's K / V rows asked into L2 steps ahead) changes speed only: the outputs equal the
+    kernel's without it, bit for bit, for contexts inside one step, across partitions and pages."""
+    g = gen(30 + D + page_size)
+    lens = LENS + [16384]
+    k_cache, v_cache, tables = make_cache(g, lens, Hkv, D, page_size)
+    q = randn((len(lens), Hq, D), g)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for partition in (64, 512):
+        base = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
+        monkeypatch.setattr(L, "ATTN_PREFETCH", prefetch)
+        got = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
+        monkeypatch.setattr(L, "ATTN_PREFETCH", 0)
+        assert torch.equal(got, base), partition
+
+
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8)])
 def test_batch_invariant(kc, D: int, Hq: int, Hkv: int) -> None:
     g = gen(7)
