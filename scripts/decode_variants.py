@@ -2,17 +2,18 @@
 variant end to end. A variant is a label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling
 pipeline), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's keys are cut into;
 end to end only), fN (launchers.ATTN_PREFETCH N: decode attention's L2 prefetch N steps ahead; end
-to end only), v (launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only),
-joined by '+'; "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's
-rule by shape.
+to end only), e (gemv_mma's MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
+(launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only), joined by '+'; "rule"
+sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's rule by
+shape.
 
   PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8]
       each shape at rows 1 and 8: every gemv variant's output bit-equal to the rule's (variants
       change speed only) and within 1e-5 of fp64, then its time reading enough weight copies to exceed
       L2 (calls in a CUDA graph, best of 7 samples) and GB/s; then the per-token sum over llama-8b's shapes
   PYTHONPATH=. python scripts/decode_variants.py bench VARIANT BENCH_ARGS...
-      `ninfer bench BENCH_ARGS` with that variant (launchers.mma_variant for every bf16 gemv_mma launch;
-      launchers.ATTN_MAX_SPLIT)
+      `ninfer bench BENCH_ARGS` with that variant (its gemv_mma defines over launchers.mma_variant's
+      for every bf16 launch; launchers.ATTN_MAX_SPLIT, ATTN_PREFETCH, SAMPLE_VEC)
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def defines(label: str) -> dict[str, int]:
     """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
     out = {}
     for part in label.split("+"):
-        if part in ("v", "rule"):  # rule: nothing set (the built-in choices)
-            out.update({"SAMPLE_VEC": 1} if part == "v" else {})
+        if part in ("v", "e", "rule"):  # rule: nothing set (the built-in choices)
+            out.update({"v": {"SAMPLE_VEC": 1}, "e": {"MMA_EARLY": 1}, "rule": {}}[part])
             continue
         if part[:1] not in ("p", "s", "f") or not part[1:].isdigit():
             raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, v joined by '+'")
@@ -49,7 +50,7 @@ def sweep(labels: list[str]) -> None:
     from ninfer.kernels.timing import sample_seconds
 
     variants = {label: defines(label) for label in labels}
-    if any(set(v) - {"MMA_PIPE"} for v in variants.values()):
+    if any(set(v) - {"MMA_PIPE", "MMA_EARLY"} for v in variants.values()):
         raise SystemExit("sN, fN and v are attention and sampling settings: bench them end to end (the sweep times gemv_mma)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
@@ -101,7 +102,7 @@ def main() -> None:
         L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
         if chosen:
             rule = L.mma_variant
-            L.mma_variant = lambda code, N, K: dict(chosen) if code == 0 else rule(code, N, K)
+            L.mma_variant = lambda code, N, K: {**rule(code, N, K), **chosen} if code == 0 else rule(code, N, K)
         sys.argv = ["ninfer", "bench", *sys.argv[3:]]
         runpy.run_module("ninfer.cli.main", run_name="__main__")
     else:

@@ -20,12 +20,13 @@
 #       prints one table per target (~2 min on an H100 once the build and the files are there);
 #       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant
 #   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
-#       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p0,p2,p4,p6,p8) by
-#       the kernel sweep (bits against the built-in loop, µs per llama-8b shape), then llama-8b bf16
-#       tg128 per variant, alternated twice; then tg128 at a 16k context with the decode attention cut
-#       into at most 32, 64 or 128 partitions (s32, s64, s128) and with its L2 prefetch 1, 2 or 4 steps
-#       ahead (f1, f2, f4; s32 again last, the drift check); then the sampler's SAMPLE_VEC scan
-#       against today's, alternated twice (~5 min)
+#       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p2,p2+e,p4,p4+e;
+#       the sweep adds p0 and p8) by the kernel sweep (bits against the rule, µs per llama-8b shape),
+#       then llama-8b bf16 tg128 per variant, alternated twice (~5 min)
+#   scripts/gpu_session.sh attn OUTDIR                  # carry .whl; no llama.cpp needed
+#       tg128 at a 16k context with the decode attention cut into at most 32, 64 or 128 partitions
+#       (s32, s64, s128) and with its L2 prefetch 1, 2 or 4 steps ahead (f1, f2, f4; s32 again last,
+#       the drift check); then the sampler's SAMPLE_VEC scan against today's, alternated twice (~5 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -35,8 +36,8 @@
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|fusions OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|fusions OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -81,19 +82,22 @@ start)
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
-mma)
-  VARIANTS="${1:-p0,p2,p4,p6,p8}"
-  python3 scripts/decode_variants.py sweep "$VARIANTS" > "$OUT/mma_sweep.txt" 2>&1
-  grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
+mma|attn)
+  VARIANTS="${1:-p2,p2+e,p4,p4+e}"
+  [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p8" > "$OUT/mma_sweep.txt" 2>&1
+  [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
   variant() {  # label, file name, bench args
     python3 scripts/decode_variants.py bench "$1" --synthetic llama-8b --weights bf16 --backend cuda -n 128 -r 3 \
       --ceilings off --device-profile off -o json "${@:3}" > "$OUT/$2.json" 2> "$OUT/$2.log"
     python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'], r['stddev_ts'])" \
       "$OUT/$2.json" "$2" || tail -n 3 "$OUT/$2.log"
   }
-  for r in 1 2; do
-    for v in ${VARIANTS//,/ }; do variant "$v" "tg128_${v}_$r" -p 0; done
-  done
+  if [ "$MODE" = mma ]; then
+    for r in 1 2; do
+      for v in ${VARIANTS//,/ }; do variant "$v" "tg128_${v//+/-}_$r" -p 0; done
+    done
+    exit 0
+  fi
   for v in s32 s64 s128 f1 f2 f4; do variant "$v" "tg128_d16384_$v" -p 0 -d 16384; done
   variant s32 tg128_d16384_s32_2 -p 0 -d 16384
   # the sampler's SAMPLE_VEC scan against today's, end to end (bf16 llama-8b: a 128k-vocabulary row)
@@ -122,7 +126,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|fusions OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (common.cuh): nothing a kernel reads from the kernel before it may
 load before `griddepcontrol.wait` (SASS ACQBULK). ptxas moves ld.global.nc loads (__ldg) across that
 wait, so the only loads allowed before it are the constant bank's (kernel arguments) and, where a
-kernel splits PDL_ENTRY to read its weights early (gemv_tiled, rmsnorm_residual), coherent weight loads (LDG without
+kernel splits PDL_ENTRY to read its weights early (gemv_tiled, gemv_mma's MMA_EARLY, rmsnorm_residual), coherent weight loads (LDG without
 .CONSTANT). Compiles the kernels with NVRTC for sm_90 and reads their SASS with cuobjdump: no GPU
 needed; skipped where NVRTC or cuobjdump is missing."""
 from __future__ import annotations
@@ -26,6 +26,7 @@ CASES = [
     ("gemv_mma.cu", {"MMA_FMT": 0}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 4}),
+    ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_EARLY": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1}),
     ("gemv.cu", {"GEMV_FMT": 1}),
     ("attention.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "ROPE_KV": 1}),
@@ -37,8 +38,12 @@ CASES = [
     ("sampling.cu", {}),
     ("sampling.cu", {"SAMPLE_VEC": 1}),
 ]
-# kernels that load weights before the wait: every kernel of a source, or the functions named
-EARLY_WEIGHTS = {"gemv_tiled.cu": None, "elementwise.cu": {"rmsnorm_residual"}}
+def early_weights(source: str, defines: dict[str, int], name: str) -> bool:
+    """Whether a kernel loads its weights before the wait: every gemv_tiled, gemv_mma's bf16 pipeline
+    with MMA_EARLY, elementwise.cu's rmsnorm_residual."""
+    return (source == "gemv_tiled.cu" or (source, name) == ("elementwise.cu", "rmsnorm_residual")
+            or (source == "gemv_mma.cu" and defines.get("MMA_FMT") == 0 and bool(defines.get("MMA_PIPE"))
+                and bool(defines.get("MMA_EARLY"))))
 
 
 def sass(source: str, defines: dict[str, int], tmp: Path) -> str:
@@ -68,7 +73,7 @@ def test_no_input_load_before_the_pdl_wait(source: str, defines: dict[str, int],
         assert "ACQBULK" in ops, f"{name}: no griddepcontrol.wait"
         early = [op.split()[0] for op in ops[:ops.index("ACQBULK")] if op.startswith("LD")]
         loads = [op for op in early if not op.startswith("LDC")]
-        if source in EARLY_WEIGHTS and (EARLY_WEIGHTS[source] is None or name in EARLY_WEIGHTS[source]):
+        if early_weights(source, defines, name):
             assert not [op for op in loads if "CONSTANT" in op or not op.startswith("LDG")], (name, early)
             assert loads, f"{name}: no weight load before the wait"
         else:

@@ -38,6 +38,12 @@
 #ifndef MMA_PIPE
 #define MMA_PIPE 0
 #endif
+// MMA_EARLY 1 (with MMA_PIPE; speed only): the pipeline's first weight loads are issued before the PDL
+// wait, coherent, so they overlap the kernel before (gemv_tiled.cu's way)
+#ifndef MMA_EARLY
+#define MMA_EARLY 0
+#endif
+#define MMA_EARLY_W (MMA_FMT == 0 && MMA_PIPE && MMA_EARLY)
 
 // The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
 __device__ __forceinline__ u32 bf16_pair(u32 w, int shift, u32 neg_off2) {
@@ -90,7 +96,10 @@ extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
          const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
          int y_f32 NORM_PARAMS) {
-  PDL_ENTRY();
+  PDL_LAUNCH();
+#if !MMA_EARLY_W
+  PDL_WAIT();
+#endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * 16;
   const i64 r0 = min(n0 + g, N - 1), r1 = min(n0 + g + 8, N - 1);  // rows past N: read, never stored
@@ -124,9 +133,22 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
     mma16816(acc, a[p].x, b[p].x, a[p].y, b[p].y, xv[p].x, xv[p].y);
     mma16816(acc, a[p].z, b[p].z, a[p].w, b[p].w, xv[p].z, xv[p].w);
   };
+#if MMA_EARLY_W
+#pragma unroll
+  for (int p = 0; p < MMA_PIPE; ++p)
+    if (p < n) {  // the first weights, coherent, before the wait; the activations after it
+      a[p] = ld_stream(pa + p * STEP, false);
+      b[p] = ld_stream(pb + p * STEP, false);
+    }
+  PDL_WAIT();
+#pragma unroll
+  for (int p = 0; p < MMA_PIPE; ++p)
+    if (p < n) xv[p] = has_x ? ld_act(px + p * STEP) : ZERO4;
+#else
 #pragma unroll
   for (int p = 0; p < MMA_PIPE; ++p)
     if (p < n) load(p, p);
+#endif
   int base = 0;
   for (; base + 2 * MMA_PIPE <= n; base += MMA_PIPE) {
 #pragma unroll

@@ -288,18 +288,20 @@ def test_gemv_mma(kc: KernelCompiler, fmt: TensorFormat, M: int, N: int, K: int)
 def test_gemv_mma_pipes_give_the_built_in_loops_bits(kc: KernelCompiler, pipe: int, N: int, K: int) -> None:
     """bf16 MMA_PIPE (iterations in flight a warp, chosen by shape or by the device profile) changes
     speed only: the output equals the built-in loop's (MMA_PIPE 0) bit for bit, at iteration counts
-    a warp holds fewer of than the pipe, not a multiple of it, and many of; and so does the rule's."""
+    a warp holds fewer of than the pipe, not a multiple of it, and many of; and so do the pipe with
+    its first weights loaded before the PDL wait (MMA_EARLY) and the rule's."""
     g = gen(N + K)
     fmt = TensorFormat("bf16")
     parts = L.gemv_pack("mma", fmt, {"": randn((N, K), g, torch.float32, 0.05).to(BF)})
     for M in (1, 3, 8):
         x = randn((M, K), g)
         for out_dtype in (F32, BF):
-            base, out, rule = (poisoned((M, N), out_dtype) for _ in range(3))
+            base, out, early, rule = (poisoned((M, N), out_dtype) for _ in range(4))
             L.gemv(kc, x, fmt, parts, base, route="mma", variant={"MMA_PIPE": 0})
             L.gemv(kc, x, fmt, parts, out, route="mma", variant={"MMA_PIPE": pipe})
+            L.gemv(kc, x, fmt, parts, early, route="mma", variant={"MMA_PIPE": pipe, "MMA_EARLY": 1})
             L.gemv(kc, x, fmt, parts, rule, route="mma")
-            assert torch.equal(out, base) and torch.equal(rule, base), (M, out_dtype)
+            assert torch.equal(out, base) and torch.equal(early, base) and torch.equal(rule, base), (M, out_dtype)
 
 
 @pytest.mark.parametrize("fmt", GEMV_FORMATS, ids=GEMV_IDS)
