@@ -18,7 +18,8 @@
 #       8 streams at a 128-token context against llama-batched-bench), pp2048, SmolLM2-135M tg128 /
 #       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
 #       prints one table per target (~2 min on an H100 once the build and the files are there);
-#       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant
+#       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant, e.g. the one
+#       `python3 scripts/pick_variant.py OUTDIR` picks from the mma and attn results in OUTDIR
 #   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
 #       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p2,p2+e,p4,p4+e;
 #       the sweep adds p0 and p8) by the kernel sweep (bits against the rule, µs per llama-8b shape),
