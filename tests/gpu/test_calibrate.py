@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from ninfer.kernels.launchers import GEMV_FORMATS, GEMV_ROUTES, MAX_GEMV_ROWS
+from ninfer.kernels.launchers import GEMV_FORMATS, GEMV_ROUTES, MAX_GEMV_ROWS, MMA_PIPES
 from ninfer.kernels.profile import DeviceProfile, device_key
 
 
@@ -44,6 +44,9 @@ def test_calibrate_writes_a_profile_bench_uses(tmp_path: Path) -> None:
         for times in m["gemv"][fmt].values():
             assert set(times) == {1, 2, 8} and all(0 < t < 1 for t in times.values())
     assert all(0 < t < 1 for t in m["cublas"].values())
+    assert set(m["mma_pipe"]) == {"rule", *MMA_PIPES} and all(set(t) == {1, 2, 8} for t in m["mma_pipe"].values())
+    assert profile.mma_pipe is None or profile.mma_pipe in MMA_PIPES
+    assert "pipe" in out.stdout  # its table
     assert {tuple(s) for s in map(tuple, m["shapes"])} >= {(49152, 576, 1)}  # the tied lm_head, once
     assert set(m["decode_step"]) == {1, 2, 8}
 
