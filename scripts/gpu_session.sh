@@ -15,7 +15,7 @@
 #   scripts/gpu_session.sh targets OUTDIR                # carry .whl; after `start` with
 #       NINFER_PEER_TYPES="f16 q8_0 q4_1": issue 9's targets in one sitting, llama-8b's shape in bf16 /
 #       int8 / int4 (`--synthetic`) beside llama.cpp's F16 / Q8_0 / Q4_1 files: tg128 (1 stream, and
-#       8 streams at a 128-token context against llama-batched-bench), pp2048, SmolLM2-135M tg128 /
+#       8 streams at a 128-token context against llama-batched-bench), pp2048 (also at -ub 2048), SmolLM2-135M tg128 /
 #       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
 #       prints one table per target (~2 min on an H100 once the build and the files are there);
 #       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant, e.g. the one
@@ -167,6 +167,9 @@ targets)
       -ngl 99 --output-format jsonl > "$OUT/batched_$2.log" 2>&1
     ours --synthetic llama-8b --weights "$2" -p 2048 -n 128 -c 1,8 -d 0,128 -r 3 > "$OUT/ninfer_$2.json" \
       2> "$OUT/ninfer_$2.log"
+    # the prompt in one forward pass (llama-bench's -ub): a quantized weight is expanded once, not per 1,024 tokens
+    ours --synthetic llama-8b --weights "$2" -p 2048 -n 0 -ub 2048 -r 3 > "$OUT/ninfer_$2_ub2048.json" \
+      2> "$OUT/ninfer_$2_ub2048.log"
   done
   "$BENCH" -m /tmp/smollm2-135m.q4_1.gguf -p 512 -n 128 -ngl 99 -r 5 -o json > "$OUT/llamacpp_smol.json" 2> "$OUT/llamacpp_smol.log"
   ours --synthetic smollm2-135m --weights int4 -p 512 -n 128 -r 5 > "$OUT/ninfer_smol.json" 2> "$OUT/ninfer_smol.log"

@@ -1,5 +1,6 @@
 """Issue 9's targets as tables, from a folder that `scripts/gpu_session.sh targets OUTDIR` filled in one
-sitting: ninfer bench's JSON (ninfer_{bf16,int8,int4,smol,16k}.json, ceilings measured in each run),
+sitting: ninfer bench's JSON (ninfer_{bf16,int8,int4,smol,16k}.json and ninfer_{bf16,int8,int4}_ub2048.json,
+ceilings measured in each run),
 llama-bench's JSON (llamacpp_*.json) and llama-batched-bench's JSON lines (batched_*.log):
 
     python3 scripts/targets_table.py OUTDIR
@@ -81,6 +82,16 @@ def main(out: Path) -> None:
             continue
         print(f"| {w} / {t} | {ts(r)} | {r['achieved_tflops']:,.1f} | {pct(r.get('matmul_ratio'))} | "
               f"{ratio(r['avg_ts'], bf16_pp and bf16_pp['avg_ts'])} | {ts(p)} | {ratio(r['avg_ts'], p and p['avg_ts'])} |")
+
+    ub = {w: row(load(out / f"ninfer_{w}_ub2048.json"), prompt=2048) for w, _ in FORMATS}
+    if any(ub.values()):
+        print("\n| pp2048 at -ub 2048 (one forward pass) | ninfer tok/s | TFLOP/s | of matmul peak | of ninfer bf16 "
+              "| llama.cpp (-ub 512) | ninfer / llama.cpp |\n|---|---:|---:|---:|---:|---:|---:|")
+        for w, t in FORMATS:
+            r, p = ub[w], row(peer[w], prompt=2048)
+            print(f"| {w} / {t} | {ts(r)} | {r['achieved_tflops']:,.1f} | {pct(r.get('matmul_ratio'))} | "
+                  f"{ratio(r['avg_ts'], ub['bf16'] and ub['bf16']['avg_ts'])} | {ts(p)} | "
+                  f"{ratio(r['avg_ts'], p and p['avg_ts'])} |" if r else f"| {w} / {t} | — | | | | {ts(p)} | |")
 
     print("\n| 8 streams, tg128 total (context 128) | ninfer tok/s | 8 streams / 1 (ninfer) | llama.cpp batched "
           "(npl 8) | llama.cpp 8 / 1 | ninfer / llama.cpp |\n|---|---:|---:|---:|---:|---:|")

@@ -34,6 +34,7 @@ def test_version_prints_version_and_build_id() -> None:
     (("run", "--max-tokens", "0", "hi"), "--max-tokens"),
     (("convert", "/no/such.gguf", "-o", "x.ninfer"), "/no/such.gguf"),
     (("bench", "--synthetic", "nope"), "known shapes"),
+    (("bench", "--synthetic", "smollm2-135m", "-ub", "0"), "-ub must be >= 1"),
     (("serve", "--port", "abc"), "--port"),
     (("serve", "--max-concurrency", "9"), "--max-concurrency"),
     (("serve", "--rope-yarn-factor", "5"), "--rope-yarn-factor"),
@@ -149,13 +150,14 @@ def test_convert_writes_a_valid_artifact(tiny_hf_dirs: dict[str, Path], tmp_path
 @pytest.mark.slow
 def test_bench_json_has_llama_bench_fields(tmp_path: Path) -> None:
     out = ninfer("bench", "--synthetic", "smollm2-135m", "--backend", "torch", "-p", "16", "-n", "4", "-r", "2",
-                 "--concurrency", "1,2", "-o", "jsonl")
+                 "--concurrency", "1,2", "-ub", "8", "-o", "jsonl")
     assert out.returncode == 0, out.stderr
     rows = [json.loads(line) for line in out.stdout.splitlines()]
     assert [(r["n_prompt"], r["n_gen"], r["n_concurrency"]) for r in rows] == [(16, 0, 1), (0, 4, 1), (0, 4, 2)]
     for r in rows:
         assert len(r["samples_ts"]) == 2 and r["avg_ts"] > 0 and r["stddev_ts"] >= 0
         assert {"avg_ns", "stddev_ns", "model_size", "model_n_params", "build_commit", "n_depth"} <= set(r)
+        assert r["n_ubatch"] == 8
         # the roofline, against ceilings probed in this run (--ceilings on is the default)
         limits = r["ceilings"]
         assert limits["device"] == "cpu" and limits["read_gbs"] > 0 and limits["matmul_tflops"] > 0

@@ -131,6 +131,8 @@ def bench(
     n_prompt: List[str] = typer.Option(["512"], "-p", "--n-prompt", help="Prompt sizes (comma list or repeated; 0 skips)."),
     n_gen: List[str] = typer.Option(["128"], "-n", "--n-gen", help="Generation lengths (comma list or repeated; 0 skips)."),
     repetitions: int = typer.Option(5, "-r", "--repetitions", help="Runs per test (after one warm-up)."),
+    ubatch: int = typer.Option(1024, "-ub", "--ubatch-size", help="Prompt tokens a forward pass takes (the "
+                                                                  "engine's --prefill-chunk)."),
     concurrency: List[str] = typer.Option(["1"], "--concurrency", "-c", help="Concurrent requests for tg tests (1..8)."),
     n_depth: List[str] = typer.Option(["0"], "-d", "--n-depth", help="Context depth of tg tests: a prompt of D "
                                                                      "tokens before the timed tokens (comma list; "
@@ -184,6 +186,8 @@ def bench(
         raise ConfigError(f"-o must be md, json or jsonl, got {output!r}")
     if repetitions < 1:
         raise ConfigError("-r must be >= 1")
+    if ubatch < 1:
+        raise ConfigError("-ub must be >= 1")
     if decode_ahead not in ("on", "off"):
         raise ConfigError(f"--decode-ahead must be on or off, got {decode_ahead!r}")
     if any(not 1 <= c <= 8 for c in concs):
@@ -219,7 +223,7 @@ def bench(
     if context_text is not None:  # room for the file's tokens (at most ~1 token per byte)
         span += len(context_text.encode())
     scheduler = SchedulerConfig(max_concurrency=max_c, max_pending_requests=8, max_context=span,
-                                prefix_reuse=False, decode_ahead=decode_ahead == "on")
+                                prefill_chunk=ubatch, prefix_reuse=False, decode_ahead=decode_ahead == "on")
     loaded = start_engine(artifact, backend=backend, torch_device=torch_device, scheduler=scheduler,
                           kv_capacity=max_c * (span + 64), cuda_graph=not no_cuda_graph,
                           kernel_cache_dir=cache_dir() / "kernels", dtype=compute_dtype, spec=spec_config,
@@ -274,7 +278,7 @@ def bench(
                     "devices": list(loaded.devices) or [loaded.device],
                     "model_filename": str(artifact.path), "model_type": f"{artifact.meta.architecture} {artifact.meta.name}",
                     "model_size": size, "model_n_params": n_params, "n_threads": n_threads,
-                    "n_prompt": p, "n_gen": n, "n_depth": d, "n_concurrency": c,
+                    "n_prompt": p, "n_gen": n, "n_depth": d, "n_concurrency": c, "n_ubatch": ubatch,
                     "test_time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                     "avg_ns": int(statistics.fmean(ns for ns, _ in samples_ns)),
                     "stddev_ns": int(statistics.stdev([ns for ns, _ in samples_ns])) if len(samples_ns) > 1 else 0,
