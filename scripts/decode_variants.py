@@ -2,7 +2,9 @@
 variant end to end. A variant is a label: pN (MMA_PIPE N: N iterations in flight a warp, a rolling
 pipeline), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's keys are cut into;
 end to end only), fN (launchers.ATTN_PREFETCH N: decode attention's L2 prefetch N steps ahead; end
-to end only), e (gemv_mma's MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
+to end only), wN (launchers.WEIGHT_PREFETCH N: a gemv block's weights, up to N 128-byte lines a thread,
+asked of L2 before the PDL wait; the sweep times gemv_mma's, end to end every mma and tiled gemv's),
+e (gemv_mma's MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
 (launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only), joined by '+'; "rule"
 sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's rule by
 shape.
@@ -13,7 +15,7 @@ shape.
       L2 (calls in a CUDA graph, best of 7 samples) and GB/s; then the per-token sum over llama-8b's shapes
   PYTHONPATH=. python scripts/decode_variants.py bench VARIANT BENCH_ARGS...
       `ninfer bench BENCH_ARGS` with that variant (its gemv_mma defines over launchers.mma_variant's
-      for every bf16 launch; launchers.ATTN_MAX_SPLIT, ATTN_PREFETCH, SAMPLE_VEC)
+      for every bf16 launch; launchers.ATTN_MAX_SPLIT, ATTN_PREFETCH, WEIGHT_PREFETCH, SAMPLE_VEC)
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ def defines(label: str) -> dict[str, int]:
         if part in ("v", "e", "rule"):  # rule: nothing set (the built-in choices)
             out.update({"v": {"SAMPLE_VEC": 1}, "e": {"MMA_EARLY": 1}, "rule": {}}[part])
             continue
-        if part[:1] not in ("p", "s", "f") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, v joined by '+'")
-        out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH"}[part[0]]] = int(part[1:])
+        if part[:1] not in ("p", "s", "f", "w") or not part[1:].isdigit():
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, e, v joined by '+'")
+        out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF"}[part[0]]] = int(part[1:])
     return out
 
 
@@ -50,7 +52,7 @@ def sweep(labels: list[str]) -> None:
     from ninfer.kernels.timing import sample_seconds
 
     variants = {label: defines(label) for label in labels}
-    if any(set(v) - {"MMA_PIPE", "MMA_EARLY"} for v in variants.values()):
+    if any(set(v) - {"MMA_PIPE", "MMA_EARLY", "MMA_L2PF"} for v in variants.values()):
         raise SystemExit("sN, fN and v are attention and sampling settings: bench them end to end (the sweep times gemv_mma)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
@@ -100,6 +102,7 @@ def main() -> None:
         L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)
         L.SAMPLE_VEC = bool(chosen.pop("SAMPLE_VEC", L.SAMPLE_VEC))
         L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
+        L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv
         if chosen:
             rule = L.mma_variant
             L.mma_variant = lambda code, N, K: {**rule(code, N, K), **chosen} if code == 0 else rule(code, N, K)

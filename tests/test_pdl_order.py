@@ -28,6 +28,9 @@ CASES = [
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 4}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_EARLY": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1}),
+    ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_L2PF": 4}),
+    ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1, "MMA_L2PF": 2}),
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 0, "T4_L2PF": 1}),
     ("gemv.cu", {"GEMV_FMT": 1}),
     ("attention.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "ROPE_KV": 1}),
     ("attention_decode_mma.cu", {"HEAD_DIM": 128, "GQA": 4, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4}),
@@ -78,3 +81,6 @@ def test_no_input_load_before_the_pdl_wait(source: str, defines: dict[str, int],
             assert loads, f"{name}: no weight load before the wait"
         else:
             assert not loads, (name, early)
+        # MMA_L2PF / T4_L2PF: the weights' L2 prefetch (CCTL.E.PF2) is asked before the wait, where it overlaps
+        prefetch = [op for op in ops[:ops.index("ACQBULK")] if op.startswith("CCTL.E.PF2")]
+        assert bool(prefetch) == bool(defines.get("MMA_L2PF") or defines.get("T4_L2PF")), (name, prefetch)

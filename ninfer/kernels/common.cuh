@@ -214,6 +214,18 @@ __device__ __forceinline__ u32 ld_stream1(const void* p, bool nc = true) {
 // A hint: the 128-byte line at p into L2, no register written, nothing waits on it.
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
+// Up to PF lines a thread of [p, p + bytes) into L2, the block's threads taking consecutive 128-byte
+// lines (the region's start first): a kernel's weights, which nothing writes, asked for before its PDL
+// wait, so they stream from memory while the kernel before finishes (a hint: the same bits).
+template <int PF>
+__device__ __forceinline__ void prefetch_region_l2(const void* p, i64 bytes) {
+#pragma unroll
+  for (int i = 0; i < PF; ++i) {
+    const i64 off = ((i64)i * blockDim.x + threadIdx.x) * 128;
+    if (off < bytes) prefetch_l2((const char*)p + off);
+  }
+}
+
 // The activations (the kernel before's output): a coherent load, which ptxas keeps after PDL_WAIT
 // (an .nc one, as __ldg, it may move above it).
 __device__ __forceinline__ uint4 ld_act(const act* p) {

@@ -44,6 +44,11 @@
 #define MMA_EARLY 0
 #endif
 #define MMA_EARLY_W (MMA_FMT == 0 && MMA_PIPE && MMA_EARLY)
+// MMA_L2PF > 0 (any format; speed only): the block's weight rows, up to MMA_L2PF 128-byte lines a
+// thread, asked of L2 before the PDL wait (common.cuh prefetch_region_l2; launchers.WEIGHT_PREFETCH)
+#ifndef MMA_L2PF
+#define MMA_L2PF 0
+#endif
 
 // The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
 __device__ __forceinline__ u32 bf16_pair(u32 w, int shift, u32 neg_off2) {
@@ -97,6 +102,13 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
          const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
          int y_f32 NORM_PARAMS) {
   PDL_LAUNCH();
+#if MMA_L2PF
+  {
+    const i64 row_bytes = MMA_FMT == 0 ? 2 * (i64)K : MMA_FMT == 1 ? (i64)K : (i64)K / 2;
+    const int rows0 = blockIdx.x * 16;
+    prefetch_region_l2<MMA_L2PF>(w + rows0 * row_bytes, min(16, N - rows0) * row_bytes);
+  }
+#endif
 #if !MMA_EARLY_W
   PDL_WAIT();
 #endif

@@ -64,6 +64,11 @@
 #else
 #define T4_BOUNDS __launch_bounds__(T4_WARPS * 32)
 #endif
+// T4_L2PF > 0 (speed only): the block's tile, up to T4_L2PF 128-byte lines a thread, asked of L2 before
+// the PDL wait, beside the first stages' loads (common.cuh prefetch_region_l2; launchers.WEIGHT_PREFETCH)
+#ifndef T4_L2PF
+#define T4_L2PF 0
+#endif
 #if ACT_F32
 #error "gemv_tiled takes bf16 activations only"
 #endif
@@ -273,6 +278,9 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #pragma unroll
   for (int p = 0; p < T4_STAGES; ++p)
     if (p < n) load_w(st[p], p, false);  // coherent loads: ptxas keeps them before the wait
+#if T4_L2PF
+  prefetch_region_l2<T4_L2PF>(w + (i64)tile * S * 512, (i64)S * 512);
+#endif
   PDL_WAIT();
 #pragma unroll
   for (int p = 0; p < T4_STAGES; ++p)

@@ -30,6 +30,11 @@ ATTN_MMA_WARPS = 4
 # attention_decode_mma.cu's ATTN_PF: a warp's L2 prefetch of its K / V rows that many steps ahead (speed
 # only, the same bits); 0 (off) until timed on a GPU (scripts/decode_variants.py label fN)
 ATTN_PREFETCH = 0
+# gemv_mma.cu's MMA_L2PF and gemv_tiled.cu's T4_L2PF: a block asks L2 for up to this many 128-byte lines
+# a thread of its weights before its PDL wait, so they stream while the kernel before (a norm, the
+# attention, another gemv's tail) finishes (speed only, the same bits); 0 (off) until timed on a GPU
+# (scripts/decode_variants.py label wN)
+WEIGHT_PREFETCH = 0
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 ATTN_SPLIT_MIN = 256  # attention_split.cuh: a context of at most this many keys is one partition
 SAMPLE_THREADS = 512  # sampling.cu
@@ -753,9 +758,9 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
-    variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB) over tiled_variant's
-    (tuning scripts; stages and prefetch change speed only, warps the order of the sum); mma: MMA_PIPE
-    over mma_variant's (speed only).
+    variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB, T4_L2PF) over
+    tiled_variant's (tuning scripts; stages and prefetch change speed only, warps the order of the sum);
+    mma: MMA_PIPE, MMA_EARLY, MMA_L2PF over mma_variant's (speed only).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
     dtype followed by swiglu / geglu.
@@ -797,12 +802,14 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         align = 8 if g32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
-        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1), **(variant or {})}
+        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1),
+                   **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH else {}), **(variant or {})}
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
                                                   **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)
     elif route == "mma":
-        defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K), **(variant or {})}
+        defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K),
+                   **({"MMA_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH else {}), **(variant or {})}
         kc.kernel("gemv_mma.cu", "gemv_mma", {**defines, **glu_defines}).launch(
             (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
     else:

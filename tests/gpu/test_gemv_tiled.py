@@ -69,14 +69,16 @@ def test_gemv_tiled_matches_fp64(kc: KernelCompiler, fmt: TensorFormat, N: int, 
 
 VARIANTS = ([{"T4_STAGES": s, "T4_XPRE": 0, "T4_MINB": 0} for s in (1, 2, 3, 4, 8)]
             + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 0} for s in (2, 3, 6)]
-            + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 2} for s in (2, 3)])
+            + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 2} for s in (2, 3)]
+            + [{"T4_STAGES": 2, "T4_XPRE": 0, "T4_MINB": 0, "T4_L2PF": p} for p in (1, 4)])
 
 
 @pytest.mark.parametrize("warps", [8, 16])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("K", [64, 576, 1536, 4096, 14336])  # int8: 2 .. 448 slabs
 def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat, K: int, warps: int) -> None:
-    """Stages in flight, where the activations load and register caps change speed only: at a block's
+    """Stages in flight, where the activations load, register caps and the tile's L2 prefetch change speed
+    only: at a block's
     warp count every variant gives the same bits, at widths where the warps' slab counts (K / 64 over
     the warps) leave every kind of tail, including warps with no slab; rows batched or alone bit-equal."""
     if K % fmt.group_size:
