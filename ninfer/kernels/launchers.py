@@ -31,10 +31,12 @@ ATTN_MMA_WARPS = 4
 # only, the same bits); 0 (off) until timed on a GPU (scripts/decode_variants.py label fN)
 ATTN_PREFETCH = 0
 # gemv_mma.cu's MMA_L2PF and gemv_tiled.cu's T4_L2PF: a block asks L2 for up to this many 128-byte lines
-# a thread of its weights before its PDL wait, so they stream while the kernel before (a norm, the
-# attention, another gemv's tail) finishes (speed only, the same bits); 0 (off) until timed on a GPU
-# (scripts/decode_variants.py label wN)
-WEIGHT_PREFETCH = 0
+# a thread of its weights before its PDL wait, so they stream while the kernel before finishes (speed
+# only, the same bits). None: the rules (mma_variant: one line for bf16; tiled_variant: none); a number
+# sets it for every mma and tiled launch (scripts/decode_variants.py label wN). H100, llama-8b tg128
+# (docs/PERF.md, session 25): bf16 170.8 -> 176.1 tok/s with 1 line, 165.3 with 2, 140.8 with 4;
+# int4 (tiled) 420.5 -> 396.3 with 1, 382.1 with 4.
+WEIGHT_PREFETCH: int | None = None
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 ATTN_SPLIT_MIN = 256  # attention_split.cuh: a context of at most this many keys is one partition
 SAMPLE_THREADS = 512  # sampling.cu
@@ -745,10 +747,12 @@ def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
     MMA_PIPE (iterations in flight a warp) 2, and 8 for rows in the tens of thousands (a 128k-vocab
     lm_head). H100, llama-8b's shapes (scripts/decode_variants.py sweep, docs/PERF.md session 24):
     4096 x 14336 45.4 -> 42.5 us, 4096 x 4096 14.4 -> 13.4, 6144 x 4096 and 28672 x 4096 even;
-    128256 x 4096 414 -> 356 us with 8 (2: 424); tg128 bf16 167.8 -> 170.9 tok/s with 2."""
+    128256 x 4096 414 -> 356 us with 8 (2: 424); tg128 bf16 167.8 -> 170.9 tok/s with 2. And MMA_L2PF 1
+    (each thread asks L2 for one line of its block's weight rows before the PDL wait, WEIGHT_PREFETCH):
+    tg128 bf16 170.8 -> 176.1 tok/s on an H100 (session 25; 2 lines lose)."""
     if code != 0:
         return {}
-    return {"MMA_PIPE": 8 if N >= 65536 else 2}
+    return {"MMA_PIPE": 8 if N >= 65536 else 2, "MMA_L2PF": 1}
 
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
@@ -803,13 +807,13 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
         defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1),
-                   **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH else {}), **(variant or {})}
+                   **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}), **(variant or {})}
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
                                                   **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)
     elif route == "mma":
         defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K),
-                   **({"MMA_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH else {}), **(variant or {})}
+                   **({"MMA_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}), **(variant or {})}
         kc.kernel("gemv_mma.cu", "gemv_mma", {**defines, **glu_defines}).launch(
             (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
     else:
