@@ -21,13 +21,13 @@
 #       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant, e.g. the one
 #       `python3 scripts/pick_variant.py OUTDIR` picks from the mma and attn results in OUTDIR
 #   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
-#       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p2,p2+e,p2+w4,p4;
-#       the sweep adds p0, p2+w16 and p8) by the kernel sweep (bits against the rule, µs per llama-8b
-#       shape), then llama-8b bf16 tg128 per variant, alternated twice (~5 min)
+#       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p2,p2+e,p2+w0,p4,
+#       w0: without the rule's one-line L2 prefetch; the sweep adds p0, p2+w2 and p8) by the kernel
+#       sweep (bits against the rule, µs per llama-8b shape), then llama-8b bf16 tg128 per variant,
+#       alternated twice (~5 min)
 #   scripts/gpu_session.sh attn OUTDIR                  # carry .whl; no llama.cpp needed
 #       alternated twice: tg128 at a 16k context with the decode attention's L2 prefetch 2 steps ahead
-#       (f2) and without (s32), the sampler's SAMPLE_VEC scan against today's, and int4 tg128 with the
-#       weights' L2 prefetch before the PDL wait (w4) and without (~5 min)
+#       (f2) and without (s32), and the sampler's SAMPLE_VEC scan against today's (~4 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -84,8 +84,8 @@ start)
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
 mma|attn)
-  VARIANTS="${1:-p2,p2+e,p2+w4,p4}"
-  [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w16,p8" > "$OUT/mma_sweep.txt" 2>&1
+  VARIANTS="${1:-p2,p2+e,p2+w0,p4}"
+  [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w2,p8" > "$OUT/mma_sweep.txt" 2>&1
   [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
   variant() {  # label, file name, bench args (bf16 unless they name --weights)
     python3 scripts/decode_variants.py bench "$1" --synthetic llama-8b --weights bf16 --backend cuda -n 128 -r 3 \
@@ -100,13 +100,12 @@ mma|attn)
     exit 0
   fi
   # alternated twice: tg128 at a 16k context with the decode attention's L2 prefetch 2 steps ahead (f2)
-  # and without (s32: today's partition cap; 64 and 128 lost on an H100), the sampler's SAMPLE_VEC scan
-  # against today's (bf16 llama-8b: a 128k-vocabulary row), and int4 with the weights' L2 prefetch (w4)
+  # and without (s32: today's partition cap; 64 and 128 lost on an H100), and the sampler's SAMPLE_VEC
+  # scan against today's (bf16 llama-8b: a 128k-vocabulary row)
   for r in 1 2; do
     for v in s32 f2; do variant "$v" "tg128_d16384_${v}_$r" -p 0 -d 16384; done
     variant rule "sample_scan_$r" -p 0
     variant v "sample_vec_$r" -p 0
-    for v in rule w4; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
   done
   exit 0
   ;;
