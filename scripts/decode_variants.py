@@ -4,7 +4,8 @@ pipeline), sN (launchers.ATTN_MAX_SPLIT N: the most partitions a decode token's 
 end to end only), fN (launchers.ATTN_PREFETCH N: decode attention's L2 prefetch N steps ahead; end
 to end only), wN (launchers.WEIGHT_PREFETCH N: a gemv block's weights, up to N 128-byte lines a thread,
 asked of L2 before the PDL wait; the sweep times gemv_mma's, end to end every mma and tiled gemv's),
-e (gemv_mma's MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
+k (gemv_mma's MMA_L2PF_K: bf16's prefetched lines in k order across the block's rows), e (gemv_mma's
+MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
 (launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only), joined by '+'; "rule"
 sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's rule by
 shape.
@@ -38,11 +39,11 @@ def defines(label: str) -> dict[str, int]:
     """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
     out = {}
     for part in label.split("+"):
-        if part in ("v", "e", "rule"):  # rule: nothing set (the built-in choices)
-            out.update({"v": {"SAMPLE_VEC": 1}, "e": {"MMA_EARLY": 1}, "rule": {}}[part])
+        if part in ("v", "e", "k", "rule"):  # rule: nothing set (the built-in choices)
+            out.update({"v": {"SAMPLE_VEC": 1}, "e": {"MMA_EARLY": 1}, "k": {"MMA_L2PF_K": 1}, "rule": {}}[part])
             continue
         if part[:1] not in ("p", "s", "f", "w") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, e, v joined by '+'")
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, e, k, v joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF"}[part[0]]] = int(part[1:])
     return out
 
@@ -52,7 +53,7 @@ def sweep(labels: list[str]) -> None:
     from ninfer.kernels.timing import sample_seconds
 
     variants = {label: defines(label) for label in labels}
-    if any(set(v) - {"MMA_PIPE", "MMA_EARLY", "MMA_L2PF"} for v in variants.values()):
+    if any(set(v) - {"MMA_PIPE", "MMA_EARLY", "MMA_L2PF", "MMA_L2PF_K"} for v in variants.values()):
         raise SystemExit("sN, fN and v are attention and sampling settings: bench them end to end (the sweep times gemv_mma)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)

@@ -21,8 +21,8 @@
 #       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant, e.g. the one
 #       `python3 scripts/pick_variant.py OUTDIR` picks from the mma and attn results in OUTDIR
 #   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
-#       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p2,p2+e,p2+w0,p4,
-#       w0: without the rule's one-line L2 prefetch; the sweep adds p0, p2+w2 and p8) by the kernel
+#       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p2,p2+k,p2+e,p2+w0,p4;
+#       k: the rule's L2 prefetch in k order, w0: without it; the sweep adds p0, p2+w2 and p8) by the kernel
 #       sweep (bits against the rule, µs per llama-8b shape), then llama-8b bf16 tg128 per variant,
 #       alternated twice (~5 min)
 #   scripts/gpu_session.sh attn OUTDIR                  # carry .whl; no llama.cpp needed
@@ -84,7 +84,7 @@ start)
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
 mma|attn)
-  VARIANTS="${1:-p2,p2+e,p2+w0,p4}"
+  VARIANTS="${1:-p2,p2+k,p2+e,p2+w0,p4}"
   [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w2,p8" > "$OUT/mma_sweep.txt" 2>&1
   [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
   variant() {  # label, file name, bench args (bf16 unless they name --weights)

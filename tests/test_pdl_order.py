@@ -29,6 +29,7 @@ CASES = [
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_EARLY": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_L2PF": 4}),
+    ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_L2PF": 2, "MMA_L2PF_K": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1, "MMA_L2PF": 2}),
     ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 0, "T4_L2PF": 1}),
     ("gemv.cu", {"GEMV_FMT": 1}),

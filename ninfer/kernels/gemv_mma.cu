@@ -49,6 +49,11 @@
 #ifndef MMA_L2PF
 #define MMA_L2PF 0
 #endif
+// MMA_L2PF_K 1 (with MMA_L2PF): the lines in k order across the block's 16 rows (line j: row j % 16,
+// bytes 128 (j / 16) on), the order the warps read them, instead of the region's (rows 0, 1, ... whole)
+#ifndef MMA_L2PF_K
+#define MMA_L2PF_K 0
+#endif
 
 // The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
 __device__ __forceinline__ u32 bf16_pair(u32 w, int shift, u32 neg_off2) {
@@ -105,8 +110,17 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #if MMA_L2PF
   {
     const i64 row_bytes = MMA_FMT == 0 ? 2 * (i64)K : MMA_FMT == 1 ? (i64)K : (i64)K / 2;
-    const int rows0 = blockIdx.x * 16;
-    prefetch_region_l2<MMA_L2PF>(w + rows0 * row_bytes, min(16, N - rows0) * row_bytes);
+    const int rows0 = blockIdx.x * 16, rows = min(16, N - rows0);
+#if MMA_L2PF_K
+#pragma unroll
+    for (int i = 0; i < MMA_L2PF; ++i) {
+      const int j = i * blockDim.x + threadIdx.x;
+      const i64 col = (i64)(j >> 4) * 128;
+      if ((j & 15) < rows && col < row_bytes) prefetch_l2(w + (rows0 + (j & 15)) * row_bytes + col);
+    }
+#else
+    prefetch_region_l2<MMA_L2PF>(w + rows0 * row_bytes, rows * row_bytes);
+#endif
   }
 #endif
 #if !MMA_EARLY_W

@@ -308,19 +308,19 @@ def test_gemv_mma_pipes_give_the_built_in_loops_bits(kc: KernelCompiler, pipe: i
 @pytest.mark.parametrize("N,K", [(1000, 2048), (16, 14336), (48, 1536)])
 def test_gemv_mma_weight_prefetch_gives_the_same_bits(kc: KernelCompiler, fmt: TensorFormat, N: int, K: int) -> None:
     """MMA_L2PF (launchers.WEIGHT_PREFETCH: the block's weight rows asked of L2 before the PDL wait; bf16's
-    rule asks one line a thread) is a hint: the output equals the rule's bit for bit, without it, with
-    fewer lines a thread than a block's rows take, as many and more, and a last block of fewer than 16
-    rows."""
+    rule asks one line a thread), in the region's order or in k order across the rows (MMA_L2PF_K), is a
+    hint: the output equals the rule's bit for bit, without it, with fewer lines a thread than a block's
+    rows take, as many and more, and a last block of fewer than 16 rows."""
     g = gen(N + K + 1)
     parts = L.gemv_pack("mma", fmt, quantize(randn((N, K), g, torch.float32, 0.05), fmt))
     for M in (1, 8):
         x = randn((M, K), g)
         base = poisoned((M, N), F32)
         L.gemv(kc, x, fmt, parts, base, route="mma")
-        for lines in (0, 1, 4, 32):
+        for lines, k_order in ((0, 0), (1, 0), (4, 0), (32, 0), (1, 1), (4, 1), (32, 1)):
             out = poisoned((M, N), F32)
-            L.gemv(kc, x, fmt, parts, out, route="mma", variant={"MMA_L2PF": lines})
-            assert torch.equal(out, base), (M, lines)
+            L.gemv(kc, x, fmt, parts, out, route="mma", variant={"MMA_L2PF": lines, "MMA_L2PF_K": k_order})
+            assert torch.equal(out, base), (M, lines, k_order)
 
 
 @pytest.mark.parametrize("fmt", GEMV_FORMATS, ids=GEMV_IDS)
