@@ -69,6 +69,17 @@
 #ifndef T4_L2PF
 #define T4_L2PF 0
 #endif
+// T4_DQ 1 (asym int4 in groups of 32 only; other bits than 0): each pair dequantized to bf16 in registers,
+// w = (16 + q) s + (m - 16 s) in one bf16x2 fma (s and m - 16 s rounded to bf16), and the chunk's two
+// mmas accumulate into the tile's fp32 sums, in place of the sum(x) mmas and the per-chunk fp32 scaling.
+// Fewer instructions a byte (scripts/sass_count.py); the weights as bf16 as the prompt route's expansion
+// rounds them, with the scale and min once more rounded to bf16 (their error a few % of the 4-bit step).
+#ifndef T4_DQ
+#define T4_DQ 0
+#endif
+#if T4_DQ && !(T4_FMT == 3 && T4_G32)
+#error "T4_DQ takes T4_FMT 3 with T4_G32 1"
+#endif
 #if ACT_F32
 #error "gemv_tiled takes bf16 activations only"
 #endif
@@ -170,6 +181,36 @@ __device__ __forceinline__ void scale_into(float* acc, const float* c, const flo
 #endif
 }
 
+#if T4_DQ
+// acc += the chunk (words wa: row g, wb: row g + 8) dequantized to bf16 (scales s, mins m: f16x2 of rows
+// g and g + 8) times its activations xv
+__device__ __forceinline__ void chunk_dq(float* acc, u32 wa, u32 wb, uint4 xv, u32 s, u32 m, u32 mask) {
+  float s0, s1, m0, m1;
+  f16x2_to_f32(s, s0, s1);
+  f16x2_to_f32(m, m0, m1);
+  u32 sb, mb;  // bf16x2 (row g low, row g + 8 high), round to nearest
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(sb) : "f"(s1), "f"(s0));
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(mb) : "f"(fmaf(-16.0f, s1, m1)), "f"(fmaf(-16.0f, s0, m0)));
+  // (16 + q) s + m', one bf16x2 fma: row g takes the low halves of sb, mb, row g + 8 the high ones
+  auto dq = [&](u32 v, bool hi) {
+    u32 r;
+    if (hi)
+      asm("{.reg .b16 a, b, c, d;\n\t.reg .b32 s2, m2;\n\tmov.b32 {a, b}, %2;\n\tmov.b32 {c, d}, %3;\n\t"
+          "mov.b32 s2, {b, b};\n\tmov.b32 m2, {d, d};\n\tfma.rn.bf16x2 %0, %1, s2, m2;}"
+          : "=r"(r) : "r"(v), "r"(sb), "r"(mb));
+    else
+      asm("{.reg .b16 a, b, c, d;\n\t.reg .b32 s2, m2;\n\tmov.b32 {a, b}, %2;\n\tmov.b32 {c, d}, %3;\n\t"
+          "mov.b32 s2, {a, a};\n\tmov.b32 m2, {c, c};\n\tfma.rn.bf16x2 %0, %1, s2, m2;}"
+          : "=r"(r) : "r"(v), "r"(sb), "r"(mb));
+    return r;
+  };
+  mma16816(acc, dq(pair(wa, 0, mask), false), dq(pair(wb, 0, mask), true), dq(pair(wa, 1, mask), false),
+           dq(pair(wb, 1, mask), true), xv.x, xv.y);
+  mma16816(acc, dq(pair(wa, 2, mask), false), dq(pair(wb, 2, mask), true), dq(pair(wa, 3, mask), false),
+           dq(pair(wb, 3, mask), true), xv.z, xv.w);
+}
+#endif
+
 extern "C" __global__ void T4_BOUNDS
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
@@ -258,6 +299,10 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #else
     const u32 m0 = 0u, m1 = 0u;
 #endif
+#if T4_DQ
+    chunk_dq(acc, st.w.x, st.w.y, x0, st.s.x, m0, mask);
+    chunk_dq(acc, st.w.z, st.w.w, x1, st.s.y, m1, mask);
+#else
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     chunk(c, cx, st.w.x, st.w.y, x0, mask);
 #if T4_G32
@@ -268,6 +313,7 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #else
     chunk(c, cx, st.w.z, st.w.w, x1, mask);
     scale_into(acc, c, cx, st.s, m0);
+#endif
 #endif
 #endif
   };

@@ -37,6 +37,11 @@ ATTN_PREFETCH = 0
 # (docs/PERF.md, session 25): bf16 170.8 -> 176.1 tok/s with 1 line, 165.3 with 2, 140.8 with 4;
 # int4 (tiled) 420.5 -> 396.3 with 1, 382.1 with 4.
 WEIGHT_PREFETCH: int | None = None
+# gemv_tiled.cu's T4_DQ for asym int4 in groups of 32 (Q4_1's shape): the nibbles dequantized to bf16 in
+# registers (one bf16x2 fma a pair) and the mmas accumulating into the tile's sums, 165 instructions a KB
+# against 181 (scripts/sass_count.py). Other bits (the weights rounded to bf16 as the prompt route's
+# expansion rounds them, the scale and min once more): off until timed (decode_variants.py label q).
+TILED_DQ = False
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 ATTN_SPLIT_MIN = 256  # attention_split.cuh: a context of at most this many keys is one partition
 SAMPLE_THREADS = 512  # sampling.cu
@@ -807,7 +812,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
         defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1),
-                   **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}), **(variant or {})}
+                   **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}),
+                   **({"T4_DQ": 1} if TILED_DQ and code == 3 and g32 else {}), **(variant or {})}
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
                                                   **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ninfer.engine.quant import TensorFormat, dequantize, quantize
+from ninfer.engine.quant import TensorFormat, dequantize, quantize, unpack_int4
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler
 
@@ -99,6 +99,47 @@ def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat
             out = poisoned((M, N), F32)
             L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant={**v, "T4_WARPS": warps})
             assert torch.equal(out, base), (M, v)
+
+
+def dq_weights(parts: dict[str, torch.Tensor], g: int) -> torch.Tensor:
+    """gemv_tiled.cu T4_DQ's bf16 weights, float64: (16 + q) s_b + m'_b rounded once to bf16, s_b = s to
+    bf16, m'_b = (m - 16 s) (fp32) to bf16."""
+    q = unpack_int4(parts[""]).double()
+    s = parts[".scales"].float()
+    sb = s.to(BF).double().repeat_interleave(g, 1)
+    mb = (parts[".mins"].float() - 16.0 * s).to(BF).double().repeat_interleave(g, 1)
+    exact = (16.0 + q) * sb + mb  # exact in fp64
+    # rounded once to bf16's 8 significant bits, to nearest even (torch's fp64 -> bf16 goes through fp32)
+    _, e = torch.frexp(exact)
+    return torch.ldexp(torch.round(torch.ldexp(exact, 8 - e)), e - 8)
+
+
+@pytest.mark.parametrize("K", [64, 576, 4096, 14336])
+def test_gemv_tiled_dq_is_its_bf16_weights(kc: KernelCompiler, K: int) -> None:
+    """T4_DQ (asym int4 in groups of 32 dequantized to bf16 in registers): the fp32 sums of x times its
+    bf16 weights (dq_weights) to the fp32 bound at every row count, rows batched or alone bit-equal, every
+    stage variant the same bits, and the logical weights' product to bf16-weight rounding."""
+    fmt = TensorFormat("int4", 32, False)
+    N = 256
+    parts = weight(fmt, N, K, seed=K + 1)
+    packed = L.gemv_pack("tiled", fmt, parts)
+    x = torch.randn(8, K, generator=torch.Generator(device=DEV).manual_seed(3), device=DEV).to(BF)
+    ref = x.double() @ dq_weights(parts, 32).T
+    exact = x.double() @ dequantize(fmt, parts, torch.float64).T
+    dq = {"T4_DQ": 1}
+    lone = poisoned((1, N), F32)
+    L.gemv(kc, x[6:7], fmt, packed, lone, route="tiled", variant=dq)
+    for M in range(1, 9):
+        out = poisoned((M, N), F32)
+        L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant=dq)
+        assert rel(out, ref[:M]) < 1e-5, M
+        assert rel(out, exact[:M]) < 5e-3, M
+        if M > 6:
+            assert torch.equal(out[6], lone[0]), M
+        for v in VARIANTS:
+            other = poisoned((M, N), F32)
+            L.gemv(kc, x[:M], fmt, packed, other, route="tiled", variant={**v, **dq})
+            assert torch.equal(other, out), (M, v)
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
