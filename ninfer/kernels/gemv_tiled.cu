@@ -77,6 +77,16 @@
 #ifndef T4_DQ
 #define T4_DQ 0
 #endif
+// T4_F16 1 (int8 only; other bits than 0): the mmas in fp16 — a word's bytes as two fp16 pairs by a
+// byte permute (1024 + (q ^ 0x80)) and one fp16x2 add (- 1152), exact, one mma a 4-k word pair where the
+// bf16 path needs two (q = 16 hi + lo) and three instructions a pair; the activations converted to fp16
+// per slab (exact for |x| in fp16's normal range, finite-clamped above 65504).
+#ifndef T4_F16
+#define T4_F16 0
+#endif
+#if T4_F16 && !T4_INT8
+#error "T4_F16 takes T4_FMT 1"
+#endif
 #if T4_DQ && !(T4_FMT == 3 && T4_G32)
 #error "T4_DQ takes T4_FMT 3 with T4_G32 1"
 #endif
@@ -144,6 +154,38 @@ __device__ __forceinline__ void chunk8(float* c, u32 wa, u32 wb, u32 x01, u32 x2
   mma16816(c, pair8(wa, 0, mask), pair8(wb, 0, mask), pair8(wa, 2, mask), pair8(wb, 2, mask), x01, x23);
   mma16816(c, pair8(wa, 1, mask), pair8(wb, 1, mask), pair8(wa, 3, mask), pair8(wb, 3, mask), x01, x23);
 }
+
+#if T4_F16
+// c += A x B as mma16816, fp16 inputs
+__device__ __forceinline__ void mma16816_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// bytes (lo, hi) of an int8 word (sel 0x4240: bytes 0 and 2, 0x4341: 1 and 3) as two fp16, exact
+__device__ __forceinline__ u32 bytes_f16(u32 w, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(w ^ 0x80808080u), "r"(0x64646464u), "r"(sel));  // 1024 + (q ^ 0x80)
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(0x64806480u));  // - 1152
+  return r;
+}
+
+// a bf16 pair as an fp16 pair
+__device__ __forceinline__ u32 bf16x2_to_f16x2(u32 x) {
+  u32 r;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(x & 0xffff0000u)), "f"(__uint_as_float(x << 16)));
+  return r;
+}
+
+// c += four k (bytes e0 e2 e1 e3) of rows g (word wa) and g + 8 (wb) times their activations' pairs x01, x23
+__device__ __forceinline__ void chunk8_f16(float* c, u32 wa, u32 wb, u32 x01, u32 x23) {
+  mma16816_f16(c, bytes_f16(wa, 0x4240u), bytes_f16(wb, 0x4240u), bytes_f16(wa, 0x4341u), bytes_f16(wb, 0x4341u),
+               bf16x2_to_f16x2(x01), bf16x2_to_f16x2(x23));
+}
+#endif
 
 __device__ __forceinline__ void f16x2_to_f32(u32 w, float& lo, float& hi) {
   asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
@@ -281,8 +323,13 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
     const uint4 x0 = ld_act(xp + i * STEP * SLAB_K);
 #endif
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if T4_F16
+    chunk8_f16(c, st.w.x, st.w.y, x0.x, x0.y);
+    chunk8_f16(c, st.w.z, st.w.w, x0.z, x0.w);
+#else
     chunk8(c, st.w.x, st.w.y, x0.x, x0.y, mask);  // words (c 0, h 0), (0, 1): k 0..3 of the lane's 8
     chunk8(c, st.w.z, st.w.w, x0.z, x0.w, mask);  // (1, 0), (1, 1): k 4..7
+#endif
     scale_into(acc, c, nullptr, st.s, 0u);
 #else
 #if T4_XPRE

@@ -42,6 +42,10 @@ WEIGHT_PREFETCH: int | None = None
 # against 181 (scripts/sass_count.py). Other bits (the weights rounded to bf16 as the prompt route's
 # expansion rounds them, the scale and min once more): off until timed (decode_variants.py label q).
 TILED_DQ = False
+# gemv_tiled.cu's T4_F16 for int8: the mmas in fp16 (a byte permute and an fp16 add give two exact weights,
+# one mma a word pair where bf16 needs two), the activations converted per slab: 108 instructions a KB
+# against 138. Other bits (activations past fp16's range clamp): off until timed (label h).
+TILED_F16 = False
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 ATTN_SPLIT_MIN = 256  # attention_split.cuh: a context of at most this many keys is one partition
 SAMPLE_THREADS = 512  # sampling.cu
@@ -813,7 +817,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
         defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1),
                    **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}),
-                   **({"T4_DQ": 1} if TILED_DQ and code == 3 and g32 else {}), **(variant or {})}
+                   **({"T4_DQ": 1} if TILED_DQ and code == 3 and g32 else {}),
+                   **({"T4_F16": 1} if TILED_F16 and code == 1 else {}), **(variant or {})}
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
                                                   **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)

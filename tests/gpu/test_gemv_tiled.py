@@ -142,6 +142,40 @@ def test_gemv_tiled_dq_is_its_bf16_weights(kc: KernelCompiler, K: int) -> None:
             assert torch.equal(other, out), (M, v)
 
 
+@pytest.mark.parametrize("g", [32, 128])
+@pytest.mark.parametrize("K", [32, 576, 4096, 14336])
+def test_gemv_tiled_int8_f16_is_exact(kc: KernelCompiler, K: int, g: int) -> None:
+    """T4_F16 (int8 mmas in fp16): weights exact, activations exact in fp16's range (these are), so fp64 to
+    the fp32 bound at every row count; rows batched or alone bit-equal; every stage variant the same bits;
+    and an activation past fp16's range clamps (finite), not inf."""
+    fmt = TensorFormat("int8", g)
+    if K % g:
+        pytest.skip("group size does not divide K")
+    N = 256
+    parts = weight(fmt, N, K, seed=K + g)
+    packed = L.gemv_pack("tiled", fmt, parts)
+    x = torch.randn(8, K, generator=torch.Generator(device=DEV).manual_seed(5), device=DEV).to(BF)
+    ref = x.double() @ dequantize(fmt, parts, torch.float64).T
+    f16 = {"T4_F16": 1}
+    lone = poisoned((1, N), F32)
+    L.gemv(kc, x[6:7], fmt, packed, lone, route="tiled", variant=f16)
+    for M in range(1, 9):
+        out = poisoned((M, N), F32)
+        L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant=f16)
+        assert rel(out, ref[:M]) < 1e-5, M
+        if M > 6:
+            assert torch.equal(out[6], lone[0]), M
+        for v in VARIANTS:
+            other = poisoned((M, N), F32)
+            L.gemv(kc, x[:M], fmt, packed, other, route="tiled", variant={**v, **f16})
+            assert torch.equal(other, out), (M, v)
+    big = x[:1].clone()
+    big[0, 0] = 1e6
+    out = poisoned((1, N), F32)
+    L.gemv(kc, big, fmt, packed, out, route="tiled", variant=f16)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("dtype", [BF, F32], ids=["bf16", "f32"])
 def test_dequantize_weight_from_tiles_equals_quant_dequantize(kc: KernelCompiler, fmt: TensorFormat,
