@@ -8,7 +8,7 @@ k (gemv_mma's MMA_L2PF_K: bf16's prefetched lines in k order across the block's 
 MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
 (launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only), q (launchers.TILED_DQ:
 asym g32 int4 dequantized to bf16 in the tiled gemv's registers), h (launchers.TILED_F16: the tiled int8
-gemv's mmas in fp16), tN / xN / bN (launchers.TILED_DEFINES: every tiled gemv's T4_STAGES, T4_XPRE,
+gemv's mmas in fp16), tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE,
 T4_MINB; all end to end only), joined by '+'; "rule"
 sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's rule by
 shape.

@@ -28,6 +28,10 @@
 #   scripts/gpu_session.sh attn OUTDIR                  # carry .whl; no llama.cpp needed
 #       alternated twice: tg128 at a 16k context with the decode attention's L2 prefetch 2 steps ahead
 #       (f2) and without (s32), and the sampler's SAMPLE_VEC scan against today's (~4 min)
+#   scripts/gpu_session.sh tiled OUTDIR                 # carry .whl; no llama.cpp needed
+#       alternated twice: llama-8b tg128 int4 with the tiled gemv's rule, q (T4_DQ: Q4_1-shaped int4
+#       dequantized to bf16 in registers) and q+t3+x0+b4 (the same, 3 slabs in flight, 4 blocks an SM),
+#       and int8 with the rule and h (T4_F16: the mmas in fp16) (~4 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -37,8 +41,8 @@
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|fusions OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|fusions OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -83,7 +87,7 @@ start)
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
-mma|attn)
+mma|attn|tiled)
   VARIANTS="${1:-p2,p2+k,p2+e,p2+w0,p4}"
   [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w2,p8" > "$OUT/mma_sweep.txt" 2>&1
   [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
@@ -93,6 +97,13 @@ mma|attn)
     python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'], r['stddev_ts'])" \
       "$OUT/$2.json" "$2" || tail -n 3 "$OUT/$2.log"
   }
+  if [ "$MODE" = tiled ]; then
+    for r in 1 2; do
+      for v in rule q q+t3+x0+b4; do variant "$v" "int4_${v//+/-}_$r" -p 0 --weights int4; done
+      for v in rule h; do variant "$v" "int8_${v//+/-}_$r" -p 0 --weights int8; done
+    done
+    exit 0
+  fi
   if [ "$MODE" = mma ]; then
     for r in 1 2; do
       for v in ${VARIANTS//,/ }; do variant "$v" "tg128_${v//+/-}_$r" -p 0; done
@@ -131,7 +142,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|fusions OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)

@@ -1,7 +1,8 @@
 """The decode variant label to run issue 9's targets with, from `scripts/gpu_session.sh mma` and `attn`
 results in one or more folders: the gemv label with the best mean tg128 over its rounds (tg128_<label>_<r>.json,
 '-' standing for '+'; p2 is the built-in choice), the 16k attention label (tg128_d16384_<label>[_<r>].json), and v when the sampler's
-SAMPLE_VEC scan beat today's on average (sample_vec_<r>.json against sample_scan_<r>.json). A candidate
+SAMPLE_VEC scan beat today's on average (sample_vec_<r>.json against sample_scan_<r>.json), and the tiled
+gemv's int4 and int8 labels (`tiled`: int4_<label>_<r>.json, int8_<label>_<r>.json against their rule). A candidate
 must beat the built-in choice by more than 1 % to be named; prints the label ('+'-joined; "rule" when
 nothing beats the built-ins) and, on stderr, the means behind it.
 
@@ -50,12 +51,15 @@ def main() -> None:
     gemv = {k.replace("-", "+"): v for k, v in means(folders, r"tg128_((?!d16384)[a-z0-9-]+)_\d+\.json").items()}
     attn = means(folders, r"tg128_d16384_([a-z0-9]+)(?:_\d+)?\.json")
     sampler = means(folders, r"sample_(scan|vec)_\d+\.json")
-    for name, table in (("gemv", gemv), ("16k", attn), ("sampler", sampler)):
+    int4 = {k.replace("-", "+"): v for k, v in means(folders, r"int4_([a-z0-9-]+)_\d+\.json").items()}
+    int8 = {k.replace("-", "+"): v for k, v in means(folders, r"int8_([a-z0-9-]+)_\d+\.json").items()}
+    for name, table in (("gemv", gemv), ("16k", attn), ("sampler", sampler), ("int4", int4), ("int8", int8)):
         print(f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(table.items())), file=sys.stderr)
     # p2 is launchers.mma_variant's rule but for the lm_head-sized rows (8 there), and s32 today's
     # partition cap: neither needs naming, and naming p2 would take the lm_head's 8 away
-    parts = best(gemv, "p2").split("+") + [best(attn, "s32"), "vec" if best(sampler, "scan") == "vec" else ""]
-    label = "+".join("v" if p == "vec" else p for p in parts if p and p not in ("p2", "s32"))
+    parts = (best(gemv, "p2").split("+") + [best(attn, "s32"), "vec" if best(sampler, "scan") == "vec" else ""]
+             + best(int4, "rule").split("+") + best(int8, "rule").split("+"))
+    label = "+".join(dict.fromkeys("v" if p == "vec" else p for p in parts if p and p not in ("p2", "s32", "rule")))
     print(label or "rule")
 
 

@@ -46,8 +46,8 @@ TILED_DQ = False
 # one mma a word pair where bf16 needs two), the activations converted per slab: 108 instructions a KB
 # against 138. Other bits (activations past fp16's range clamp): off until timed (label h).
 TILED_F16 = False
-# gemv_tiled.cu defines over tiled_variant's for every tiled launch (T4_STAGES, T4_XPRE, T4_MINB): the tuning
-# scripts' override (decode_variants.py labels tN, xN, bN); speed only, the same bits
+# gemv_tiled.cu defines over tiled_variant's for every int4 tiled launch (T4_STAGES, T4_XPRE, T4_MINB): the
+# tuning scripts' override (decode_variants.py labels tN, xN, bN); speed only, the same bits
 TILED_DEFINES: dict[str, int] = {}
 ATTN_MAX_SPLIT = 32  # attention.cu: the most partitions a token's keys are cut into
 ATTN_SPLIT_MIN = 256  # attention_split.cuh: a context of at most this many keys is one partition
@@ -818,7 +818,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         align = 8 if g32 else 4  # a lane reads its scales of a slab in one load
         if any(p.data_ptr() % align for p in (parts[".scales"], mins) if p is not None):
             raise KernelError(f"scales and mins must start on a {align}-byte boundary")
-        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1), **TILED_DEFINES,
+        defines = {"T4_WARPS": TILED_WARPS, **tiled_variant(N, K, kc.sm_count, int8=code == 1),
+                   **(TILED_DEFINES if code != 1 else {}),
                    **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}),
                    **({"T4_DQ": 1} if TILED_DQ and code == 3 and g32 else {}),
                    **({"T4_F16": 1} if TILED_F16 and code == 1 else {}), **(variant or {})}
