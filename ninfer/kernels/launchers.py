@@ -39,13 +39,15 @@ ATTN_PREFETCH = 0
 WEIGHT_PREFETCH: int | None = None
 # gemv_tiled.cu's T4_DQ for asym int4 in groups of 32 (Q4_1's shape): the nibbles dequantized to bf16 in
 # registers (one bf16x2 fma a pair) and the mmas accumulating into the tile's sums, 165 instructions a KB
-# against 181 (scripts/sass_count.py). Other bits (the weights rounded to bf16 as the prompt route's
-# expansion rounds them, the scale and min once more): off until timed (decode_variants.py label q).
+# against 181 (scripts/sass_count.py). H100, llama-8b int4 tg128 (session 26): 419.8 / 419.2 -> 435.1 / 435.7
+# tok/s (+3.8 %), but the scale and m - 16 s rounded to bf16 put ~1 % (relative, random weights) on the
+# gemv's output, a sixth of the 4-bit rounding's own: off (decode_variants.py label q).
 TILED_DQ = False
 # gemv_tiled.cu's T4_F16 for int8: the mmas in fp16 (a byte permute and an fp16 add give two exact weights,
 # one mma a word pair where bf16 needs two), the activations converted per slab: 108 instructions a KB
-# against 138. Other bits (activations past fp16's range clamp): off until timed (label h).
-TILED_F16 = False
+# against 138; exact but for activations past fp16's range (they clamp). H100, llama-8b int8 tg128
+# (session 26, alternated twice): 301.5 / 301.0 -> 310.7 / 311.0 tok/s (+3.2 %).
+TILED_F16 = True
 # gemv_tiled.cu defines over tiled_variant's for every int4 tiled launch (T4_STAGES, T4_XPRE, T4_MINB): the
 # tuning scripts' override (decode_variants.py labels tN, xN, bN); speed only, the same bits
 TILED_DEFINES: dict[str, int] = {}
@@ -761,10 +763,11 @@ def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
     4096 x 14336 45.4 -> 42.5 us, 4096 x 4096 14.4 -> 13.4, 6144 x 4096 and 28672 x 4096 even;
     128256 x 4096 414 -> 356 us with 8 (2: 424); tg128 bf16 167.8 -> 170.9 tok/s with 2. And MMA_L2PF 1
     (each thread asks L2 for one line of its block's weight rows before the PDL wait, WEIGHT_PREFETCH):
-    tg128 bf16 170.8 -> 176.1 tok/s on an H100 (session 25; 2 lines lose)."""
+    tg128 bf16 170.8 -> 176.1 tok/s on an H100 (session 25; 2 lines lose). And MMA_EARLY (the pipeline's
+    first weights loaded before the PDL wait): 164.4 / 164.7 -> 168.5 / 168.0 (H100, session 26)."""
     if code != 0:
         return {}
-    return {"MMA_PIPE": 8 if N >= 65536 else 2, "MMA_L2PF": 1}
+    return {"MMA_PIPE": 8 if N >= 65536 else 2, "MMA_L2PF": 1, "MMA_EARLY": 1}
 
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
@@ -882,9 +885,9 @@ def _out_stride(out: torch.Tensor, M: int) -> int:
 
 
 # sampling.cu's SAMPLE_VEC scan (four logits a load, the k-th best in registers; the same tokens) where
-# the rows allow it. Off until timed on a GPU: the one-block scan of a 128k-vocabulary row took 58 us of
-# an H200 decode step (docs/PERF.md, session 23); tests/gpu/test_kernels.py runs both scans.
-SAMPLE_VEC = False
+# the rows allow it (tests/gpu/test_kernels.py runs both scans). H100, llama-8b bf16 tg128 (a 128k
+# vocabulary, session 26, alternated twice): 164.4 / 164.7 -> 165.1 / 165.3 tok/s.
+SAMPLE_VEC = True
 
 
 def sample_vec_ok(logits: torch.Tensor, counts: torch.Tensor | None) -> bool:
