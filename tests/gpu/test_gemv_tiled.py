@@ -118,7 +118,8 @@ def dq_weights(parts: dict[str, torch.Tensor], g: int) -> torch.Tensor:
 def test_gemv_tiled_dq_is_its_bf16_weights(kc: KernelCompiler, K: int) -> None:
     """T4_DQ (asym int4 in groups of 32 dequantized to bf16 in registers): the fp32 sums of x times its
     bf16 weights (dq_weights) to the fp32 bound at every row count, rows batched or alone bit-equal, every
-    stage variant the same bits, and the logical weights' product to bf16-weight rounding."""
+    stage variant the same bits; against the logical weights' product within 3 % (an H100 measured 1.0-1.5 %:
+    s and m - 16 s rounded to bf16 scale the error by 16 + q rather than q)."""
     fmt = TensorFormat("int4", 32, False)
     N = 256
     parts = weight(fmt, N, K, seed=K + 1)
@@ -133,7 +134,7 @@ def test_gemv_tiled_dq_is_its_bf16_weights(kc: KernelCompiler, K: int) -> None:
         out = poisoned((M, N), F32)
         L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant=dq)
         assert rel(out, ref[:M]) < 1e-5, M
-        assert rel(out, exact[:M]) < 5e-3, M
+        assert rel(out, exact[:M]) < 3e-2, M
         if M > 6:
             assert torch.equal(out[6], lone[0]), M
         for v in VARIANTS:
