@@ -80,7 +80,10 @@
 // T4_F16 1 (int8 only; other bits than 0): the mmas in fp16 — a word's bytes as two fp16 pairs by a
 // byte permute (1024 + (q ^ 0x80)) and one fp16x2 add (- 1152), exact, one mma a 4-k word pair where the
 // bf16 path needs two (q = 16 hi + lo) and three instructions a pair; the activations converted to fp16
-// per slab (exact for |x| in fp16's normal range, finite-clamped above 65504).
+// a slab at a time after a scaling by 2^-F16_SHIFT (exact; the sums scaled back at the end), so that
+// bf16 activations up to 65,504 * 2^F16_SHIFT convert exactly (Gemma's MLP inputs pass fp16's range),
+// and below 2^(F16_SHIFT - 14) lose low bits (at most 2^(F16_SHIFT - 24) each); past that range, clamped.
+#define F16_SHIFT 8
 #ifndef T4_F16
 #define T4_F16 0
 #endif
@@ -173,12 +176,14 @@ __device__ __forceinline__ u32 bytes_f16(u32 w, u32 sel) {
   return r;
 }
 
-// a bf16 pair as an fp16 pair
+// a bf16 pair times 2^-F16_SHIFT (exact) as an fp16 pair
 __device__ __forceinline__ u32 bf16x2_to_f16x2(u32 x) {
   u32 r;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(x & 0xffff0000u)), "f"(__uint_as_float(x << 16)));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(0x3B803B80u));  // 2^-8
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(__uint_as_float(r & 0xffff0000u)), "f"(__uint_as_float(r << 16)));
   return r;
 }
+static_assert(F16_SHIFT == 8, "bf16x2_to_f16x2's multiplier is 2^-8");
 
 // c += four k (bytes e0 e2 e1 e3) of rows g (word wa) and g + 8 (wb) times their activations' pairs x01, x23
 __device__ __forceinline__ void chunk8_f16(float* c, u32 wa, u32 wb, u32 x01, u32 x23) {
@@ -404,5 +409,9 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   for (int p = 0; p < T4_STAGES; ++p)
     if (base + T4_STAGES + p < n) compute(st[p], p + T4_STAGES);
 
+#if T4_F16
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] *= (float)(1 << F16_SHIFT);  // exact: the activations' scaling undone
+#endif
   tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh
 }

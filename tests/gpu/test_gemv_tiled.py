@@ -146,9 +146,9 @@ def test_gemv_tiled_dq_is_its_bf16_weights(kc: KernelCompiler, K: int) -> None:
 @pytest.mark.parametrize("g", [32, 128])
 @pytest.mark.parametrize("K", [32, 576, 4096, 14336])
 def test_gemv_tiled_int8_f16_is_exact(kc: KernelCompiler, K: int, g: int) -> None:
-    """T4_F16 (int8 mmas in fp16): weights exact, activations exact in fp16's range (these are), so fp64 to
-    the fp32 bound at every row count; rows batched or alone bit-equal; every stage variant the same bits;
-    and an activation past fp16's range clamps (finite), not inf."""
+    """T4_F16 (int8 mmas in fp16): weights exact, activations exact after their scaling by 2^-8 (these are),
+    so fp64 to the fp32 bound at every row count; rows batched or alone bit-equal; every stage variant the
+    same bits; activations past fp16's own range exact, past 2^8 times it clamped (finite), not inf."""
     fmt = TensorFormat("int8", g)
     if K % g:
         pytest.skip("group size does not divide K")
@@ -170,9 +170,14 @@ def test_gemv_tiled_int8_f16_is_exact(kc: KernelCompiler, K: int, g: int) -> Non
             other = poisoned((M, N), F32)
             L.gemv(kc, x[:M], fmt, packed, other, route="tiled", variant={**v, **f16})
             assert torch.equal(other, out), (M, v)
+    # activations past fp16's range (Gemma's MLP inputs): scaled by 2^-8 first, so exact up to ~1.7e7; beyond,
+    # clamped (finite)
     big = x[:1].clone()
-    big[0, 0] = 1e6
+    big[0, :4] = torch.tensor([1e6, -3e5, 7e4, -65520.0])
     out = poisoned((1, N), F32)
+    L.gemv(kc, big, fmt, packed, out, route="tiled", variant=f16)
+    assert rel(out, big.double() @ dequantize(fmt, parts, torch.float64).T) < 1e-5
+    big[0, 0] = 1e9
     L.gemv(kc, big, fmt, packed, out, route="tiled", variant=f16)
     assert torch.isfinite(out).all()
 
