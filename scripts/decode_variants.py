@@ -9,7 +9,8 @@ MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
 (launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only), q (launchers.TILED_DQ:
 asym g32 int4 dequantized to bf16 in the tiled gemv's registers), h (launchers.TILED_F16: the tiled int8
 gemv's mmas in fp16), tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE,
-T4_MINB; all end to end only), joined by '+'; "rule"
+T4_MINB), a (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before
+the PDL wait; all end to end only), joined by '+'; "rule"
 sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's rule by
 shape.
 
@@ -42,12 +43,12 @@ def defines(label: str) -> dict[str, int]:
     """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
     out = {}
     for part in label.split("+"):
-        if part in ("v", "e", "k", "q", "h", "rule"):  # rule: nothing set (the built-in choices)
+        if part in ("v", "e", "k", "q", "h", "a", "rule"):  # rule: nothing set (the built-in choices)
             out.update({"v": {"SAMPLE_VEC": 1}, "e": {"MMA_EARLY": 1}, "k": {"MMA_L2PF_K": 1}, "q": {"T4_DQ": 1},
-                        "h": {"T4_F16": 1}, "rule": {}}[part])
+                        "h": {"T4_F16": 1}, "a": {"ATTN_EARLY": 1}, "rule": {}}[part])
             continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, e, k, q, h, v joined by '+'")
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, v joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB"}[part[0]]] = int(part[1:])
     return out
@@ -59,7 +60,7 @@ def sweep(labels: list[str]) -> None:
 
     variants = {label: defines(label) for label in labels}
     if any(set(v) - {"MMA_PIPE", "MMA_EARLY", "MMA_L2PF", "MMA_L2PF_K"} for v in variants.values()):
-        raise SystemExit("sN, fN, q, h and v: bench them end to end (the sweep times gemv_mma's bf16)")
+        raise SystemExit("sN, fN, a, q, h and v: bench them end to end (the sweep times gemv_mma's bf16)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     fmt = TensorFormat("bf16")
@@ -109,6 +110,7 @@ def main() -> None:
         L.SAMPLE_VEC = bool(chosen.pop("SAMPLE_VEC", L.SAMPLE_VEC))
         L.TILED_DQ = bool(chosen.pop("T4_DQ", L.TILED_DQ))
         L.TILED_F16 = bool(chosen.pop("T4_F16", L.TILED_F16))
+        L.ATTN_EARLY = bool(chosen.pop("ATTN_EARLY", L.ATTN_EARLY))
         L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
         L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
         L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv

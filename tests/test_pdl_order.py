@@ -2,7 +2,7 @@
 load before `griddepcontrol.wait` (SASS ACQBULK). ptxas moves ld.global.nc loads (__ldg) across that
 wait, so the only loads allowed before it are the constant bank's (kernel arguments) and, where a
 kernel splits PDL_ENTRY to read its weights early (gemv_tiled, gemv_mma's MMA_EARLY, rmsnorm_residual), coherent weight loads (LDG without
-.CONSTANT). Compiles the kernels with NVRTC for sm_90 and reads their SASS with cuobjdump: no GPU
+.CONSTANT); the decode attention's ATTN_EARLY reads its lengths, positions and block table there (32-bit coherent loads). Compiles the kernels with NVRTC for sm_90 and reads their SASS with cuobjdump: no GPU
 needed; skipped where NVRTC or cuobjdump is missing."""
 from __future__ import annotations
 
@@ -38,6 +38,9 @@ CASES = [
     ("attention.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "ROPE_KV": 1}),
     ("attention_decode_mma.cu", {"HEAD_DIM": 128, "GQA": 4, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4}),
     ("attention_decode_mma.cu", {"HEAD_DIM": 128, "GQA": 4, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4, "ATTN_PF": 2}),
+    ("attention_decode_mma.cu", {"HEAD_DIM": 128, "GQA": 4, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4, "ATTN_EARLY": 1}),
+    ("attention_decode_mma.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "NW": 4, "ATTN_EARLY": 1,
+                                 "ROPE_KV": 1}),
     ("attention_mma.cu", {"HEAD_DIM": 128, "GQA": 4}),
     ("blocks.cu", {"BLK_FMT": 6}),
     ("elementwise.cu", {}),
@@ -79,11 +82,14 @@ def test_no_input_load_before_the_pdl_wait(source: str, defines: dict[str, int],
         assert "ACQBULK" in ops, f"{name}: no griddepcontrol.wait"
         early = [op.split()[0] for op in ops[:ops.index("ACQBULK")] if op.startswith("LD")]
         loads = [op for op in early if not op.startswith("LDC")]
-        if early_weights(source, defines, name):
+        if defines.get("ATTN_EARLY"):  # the lengths, positions and block table only: 32-bit coherent loads
+            assert loads and all(op == "LDG.E" for op in loads), (name, early)
+        elif early_weights(source, defines, name):
             assert not [op for op in loads if "CONSTANT" in op or not op.startswith("LDG")], (name, early)
             assert loads, f"{name}: no weight load before the wait"
         else:
             assert not loads, (name, early)
         # MMA_L2PF / T4_L2PF: the weights' L2 prefetch (CCTL.E.PF2) is asked before the wait, where it overlaps
         prefetch = [op for op in ops[:ops.index("ACQBULK")] if op.startswith("CCTL.E.PF2")]
-        assert bool(prefetch) == bool(defines.get("MMA_L2PF") or defines.get("T4_L2PF")), (name, prefetch)
+        assert bool(prefetch) == bool(defines.get("MMA_L2PF") or defines.get("T4_L2PF") or defines.get("ATTN_EARLY")), \
+            (name, prefetch)

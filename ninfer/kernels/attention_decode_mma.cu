@@ -47,6 +47,25 @@ static_assert(GQA >= 1 && GQA <= 8, "at most 8 query heads per kv head (the mma'
 #ifndef ATTN_PF
 #define ATTN_PF 0  // > 0: a warp asks L2 for the K and V rows of its step ATTN_PF ahead (speed only)
 #endif
+// ATTN_EARLY 1 (speed only, the same bits): before the PDL wait, what no kernel of the step writes — the
+// context lengths, positions and slots (copied in before the step), the block table — is read, and the
+// warp's first 16 keys' K and V rows (older than this step, but for the newest, which L2 takes as written)
+// and the RoPE row are asked of L2, so that the wait is followed by L2 hits rather than a chain of
+// dependent loads (lens -> table -> K / V).
+#ifndef ATTN_EARLY
+#define ATTN_EARLY 0
+#endif
+// a load ATTN_EARLY keeps before the PDL wait (coherent and volatile: ptxas moves neither .nc loads nor
+// plain ones it may schedule freely across griddepcontrol.wait in a way the kernel relies on)
+__device__ __forceinline__ int ld_early(const i32* p) {
+#if ATTN_EARLY
+  int v;
+  asm volatile("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+#else
+  return *p;
+#endif
+}
 #ifndef NW
 #error "compile with -DNW=<warps per block> (launchers.ATTN_MMA_WARPS: one value per run, it orders the sums)"
 #endif
@@ -74,18 +93,25 @@ paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cac
                            const i32* __restrict__ positions, const i32* __restrict__ slots
 #endif
 ) {
+#if ATTN_EARLY
+  PDL_LAUNCH();
+#else
   PDL_ENTRY();
+#endif
   __shared__ float sm_o[NW][GQA][D];
   __shared__ float sm_m[NW][GQA];
   __shared__ float sm_l[NW][GQA];
   const int kvh = blockIdx.x, tok = blockIdx.y, part = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int Hq = Hkv * GQA;
-  const int n_keys = lens[tok];
+  const int n_keys = ld_early(lens + tok);
   const int first = first_key(n_keys, window);
   const int size = split_size(n_keys - first, partition);
   const int nparts = (n_keys - first + size - 1) / size;
   if (n_keys <= 0) {  // an empty context (padding lane): write zeros, not garbage
+#if ATTN_EARLY
+    PDL_WAIT();  // out may still be read by a kernel before this one
+#endif
     if (part == 0)
       for (int i = threadIdx.x; i < GQA * D; i += blockDim.x) out[tok * out_stride + (i64)(kvh * GQA) * D + i] = 0;
     return;
@@ -93,6 +119,27 @@ paged_attention_decode_mma(const act* __restrict__ q, i64 q_stride, kv_ptr k_cac
   if (part >= nparts) return;
   const int k0 = first + part * size;
   const int k1 = min(n_keys, k0 + size);
+#if ATTN_EARLY
+  {
+    const i32* tab = block_tables + (i64)tok * max_pages;
+    const int key = min(k0 + 16 * warp + (lane & 15), k1 - 1);
+    if (k0 + 16 * warp < k1) {  // lanes 0..15 the K rows of the warp's first step, 16..31 the V rows
+      const act* cache = lane < 16 ? (const act*)k_cache : (const act*)v_cache;
+      const char* r = (const char*)(cache + (i64)ld_early(tab + (key >> page_shift)) * (((i64)Hkv * D) << page_shift) +
+                                    ((key & ((1 << page_shift) - 1)) * Hkv + kvh) * D);
+#pragma unroll
+      for (int b = 0; b < D * 2; b += 128) prefetch_l2(r + b);
+    }
+#if ROPE_KV
+    if (warp == 0 && lane < 2 * (D * 2 / 128)) {  // the position's cos and sin rows, D / 2 floats each
+      const int pos = ld_early(positions + tok);
+      const char* r = (const char*)((lane & 1 ? sin_t : cos_t) + (i64)pos * (D / 2));
+      prefetch_l2(r + 128 * (lane >> 1));
+    }
+#endif
+  }
+  PDL_WAIT();
+#endif
 
   // Q: head g's dims 32 c + 8 t .. + 7 (zeros past the group)
   const uint4 ZERO4 = {0u, 0u, 0u, 0u};

@@ -30,6 +30,10 @@ ATTN_MMA_WARPS = 4
 # attention_decode_mma.cu's ATTN_PF: a warp's L2 prefetch of its K / V rows that many steps ahead (speed
 # only, the same bits); 0 (off) until timed on a GPU (scripts/decode_variants.py label fN)
 ATTN_PREFETCH = 0
+# attention_decode_mma.cu's ATTN_EARLY: the lengths, positions and block table read, and the warps' first
+# K / V rows and the RoPE row asked of L2, before the PDL wait (speed only, the same bits); off until timed
+# (scripts/decode_variants.py label a)
+ATTN_EARLY = False
 # gemv_mma.cu's MMA_L2PF and gemv_tiled.cu's T4_L2PF: a block asks L2 for up to this many 128-byte lines
 # a thread of its weights before its PDL wait, so they stream while the kernel before finishes (speed
 # only, the same bits). None: the rules (mma_variant: one line for bf16; tiled_variant: none); a number
@@ -437,7 +441,7 @@ def _attention(kc: KernelCompiler, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     head = [ptr(out), I64(out.stride(0)), ptr(part_out), ptr(part_ml), I32(max_parts), I32(Hkv)]
     tail = [I32(partition), F32(scale), I32(window), F32(softcap), *(rope or [])]
     if route == "mma":  # decode only (the callers pass cu_seqlens=None)
-        pf = {"ATTN_PF": ATTN_PREFETCH} if ATTN_PREFETCH else {}
+        pf = {**({"ATTN_PF": ATTN_PREFETCH} if ATTN_PREFETCH else {}), **({"ATTN_EARLY": 1} if ATTN_EARLY else {})}
         kc.kernel("attention_decode_mma.cu", "paged_attention_decode_mma", {**defines, "NW": ATTN_MMA_WARPS, **pf}).launch(
             (Hkv, T, max_parts), (32 * ATTN_MMA_WARPS, 1, 1),
             [ptr(q), I64(q.stride(0)), ptr(k_cache), ptr(v_cache), ptr(block_tables), I32(block_tables.shape[1]),

@@ -75,6 +75,25 @@ def test_l2_prefetch_gives_the_same_bits(kc, monkeypatch, D: int, Hq: int, Hkv: 
 
 
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8)])
+def test_early_loads_give_the_same_bits(kc, monkeypatch, D: int, Hq: int, Hkv: int) -> None:
+    """ATTN_EARLY (lengths and block table read, first K / V rows asked of L2, before the PDL wait) changes
+    speed only: the outputs equal the kernel's without it, bit for bit, across steps, partitions and pages,
+    and a padding row (no keys) still gets zeros."""
+    g = gen(40 + D)
+    lens = [0] + LENS
+    k_cache, v_cache, tables = make_cache(g, [max(n, 1) for n in lens], Hkv, D, 16)
+    q = randn((len(lens), Hq, D), g)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    for partition in (64, 512):
+        base = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
+        monkeypatch.setattr(L, "ATTN_EARLY", True)
+        got = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
+        monkeypatch.setattr(L, "ATTN_EARLY", False)
+        assert torch.equal(got, base), partition
+        assert torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8)])
 def test_batch_invariant(kc, D: int, Hq: int, Hkv: int) -> None:
     g = gen(7)
     lens = [1300, 40, 7, 900, 2048, 1, 515, 77]

@@ -79,6 +79,28 @@ def test_rope_attention_decode_equals_two_kernels(kc, D: int, Hq: int, Hkv: int,
             assert rel(fused[b], ref) < TOL[act], f"token {b} ({n} keys)"
 
 
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8)])
+def test_rope_attention_decode_early_loads_give_the_same_bits(kc, monkeypatch, D: int, Hq: int, Hkv: int,
+                                                              window: int) -> None:
+    """The mma route's ATTN_EARLY (lengths, positions, block table and the first K / V and RoPE rows before
+    the PDL wait): the same output and caches, bit for bit, as without it."""
+    act = torch.bfloat16
+    route_or_skip("mma", act, D, Hq, Hkv)
+    g = gen(D + Hq + window + 1)
+    _, q, k, v, cos, sin, positions, slots, k_cache, v_cache, tables, lens = setup(g, Hq, Hkv, D, act)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(L, "ATTN_EARLY", early)
+        kc_, vc_ = k_cache.clone(), v_cache.clone()
+        out = torch.full((len(LENS), Hq, D), float("nan"), dtype=act, device=DEV)
+        L.rope_attention_decode(kc, q, k, v, cos, sin, positions, slots, kc_, vc_, tables, lens, max(LENS), out,
+                                D ** -0.5, 512, window=window, route="mma")
+        outs.append((out.nan_to_num(7.0), kc_, vc_))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("route", L.ATTN_DECODE_ROUTES)
 def test_rope_attention_decode_batch_invariant(kc, route: str) -> None:
     """A token's output and cache rows do not depend on the other tokens of the batch."""
