@@ -173,13 +173,15 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 // on tensor cores, fp32 accumulators: lane (g = lane / 4, t = lane % 4) holds c rows g, g + 8 and
 // columns 2 t, 2 t + 1; a rows g, g + 8, k 2 t, 2 t + 1 (a0, a1) and + 8 (a2, a3); b k 2 t, 2 t + 1
 // (b0) and + 8 (b1), column g.
-__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+#define MMA16816(name, type)                                                                          \
+  __device__ __forceinline__ void name(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {       \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." type "." type ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, " \
+                 "{%8,%9}, {%0,%1,%2,%3};"                                                                \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                          \
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                                \
+  }
+MMA16816(mma16816, "bf16")
+MMA16816(mma16816_f16, "f16")  // the same with fp16 inputs
 
 // Streaming loads: weights and scales are read once, so they do not displace the activations in L1.
 // nc false (a constant where inlined): a coherent load, which ptxas leaves before a PDL_WAIT (it

@@ -159,15 +159,6 @@ __device__ __forceinline__ void chunk8(float* c, u32 wa, u32 wb, u32 x01, u32 x2
 }
 
 #if T4_F16
-// c += A x B as mma16816, fp16 inputs
-__device__ __forceinline__ void mma16816_f16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // bytes (lo, hi) of an int8 word (sel 0x4240: bytes 0 and 2, 0x4341: 1 and 3) as two fp16, exact
 __device__ __forceinline__ u32 bytes_f16(u32 w, u32 sel) {
   u32 r;

@@ -54,41 +54,27 @@ def test_window_and_softcap(kc, D: int, Hq: int, Hkv: int, window: int, softcap:
         assert rel(out[b], ref) < TOL[BF], f"sequence {b}"
 
 
-@pytest.mark.parametrize("prefetch", [1, 2, 4])
+@pytest.mark.parametrize("setting", [("ATTN_PREFETCH", 1), ("ATTN_PREFETCH", 2), ("ATTN_PREFETCH", 4),
+                                     ("ATTN_EARLY", True)], ids=["pf1", "pf2", "pf4", "early"])
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8)])
-def test_l2_prefetch_gives_the_same_bits(kc, monkeypatch, D: int, Hq: int, Hkv: int, page_size: int,
-                                         prefetch: int) -> None:
-    """ATTN_PF (a warp's K / V rows asked into L2 steps ahead) changes speed only: the outputs equal the
-    kernel's without it, bit for bit, for contexts inside one step, across partitions and pages."""
+def test_speed_settings_give_the_same_bits(kc, monkeypatch, D: int, Hq: int, Hkv: int, page_size: int,
+                                           setting: tuple[str, int]) -> None:
+    """ATTN_PF (a warp's K / V rows asked into L2 steps ahead) and ATTN_EARLY (lengths and block table read,
+    the first K / V rows asked of L2, before the PDL wait) change speed only: the outputs equal the kernel's
+    without them, bit for bit, for contexts inside one step, across partitions and pages; a padding row (no
+    keys) still gets zeros."""
     g = gen(30 + D + page_size)
-    lens = LENS + [16384]
-    k_cache, v_cache, tables = make_cache(g, lens, Hkv, D, page_size)
+    lens = [0] + LENS + [16384]
+    k_cache, v_cache, tables = make_cache(g, [max(n, 1) for n in lens], Hkv, D, page_size)
     q = randn((len(lens), Hq, D), g)
     ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    name, value = setting
     for partition in (64, 512):
         base = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
-        monkeypatch.setattr(L, "ATTN_PREFETCH", prefetch)
-        got = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
-        monkeypatch.setattr(L, "ATTN_PREFETCH", 0)
-        assert torch.equal(got, base), partition
-
-
-@pytest.mark.parametrize("D,Hq,Hkv", [(64, 9, 3), (128, 32, 8)])
-def test_early_loads_give_the_same_bits(kc, monkeypatch, D: int, Hq: int, Hkv: int) -> None:
-    """ATTN_EARLY (lengths and block table read, first K / V rows asked of L2, before the PDL wait) changes
-    speed only: the outputs equal the kernel's without it, bit for bit, across steps, partitions and pages,
-    and a padding row (no keys) still gets zeros."""
-    g = gen(40 + D)
-    lens = [0] + LENS
-    k_cache, v_cache, tables = make_cache(g, [max(n, 1) for n in lens], Hkv, D, 16)
-    q = randn((len(lens), Hq, D), g)
-    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
-    for partition in (64, 512):
-        base = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
-        monkeypatch.setattr(L, "ATTN_EARLY", True)
-        got = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
-        monkeypatch.setattr(L, "ATTN_EARLY", False)
+        with monkeypatch.context() as m:
+            m.setattr(L, name, value)
+            got = run(kc, q, k_cache, v_cache, tables, ctx, lens, D ** -0.5, "mma", partition)
         assert torch.equal(got, base), partition
         assert torch.equal(got[0], torch.zeros_like(got[0]))
 

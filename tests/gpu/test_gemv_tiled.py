@@ -101,6 +101,28 @@ def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat
             assert torch.equal(out, base), (M, v)
 
 
+def check_rows_and_variants(kc: KernelCompiler, fmt: TensorFormat, packed: dict[str, torch.Tensor], x: torch.Tensor,
+                            ref: torch.Tensor, define: dict[str, int]) -> list[torch.Tensor]:
+    """The tiled gemv with `define` at rows 1..8: to `ref` (fp64) within the fp32 bound, row 6 batched
+    bit-equal to alone, every stage variant the same bits. -> the outputs per row count."""
+    N = packed[""].shape[0]
+    lone = poisoned((1, N), F32)
+    L.gemv(kc, x[6:7], fmt, packed, lone, route="tiled", variant=define)
+    outs = []
+    for M in range(1, 9):
+        out = poisoned((M, N), F32)
+        L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant=define)
+        assert rel(out, ref[:M]) < 1e-5, M
+        if M > 6:
+            assert torch.equal(out[6], lone[0]), M
+        for v in VARIANTS:
+            other = poisoned((M, N), F32)
+            L.gemv(kc, x[:M], fmt, packed, other, route="tiled", variant={**v, **define})
+            assert torch.equal(other, out), (M, v)
+        outs.append(out)
+    return outs
+
+
 def dq_weights(parts: dict[str, torch.Tensor], g: int) -> torch.Tensor:
     """gemv_tiled.cu T4_DQ's bf16 weights, float64: (16 + q) s_b + m'_b rounded once to bf16, s_b = s to
     bf16, m'_b = (m - 16 s) (fp32) to bf16."""
@@ -127,20 +149,8 @@ def test_gemv_tiled_dq_is_its_bf16_weights(kc: KernelCompiler, K: int) -> None:
     x = torch.randn(8, K, generator=torch.Generator(device=DEV).manual_seed(3), device=DEV).to(BF)
     ref = x.double() @ dq_weights(parts, 32).T
     exact = x.double() @ dequantize(fmt, parts, torch.float64).T
-    dq = {"T4_DQ": 1}
-    lone = poisoned((1, N), F32)
-    L.gemv(kc, x[6:7], fmt, packed, lone, route="tiled", variant=dq)
-    for M in range(1, 9):
-        out = poisoned((M, N), F32)
-        L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant=dq)
-        assert rel(out, ref[:M]) < 1e-5, M
+    for M, out in enumerate(check_rows_and_variants(kc, fmt, packed, x, ref, {"T4_DQ": 1}), 1):
         assert rel(out, exact[:M]) < 3e-2, M
-        if M > 6:
-            assert torch.equal(out[6], lone[0]), M
-        for v in VARIANTS:
-            other = poisoned((M, N), F32)
-            L.gemv(kc, x[:M], fmt, packed, other, route="tiled", variant={**v, **dq})
-            assert torch.equal(other, out), (M, v)
 
 
 @pytest.mark.parametrize("g", [32, 128])
@@ -158,18 +168,7 @@ def test_gemv_tiled_int8_f16_is_exact(kc: KernelCompiler, K: int, g: int) -> Non
     x = torch.randn(8, K, generator=torch.Generator(device=DEV).manual_seed(5), device=DEV).to(BF)
     ref = x.double() @ dequantize(fmt, parts, torch.float64).T
     f16 = {"T4_F16": 1}
-    lone = poisoned((1, N), F32)
-    L.gemv(kc, x[6:7], fmt, packed, lone, route="tiled", variant=f16)
-    for M in range(1, 9):
-        out = poisoned((M, N), F32)
-        L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant=f16)
-        assert rel(out, ref[:M]) < 1e-5, M
-        if M > 6:
-            assert torch.equal(out[6], lone[0]), M
-        for v in VARIANTS:
-            other = poisoned((M, N), F32)
-            L.gemv(kc, x[:M], fmt, packed, other, route="tiled", variant={**v, **f16})
-            assert torch.equal(other, out), (M, v)
+    check_rows_and_variants(kc, fmt, packed, x, ref, f16)
     # activations past fp16's range (Gemma's MLP inputs): scaled by 2^-8 first, so exact up to ~1.7e7; beyond,
     # clamped (finite)
     big = x[:1].clone()
