@@ -55,8 +55,8 @@ static_assert(GQA >= 1 && GQA <= 8, "at most 8 query heads per kv head (the mma'
 #ifndef ATTN_EARLY
 #define ATTN_EARLY 0
 #endif
-// a load ATTN_EARLY keeps before the PDL wait (coherent and volatile: ptxas moves neither .nc loads nor
-// plain ones it may schedule freely across griddepcontrol.wait in a way the kernel relies on)
+// a load ATTN_EARLY keeps before the PDL wait: coherent (ptxas moves .nc loads after the wait) and
+// volatile (kept in program order with the wait's own volatile asm)
 __device__ __forceinline__ int ld_early(const i32* p) {
 #if ATTN_EARLY
   int v;

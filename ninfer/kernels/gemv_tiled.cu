@@ -72,8 +72,9 @@
 // T4_DQ 1 (asym int4 in groups of 32 only; other bits than 0): each pair dequantized to bf16 in registers,
 // w = (16 + q) s + (m - 16 s) in one bf16x2 fma (s and m - 16 s rounded to bf16), and the chunk's two
 // mmas accumulate into the tile's fp32 sums, in place of the sum(x) mmas and the per-chunk fp32 scaling.
-// Fewer instructions a byte (scripts/sass_count.py); the weights as bf16 as the prompt route's expansion
-// rounds them, with the scale and min once more rounded to bf16 (their error a few % of the 4-bit step).
+// Fewer instructions a byte (scripts/sass_count.py: 165 a KB against 181), but s and m - 16 s rounded to
+// bf16 move a whole group's weights together by up to 2^-9 (16 + q) s: ~1 % on the output (an H100, random
+// weights), a sixth of the 4-bit rounding's own; launchers.TILED_DQ keeps it off.
 #ifndef T4_DQ
 #define T4_DQ 0
 #endif
