@@ -5,14 +5,14 @@ end to end only), fN (launchers.ATTN_PREFETCH N: decode attention's L2 prefetch 
 to end only), wN (launchers.WEIGHT_PREFETCH N: a gemv block's weights, up to N 128-byte lines a thread,
 asked of L2 before the PDL wait; the sweep times gemv_mma's, end to end every mma and tiled gemv's),
 k (gemv_mma's MMA_L2PF_K: bf16's prefetched lines in k order across the block's rows), e (gemv_mma's
-MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v
-(launchers.SAMPLE_VEC: the sampler's four-logits-a-load scan; end to end only), q (launchers.TILED_DQ:
-asym g32 int4 dequantized to bf16 in the tiled gemv's registers), h (launchers.TILED_F16: the tiled int8
-gemv's mmas in fp16), tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE,
-T4_MINB), a (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before
-the PDL wait; all end to end only), joined by '+'; "rule"
-sets nothing; "p0" is the built-in loop; a label without pN keeps launchers.mma_variant's rule by
-shape.
+MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v (launchers.SAMPLE_VEC: the
+sampler's four-logits-a-load scan; end to end only), q (launchers.TILED_DQ: asym g32 int4 dequantized
+to bf16 in the tiled gemv's registers), h (launchers.TILED_F16: the tiled int8 gemv's mmas in fp16),
+tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE, T4_MINB), a
+(launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before the PDL
+wait; end to end only), joined by '+'. e, v, h and a are on in the rule; a trailing 0 turns a switch
+off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
+launchers.mma_variant's rule by shape.
 
   PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8]
       each shape at rows 1 and 8: every gemv variant's output bit-equal to the rule's (variants
@@ -43,12 +43,14 @@ def defines(label: str) -> dict[str, int]:
     """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
     out = {}
     for part in label.split("+"):
-        if part in ("v", "e", "k", "q", "h", "a", "rule"):  # rule: nothing set (the built-in choices)
-            out.update({"v": {"SAMPLE_VEC": 1}, "e": {"MMA_EARLY": 1}, "k": {"MMA_L2PF_K": 1}, "q": {"T4_DQ": 1},
-                        "h": {"T4_F16": 1}, "a": {"ATTN_EARLY": 1}, "rule": {}}[part])
+        flag = part.removesuffix("0")  # h0: that switch off (h, a, e and v are on in the rule)
+        if flag in ("v", "e", "k", "q", "h", "a") or part == "rule":  # rule: nothing set (the built-in choices)
+            out.update({k: int(flag == part) for k in {
+                "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
+                "a": ["ATTN_EARLY"], "rule": []}[flag]})
             continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, v joined by '+'")
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, v (a0: off) joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB"}[part[0]]] = int(part[1:])
     return out

@@ -26,13 +26,13 @@
 #       sweep (bits against the rule, µs per llama-8b shape), then llama-8b bf16 tg128 per variant,
 #       alternated twice (~5 min)
 #   scripts/gpu_session.sh attn OUTDIR                  # carry .whl; no llama.cpp needed
-#       alternated twice: tg128 with the decode attention's early loads (a: lengths, block table and first
-#       K / V rows before the PDL wait) and without, in bf16 and int4 at a short context and bf16 at 16k
+#       alternated twice: tg128 with the decode attention's early loads (the rule: lengths, block table and
+#       first K / V rows before the PDL wait) and without (a0), in bf16 and int4 at a short context and bf16 at 16k
 #       (~4 min)
 #   scripts/gpu_session.sh tiled OUTDIR                 # carry .whl; no llama.cpp needed
 #       alternated twice: llama-8b tg128 int4 with the tiled gemv's rule and q (T4_DQ: Q4_1-shaped int4
-#       dequantized to bf16 in registers; ~1 % output error, off), and int8 with the rule and h (T4_F16:
-#       the mmas in fp16, the activations scaled by 2^-8) (~3 min)
+#       dequantized to bf16 in registers; ~1 % output error, off), and int8 with the rule (T4_F16: the
+#       mmas in fp16, the activations scaled by 2^-8) and h0 (bf16 mmas) (~3 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -101,7 +101,7 @@ mma|attn|tiled)
   if [ "$MODE" = tiled ]; then
     for r in 1 2; do
       for v in rule q; do variant "$v" "int4_${v//+/-}_$r" -p 0 --weights int4; done
-      for v in rule h; do variant "$v" "int8_${v//+/-}_$r" -p 0 --weights int8; done
+      for v in h0 rule; do variant "$v" "int8_${v//+/-}_$r" -p 0 --weights int8; done
     done
     exit 0
   fi
@@ -111,10 +111,10 @@ mma|attn|tiled)
     done
     exit 0
   fi
-  # alternated twice: the decode attention's early loads (a) against the rule, bf16 and int4 at a short
+  # alternated twice: the rule against the decode attention without its early loads (a0), bf16 and int4 at a short
   # context (attention is latency-bound there: a few keys, one partition) and bf16 at 16k
   for r in 1 2; do
-    for v in rule a; do
+    for v in a0 rule; do
       [ "$v" = rule ] && name=p2 || name="p2-$v"
       variant "$v" "tg128_${name}_$r" -p 0
       variant "$v" "int4_${v}_$r" -p 0 --weights int4

@@ -31,9 +31,10 @@ ATTN_MMA_WARPS = 4
 # only, the same bits); 0 (off) until timed on a GPU (scripts/decode_variants.py label fN)
 ATTN_PREFETCH = 0
 # attention_decode_mma.cu's ATTN_EARLY: the lengths, positions and block table read, and the warps' first
-# K / V rows and the RoPE row asked of L2, before the PDL wait (speed only, the same bits); off until timed
-# (scripts/decode_variants.py label a)
-ATTN_EARLY = False
+# K / V rows and the RoPE row asked of L2, before the PDL wait (speed only, the same bits). H100, llama-8b
+# tg128 (session 27, alternated twice): bf16 167.4 / 167.7 -> 168.8 / 168.7 tok/s, int4 424.6 / 424.1 ->
+# 427.0 / 427.0, bf16 at a 16k context 143.1 -> 143.8 (decode_variants.py label a)
+ATTN_EARLY = True
 # gemv_mma.cu's MMA_L2PF and gemv_tiled.cu's T4_L2PF: a block asks L2 for up to this many 128-byte lines
 # a thread of its weights before its PDL wait, so they stream while the kernel before finishes (speed
 # only, the same bits). None: the rules (mma_variant: one line for bf16; tiled_variant: none); a number
@@ -48,12 +49,10 @@ WEIGHT_PREFETCH: int | None = None
 # gemv's output, a sixth of the 4-bit rounding's own: off (decode_variants.py label q).
 TILED_DQ = False
 # gemv_tiled.cu's T4_F16 for int8: the mmas in fp16 (a byte permute and an fp16 add give two exact weights,
-# one mma a word pair where bf16 needs two), the activations converted per slab. H100, llama-8b int8 tg128
-# (session 26, alternated twice): 301.5 / 301.0 -> 310.7 / 311.0 tok/s (+3.2 %) with the conversion
-# unscaled (108 instructions a KB against 138), which clamps activations past 65,504 (Gemma's MLP inputs
-# pass it). Since then the activations are scaled by 2^-8 first (exact; 114 a KB): off until that
-# kernel's GPU test (tests/gpu/test_gemv_tiled.py) has run.
-TILED_F16 = False
+# one mma a word pair where bf16 needs two), the activations scaled by 2^-8 and converted per slab (exact
+# up to ~1.7e7; Gemma's MLP inputs pass fp16's 65,504), 114 instructions a KB against 138. H100, llama-8b
+# int8 tg128 (session 27, alternated twice): 303.2 / 303.5 -> 310.6 / 310.2 tok/s (+2.3 %; label h)
+TILED_F16 = True
 # gemv_tiled.cu defines over tiled_variant's for every int4 tiled launch (T4_STAGES, T4_XPRE, T4_MINB): the
 # tuning scripts' override (decode_variants.py labels tN, xN, bN); speed only, the same bits
 TILED_DEFINES: dict[str, int] = {}
