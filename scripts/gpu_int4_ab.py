@@ -9,6 +9,7 @@ and min bytes once. Checks each output against fp64 first. One line per case, th
 decode step would see (the shapes weighted as llama-8b runs them per token).
 
 Usage: PYTHONPATH=. python scripts/gpu_int4_ab.py [--quick] [--stages 2,3] [--warps 8,16] [--xpre 1] [--minb 0,2]
+       [--async 0,1] [--rows 1,8]
        [--shapes N:K,...] [--formats asym,sym,int8]
   (--quick: rows 1 and 8 only)
 """
@@ -50,22 +51,26 @@ def time_route(kc, fmt, copies, x, out, route, variant=None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="rows 1 and 8 only")
+    ap.add_argument("--rows", type=ints, default=None, help="activation row counts (default 1,2,4,8)")
     ap.add_argument("--formats", default="asym,sym", help="of asym, sym (int4 g32), int8 (g32)")
     ap.add_argument("--stages", type=ints, default=[2, 3, 4, 6, 8], help="T4_STAGES values to sweep")
     ap.add_argument("--warps", type=ints, default=[8], help="T4_WARPS values to sweep (8, 16)")
     ap.add_argument("--xpre", type=ints, default=[0, 1], help="T4_XPRE values to sweep")
     ap.add_argument("--minb", type=ints, default=[0], help="T4_MINB values to sweep (0: ptxas's registers)")
+    ap.add_argument("--async", dest="asyncs", type=ints, default=[0],
+                    help="T4_ASYNC values to sweep (1: the stages in a cp.async shared-memory ring; with T4_XPRE 0)")
     ap.add_argument("--shapes", default="", help="N:K,... of SHAPES to run (default all)")
     args = ap.parse_args()
-    variants = [{"T4_STAGES": s, "T4_XPRE": p, "T4_WARPS": w, "T4_MINB": b}
-                for w in args.warps for b in args.minb for s in args.stages for p in args.xpre]
+    variants = [{"T4_STAGES": s, "T4_XPRE": p, "T4_WARPS": w, "T4_MINB": b, "T4_ASYNC": a}
+                for w in args.warps for b in args.minb for s in args.stages for p in args.xpre for a in args.asyncs
+                if not (a and p)]
     keep = {tuple(ints(v.replace(":", ","))) for v in args.shapes.split(",") if v} if args.shapes else None
     shapes = [s for s in SHAPES if keep is None or s[:2] in keep]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     known = {"asym": TensorFormat("int4", 32, False), "sym": TensorFormat("int4", 32, True),
              "int8": TensorFormat("int8", 32)}
     fmts = {name: known[name] for name in args.formats.split(",")}
-    rows = (1, 8) if args.quick else (1, 2, 4, 8)
+    rows = args.rows or ((1, 8) if args.quick else (1, 2, 4, 8))
     print(f"{torch.cuda.get_device_name()}  (GB/s: weight + scale bytes / time; samples read >= {ROTATE >> 20} MiB)")
     step: dict[tuple[str, str, int], float] = {}  # (format, candidate, rows) -> seconds per token
     for name, fmt in fmts.items():
@@ -84,9 +89,11 @@ def main() -> None:
                 out = torch.empty(M, N, device=DEV, dtype=torch.float32)
                 ref = x.double() @ ref_w.T
                 cands = [(before, before, None), ("tiled", "tiled", None)]
-                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}", "tiled", v)
+                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}"
+                           f"{'a' if v['T4_ASYNC'] else ''}", "tiled", v)
                           for v in variants]
                 line = []
+                tiled_out = None
                 for label, route, variant in cands:
                     out.fill_(float("nan"))
                     L.gemv(kc, x, fmt, packed[route], out, route, variant)
@@ -94,6 +101,10 @@ def main() -> None:
                     if not err < 1e-5:
                         print(f"  !! {label} {name} {N}x{K} M={M}: rel error {err:.1e}")
                         continue
+                    if label == "tiled":
+                        tiled_out = out.clone()
+                    elif route == "tiled" and variant.get("T4_WARPS") == L.TILED_WARPS and not torch.equal(out, tiled_out):
+                        print(f"  !! {label} {name} {N}x{K} M={M}: other bits than the default tiled launch")
                     s = time_route(kc, fmt, copies[route], x, out, route, variant)
                     step[(name, label, M)] = step.get((name, label, M), 0.0) + count * s
                     line.append(f"{label} {s * 1e6:7.1f} us {nbytes / s / 1e9:5.0f} GB/s")
