@@ -186,22 +186,6 @@ MMA16816(mma16816_f16, "f16")  // the same with fp16 inputs
 // Streaming loads: weights and scales are read once, so they do not displace the activations in L1.
 // nc false (a constant where inlined): a coherent load, which ptxas leaves before a PDL_WAIT (it
 // moves .nc loads after one).
-// cp.async: 16 bytes (L2 only, L1 bypassed) or 8 / 4 (through L1) from global into shared memory,
-// asynchronously; a thread's copies since the last commit form one group, and cp_async_wait<N>() returns
-// once all but its newest N groups have landed (visible to the thread that copied them)
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"((u32)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
-
 __device__ __forceinline__ uint4 ld_stream(const void* p, bool nc = true) {
   uint4 v;
   if (nc)

@@ -88,16 +88,6 @@
 #ifndef T4_F16
 #define T4_F16 0
 #endif
-// T4_ASYNC 1 (speed only, the same bits): the weights, scales and mins stream into a shared-memory ring of
-// T4_STAGES slabs a warp by cp.async (a lane copies, and later reads, only its own bytes) in place of
-// T4_STAGES stages held in registers: the bytes in flight an SM are then bounded by shared memory, not by
-// the registers a stage costs (int4 asym g32: 1 KB a slab and warp; activations are loaded when computed).
-#ifndef T4_ASYNC
-#define T4_ASYNC 0
-#endif
-#if T4_ASYNC && T4_XPRE
-#error "T4_ASYNC loads the activations when computed (T4_XPRE 0)"
-#endif
 #if T4_F16 && !T4_INT8
 #error "T4_F16 takes T4_FMT 1"
 #endif
@@ -372,84 +362,6 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #endif
   };
 
-#if T4_ASYNC
-  // the ring: slab i of this warp in slot i % T4_STAGES; one cp.async group a slab (empty past the end),
-  // so that waiting for all but the newest T4_STAGES - 1 groups leaves slab i complete
-  __shared__ uint4 ring_w[T4_STAGES][T4_WARPS * 32];
-  __shared__ scale_t ring_s[T4_STAGES][T4_WARPS * 32];
-#if T4_ASYM
-  __shared__ scale_t ring_m[T4_STAGES][T4_WARPS * 32];
-#endif
-  const int tid = threadIdx.x;
-  // slab base + i of this warp into ring slot `slot` (relative to the pointers, as load_w)
-  auto issue = [&](int i, int slot) {
-    cp_async16(&ring_w[slot][tid], wp + (i64)i * STEP * 512);
-#if T4_G32
-    cp_async8(&ring_s[slot][tid], sp + i * STEP * 32);
-#if T4_ASYM
-    cp_async8(&ring_m[slot][tid], mp + i * STEP * 32);
-#endif
-#else
-    const int grp = (warp + (base + i) * STEP) >> gshift;
-    cp_async4(&ring_s[slot][tid], sp + grp * 16);
-#if T4_ASYM
-    cp_async4(&ring_m[slot][tid], mp + grp * 16);
-#endif
-#endif
-  };
-  // slab base + i, held in slot `slot`: waits for it, then computes it
-  auto consume = [&](int i, int slot) {
-    cp_async_wait<T4_STAGES - 1>();
-    Stage st;
-    st.w = ring_w[slot][tid];
-    st.s = ring_s[slot][tid];
-#if T4_ASYM
-    st.m = ring_m[slot][tid];
-#endif
-    compute(st, i);
-  };
-#pragma unroll
-  for (int p = 0; p < T4_STAGES; ++p) {
-    if (p < n) issue(p, p);
-    cp_async_commit();
-  }
-#if T4_L2PF
-  prefetch_region_l2<T4_L2PF>(w + (i64)tile * S * 512, (i64)S * 512);
-#endif
-  PDL_WAIT();
-  // as the register stages below: whole rounds with every refill in range, then the < 2 rounds left;
-  // a refill follows its slot's compute (the slot's bytes are in registers by then)
-  for (; base + 2 * T4_STAGES <= n; base += T4_STAGES) {
-#pragma unroll
-    for (int p = 0; p < T4_STAGES; ++p) {
-      consume(p, p);
-      issue(p + T4_STAGES, p);
-      cp_async_commit();
-    }
-    wp += T4_STAGES * STEP * 512;
-    xp += T4_STAGES * STEP * SLAB_K;
-#if T4_G32
-    sp += T4_STAGES * STEP * 32;
-#if T4_ASYM
-    mp += T4_STAGES * STEP * 32;
-#endif
-#endif
-  }
-#pragma unroll
-  for (int p = 0; p < T4_STAGES; ++p) {
-    if (base + p < n) {
-      consume(p, p);
-      if (base + p + T4_STAGES < n) issue(p + T4_STAGES, p);
-    }
-    cp_async_commit();
-  }
-#pragma unroll
-  for (int p = 0; p < T4_STAGES; ++p) {
-    if (base + T4_STAGES + p < n) consume(p + T4_STAGES, p);
-    cp_async_commit();
-  }
-  cp_async_wait<0>();
-#else
   // T4_STAGES slabs in flight: slab i + T4_STAGES is loaded into the stage slab i leaves. The steady
   // loop runs whole rounds with every load in range (no guards); the tail finishes the < 2 rounds left.
   Stage st[T4_STAGES];
@@ -488,7 +400,6 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #pragma unroll
   for (int p = 0; p < T4_STAGES; ++p)
     if (base + T4_STAGES + p < n) compute(st[p], p + T4_STAGES);
-#endif
 
 #if T4_F16
 #pragma unroll

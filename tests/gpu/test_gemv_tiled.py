@@ -1,6 +1,6 @@
 """The tiled int4 / int8 gemv route (kernels/gemv_tiled.cu) on the GPU: against fp64 on fresh random data at
 the llama-8b and SmolLM2 decode shapes, rows 1..8; batch invariance; every tuning variant (stages in
-flight in registers or in a shared-memory ring, activations prefetched or not) bit-equal at 8 and at 16 warps a block; and a model on the route: prompt
+flight, activations prefetched or not) bit-equal at 8 and at 16 warps a block; and a model on the route: prompt
 logits bit-equal to the mma route's (the prompt expands the weights from either layout to the same
 bits), decode logits close to them, batch-invariant decode."""
 from __future__ import annotations
@@ -70,18 +70,15 @@ def test_gemv_tiled_matches_fp64(kc: KernelCompiler, fmt: TensorFormat, N: int, 
 VARIANTS = ([{"T4_STAGES": s, "T4_XPRE": 0, "T4_MINB": 0} for s in (1, 2, 3, 4, 8)]
             + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 0} for s in (2, 3, 6)]
             + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 2} for s in (2, 3)]
-            + [{"T4_STAGES": 2, "T4_XPRE": 0, "T4_MINB": 0, "T4_L2PF": p} for p in (1, 4)]
-            + [{"T4_STAGES": s, "T4_XPRE": 0, "T4_MINB": 0, "T4_ASYNC": 1} for s in (1, 2)])
-# the shared-memory ring deeper than 16 warps' static shared memory allows (int4 asym g32: 16 KB a stage there)
-ASYNC_DEEP = [{"T4_STAGES": s, "T4_XPRE": 0, "T4_MINB": 0, "T4_ASYNC": 1} for s in (3, 4, 5)]
+            + [{"T4_STAGES": 2, "T4_XPRE": 0, "T4_MINB": 0, "T4_L2PF": p} for p in (1, 4)])
 
 
 @pytest.mark.parametrize("warps", [8, 16])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("K", [64, 576, 1536, 4096, 14336])  # int8: 2 .. 448 slabs
 def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat, K: int, warps: int) -> None:
-    """Stages in flight (in registers or a cp.async ring), where the activations load, register caps and
-    the tile's L2 prefetch change speed only: at a block's
+    """Stages in flight, where the activations load, register caps and the tile's L2 prefetch change speed
+    only: at a block's
     warp count every variant gives the same bits, at widths where the warps' slab counts (K / 64 over
     the warps) leave every kind of tail, including warps with no slab; rows batched or alone bit-equal."""
     if K % fmt.group_size:
@@ -98,7 +95,7 @@ def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat
         assert rel(base, ref) < 1e-5
         if M > 4:
             assert torch.equal(base[4], lone[0])
-        for v in VARIANTS + (ASYNC_DEEP if warps == 8 else []):
+        for v in VARIANTS:
             out = poisoned((M, N), F32)
             L.gemv(kc, x[:M], fmt, packed, out, route="tiled", variant={**v, "T4_WARPS": warps})
             assert torch.equal(out, base), (M, v)
