@@ -8,7 +8,8 @@ k (gemv_mma's MMA_L2PF_K: bf16's prefetched lines in k order across the block's 
 MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v (launchers.SAMPLE_VEC: the
 sampler's four-logits-a-load scan; end to end only), q (launchers.TILED_DQ: asym g32 int4 dequantized
 to bf16 in the tiled gemv's registers), h (launchers.TILED_F16: the tiled int8 gemv's mmas in fp16),
-tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE, T4_MINB), a
+tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE, T4_MINB), z
+(launchers.TILED_XSMEM: the tiled gemv's activations staged once a block in shared memory), a
 (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before the PDL
 wait; end to end only), joined by '+'. e, v, h and a are on in the rule; a trailing 0 turns a switch
 off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
@@ -49,8 +50,11 @@ def defines(label: str) -> dict[str, int]:
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
                 "a": ["ATTN_EARLY"], "rule": []}[flag]})
             continue
+        if part in ("z", "z0"):  # the tiled gemv's activations staged in shared memory (launchers.TILED_XSMEM)
+            out["T4_XSMEM"] = int(part == "z")
+            continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, v (a0: off) joined by '+'")
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, v, z (a0: off) joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB"}[part[0]]] = int(part[1:])
     return out
@@ -113,6 +117,7 @@ def main() -> None:
         L.TILED_DQ = bool(chosen.pop("T4_DQ", L.TILED_DQ))
         L.TILED_F16 = bool(chosen.pop("T4_F16", L.TILED_F16))
         L.ATTN_EARLY = bool(chosen.pop("ATTN_EARLY", L.ATTN_EARLY))
+        L.TILED_XSMEM = bool(chosen.pop("T4_XSMEM", L.TILED_XSMEM))
         L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
         L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
         L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv

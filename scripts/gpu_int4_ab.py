@@ -9,7 +9,7 @@ and min bytes once. Checks each output against fp64 first. One line per case, th
 decode step would see (the shapes weighted as llama-8b runs them per token).
 
 Usage: PYTHONPATH=. python scripts/gpu_int4_ab.py [--quick] [--stages 2,3] [--warps 8,16] [--xpre 1] [--minb 0,2]
-       [--rows 1,8]
+       [--rows 1,8] [--xsmem 0,1]
        [--shapes N:K,...] [--formats asym,sym,int8]
   (--quick: rows 1 and 8 only)
 """
@@ -57,10 +57,12 @@ def main() -> None:
     ap.add_argument("--warps", type=ints, default=[8], help="T4_WARPS values to sweep (8, 16)")
     ap.add_argument("--xpre", type=ints, default=[0, 1], help="T4_XPRE values to sweep")
     ap.add_argument("--minb", type=ints, default=[0], help="T4_MINB values to sweep (0: ptxas's registers)")
+    ap.add_argument("--xsmem", type=ints, default=[0], help="T4_XSMEM values to sweep (1: the activations staged "
+                    "in shared memory, where they fit launchers.TILED_XSMEM_BYTES)")
     ap.add_argument("--shapes", default="", help="N:K,... of SHAPES to run (default all)")
     args = ap.parse_args()
-    variants = [{"T4_STAGES": s, "T4_XPRE": p, "T4_WARPS": w, "T4_MINB": b}
-                for w in args.warps for b in args.minb for s in args.stages for p in args.xpre]
+    variants = [{"T4_STAGES": s, "T4_XPRE": p, "T4_WARPS": w, "T4_MINB": b, "T4_XSMEM": z}
+                for w in args.warps for b in args.minb for s in args.stages for p in args.xpre for z in args.xsmem]
     keep = {tuple(ints(v.replace(":", ","))) for v in args.shapes.split(",") if v} if args.shapes else None
     shapes = [s for s in SHAPES if keep is None or s[:2] in keep]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
@@ -86,7 +88,8 @@ def main() -> None:
                 out = torch.empty(M, N, device=DEV, dtype=torch.float32)
                 ref = x.double() @ ref_w.T
                 cands = [(before, before, None), ("tiled", "tiled", None)]
-                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}", "tiled", v)
+                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}"
+                           f"{'z' if v['T4_XSMEM'] else ''}", "tiled", v)
                           for v in variants]
                 line = []
                 tiled_out = None

@@ -33,6 +33,10 @@
 #       alternated twice: llama-8b tg128 int4 with the tiled gemv's rule and q (T4_DQ: Q4_1-shaped int4
 #       dequantized to bf16 in registers; ~1 % output error, off), and int8 with the rule (T4_F16: the
 #       mmas in fp16, the activations scaled by 2^-8) and h0 (bf16 mmas) (~3 min)
+#   scripts/gpu_session.sh xsmem OUTDIR                 # carry .whl; no llama.cpp needed
+#       the tiled gemv with its activations staged in shared memory (launchers.TILED_XSMEM, label z): the
+#       kernel sweep at llama-8b's shapes, one row (scripts/gpu_int4_ab.py), then llama-8b tg128 int4 with
+#       the rule, z and z+b0 (no register cap), int8 with the rule and z, alternated twice (~5 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -42,8 +46,8 @@
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|fusions OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|fusions OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -88,7 +92,7 @@ start)
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
-mma|attn|tiled)
+mma|attn|tiled|xsmem)
   VARIANTS="${1:-p2,p2+k,p4}"
   [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w2,p8" > "$OUT/mma_sweep.txt" 2>&1
   [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
@@ -98,6 +102,15 @@ mma|attn|tiled)
     python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'], r['stddev_ts'])" \
       "$OUT/$2.json" "$2" || tail -n 3 "$OUT/$2.log"
   }
+  if [ "$MODE" = xsmem ]; then
+    python3 scripts/gpu_int4_ab.py --rows 1 --formats asym,int8 --stages 2,3,4 --xpre 0,1 --xsmem 1 > "$OUT/xsmem_ab.txt" 2>&1
+    grep -v "^    variants" "$OUT/xsmem_ab.txt" | tail -n 30
+    for r in 1 2; do
+      for v in rule z z+b0; do variant "$v" "int4_${v//+/-}_$r" -p 0 --weights int4; done
+      for v in rule z; do variant "$v" "int8_${v//+/-}_$r" -p 0 --weights int8; done
+    done
+    exit 0
+  fi
   if [ "$MODE" = tiled ]; then
     for r in 1 2; do
       for v in rule q; do variant "$v" "int4_${v//+/-}_$r" -p 0 --weights int4; done
@@ -145,7 +158,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|fusions OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)

@@ -25,6 +25,8 @@ CASES = [
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 2, "T4_XPRE": 0, "T4_MINB": 2}),
     ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 3, "T4_XPRE": 0, "T4_MINB": 4, "T4_DQ": 1}),
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 4, "T4_XPRE": 1, "T4_F16": 1}),
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 3, "T4_XPRE": 0, "T4_XSMEM": 1}),
+    ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 4, "T4_XPRE": 1, "T4_F16": 1, "T4_XSMEM": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 0}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 4}),

@@ -88,6 +88,14 @@
 #ifndef T4_F16
 #define T4_F16 0
 #endif
+// T4_XSMEM 1 (speed only, the same bits): after the PDL wait the block copies its activations (M rows of K,
+// a row padded by 8 so that rows start on other banks) into dynamic shared memory, all threads at once,
+// and the slabs read them there: each slab's x is then a shared-memory load in its dependency chain, not
+// an L1 / L2 one (Nsight Compute: the tiled gemvs stall on global loads, long_scoreboard, at 33-51 % of
+// their issue slots). The launcher gives it M (K + 8) * 2 bytes of shared memory where that fits.
+#ifndef T4_XSMEM
+#define T4_XSMEM 0
+#endif
 #if T4_F16 && !T4_INT8
 #error "T4_F16 takes T4_FMT 1"
 #endif
@@ -250,6 +258,15 @@ __device__ __forceinline__ void chunk_dq(float* acc, u32 wa, u32 wb, uint4 xv, u
 }
 #endif
 
+// 8 activations (16 bytes) of the slab's x: from shared memory (T4_XSMEM) or global (the kernel before's output)
+__device__ __forceinline__ uint4 ld_x(const act* p) {
+#if T4_XSMEM
+  return *(const uint4*)p;
+#else
+  return ld_act(p);
+#endif
+}
+
 extern "C" __global__ void T4_BOUNDS
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
@@ -272,7 +289,13 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #if T4_ASYM
   const u16* mp = mins + (sp - scales);
 #endif
+#if T4_XSMEM
+  extern __shared__ uint4 xs_raw[];  // M rows of K + 8 activations
+  act* const xs = (act*)xs_raw;
+  const act* xp = xs + min(g, M - 1) * (K + 8) + 8 * t + warp * SLAB_K;
+#else
   const act* xp = x + min(g, M - 1) * x_stride + 8 * t + warp * SLAB_K;
+#endif
   const int n = S > warp ? (S - warp + STEP - 1) / STEP : 0;  // this warp's slabs
 
   int base = 0;  // slabs of this warp done (the pointers have advanced by base STEP slabs)
@@ -296,9 +319,9 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   // ... and its activations, the kernel before's output (after PDL_WAIT)
   auto load_x = [&](Stage& st, int i) {
 #if T4_XPRE
-    st.x0 = ld_act(xp + i * STEP * SLAB_K);
+    st.x0 = ld_x(xp + i * STEP * SLAB_K);
 #if !T4_INT8
-    st.x1 = ld_act(xp + i * STEP * 64 + 32);
+    st.x1 = ld_x(xp + i * STEP * 64 + 32);
 #endif
 #else
     (void)st, (void)i;
@@ -317,7 +340,7 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
     const uint4 x0 = st.x0;
     (void)i;
 #else
-    const uint4 x0 = ld_act(xp + i * STEP * SLAB_K);
+    const uint4 x0 = ld_x(xp + i * STEP * SLAB_K);
 #endif
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #if T4_F16
@@ -333,8 +356,8 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
     const uint4 x0 = st.x0, x1 = st.x1;
     (void)i;
 #else
-    const uint4 x0 = ld_act(xp + i * STEP * 64);
-    const uint4 x1 = ld_act(xp + i * STEP * 64 + 32);
+    const uint4 x0 = ld_x(xp + i * STEP * 64);
+    const uint4 x1 = ld_x(xp + i * STEP * 64 + 32);
 #endif
 #if T4_ASYM && T4_G32
     const u32 m0 = st.m.x, m1 = st.m.y;
@@ -372,6 +395,14 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   prefetch_region_l2<T4_L2PF>(w + (i64)tile * S * 512, (i64)S * 512);
 #endif
   PDL_WAIT();
+#if T4_XSMEM
+  // every copy in flight at once (cp.async: no registers held), then one barrier
+  for (int m = 0; m < M; ++m)
+    for (int c = threadIdx.x; c < K / 8; c += T4_WARPS * 32)
+      cp_async16(xs + m * (K + 8) + 8 * c, x + m * x_stride + 8 * c);
+  cp_async_wait_all();
+  __syncthreads();
+#endif
 #pragma unroll
   for (int p = 0; p < T4_STAGES; ++p)
     if (p < n) load_x(st[p], p);

@@ -53,6 +53,12 @@ TILED_DQ = False
 # up to ~1.7e7; Gemma's MLP inputs pass fp16's 65,504), 114 instructions a KB against 138. H100, llama-8b
 # int8 tg128 (session 27, alternated twice): 303.2 / 303.5 -> 310.6 / 310.2 tok/s (+2.3 %; label h)
 TILED_F16 = True
+# gemv_tiled.cu's T4_XSMEM: a block's activations copied once into shared memory (cp.async, after the PDL
+# wait) where their M (K + 8) * 2 bytes fit TILED_XSMEM_BYTES, the slabs reading them there (speed only, the
+# same bits). Nsight Compute (docs/PERF.md, session 27) has the tiled gemvs stalled on global loads; off
+# until timed (decode_variants.py label z)
+TILED_XSMEM = False
+TILED_XSMEM_BYTES = 32 << 10
 # gemv_tiled.cu defines over tiled_variant's for every int4 tiled launch (T4_STAGES, T4_XPRE, T4_MINB): the
 # tuning scripts' override (decode_variants.py labels tN, xN, bN); speed only, the same bits
 TILED_DEFINES: dict[str, int] = {}
@@ -782,7 +788,7 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
-    variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB, T4_L2PF) over
+    variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB, T4_L2PF, T4_XSMEM) over
     tiled_variant's (tuning scripts; stages and prefetch change speed only, warps the order of the sum);
     mma: MMA_PIPE, MMA_EARLY, MMA_L2PF over mma_variant's (speed only).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
@@ -831,9 +837,12 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
                    **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}),
                    **({"T4_DQ": 1} if TILED_DQ and code == 3 and g32 else {}),
                    **({"T4_F16": 1} if TILED_F16 and code == 1 else {}), **(variant or {})}
+        xs_bytes = M * (K + 8) * 2  # T4_XSMEM's shared memory (bf16 activations)
+        if not (defines.pop("T4_XSMEM", TILED_XSMEM) and xs_bytes <= TILED_XSMEM_BYTES):
+            xs_bytes = 0
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
-                                                  **glu_defines}).launch(
-            (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args)
+                                                  **({"T4_XSMEM": 1} if xs_bytes else {}), **glu_defines}).launch(
+            (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args, shared_mem=xs_bytes)
     elif route == "mma":
         defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K),
                    **({"MMA_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}), **(variant or {})}

@@ -1,6 +1,6 @@
 """The tiled int4 / int8 gemv route (kernels/gemv_tiled.cu) on the GPU: against fp64 on fresh random data at
 the llama-8b and SmolLM2 decode shapes, rows 1..8; batch invariance; every tuning variant (stages in
-flight, activations prefetched or not) bit-equal at 8 and at 16 warps a block; and a model on the route: prompt
+flight, activations prefetched or not, or staged in shared memory) bit-equal at 8 and at 16 warps a block; and a model on the route: prompt
 logits bit-equal to the mma route's (the prompt expands the weights from either layout to the same
 bits), decode logits close to them, batch-invariant decode."""
 from __future__ import annotations
@@ -70,15 +70,17 @@ def test_gemv_tiled_matches_fp64(kc: KernelCompiler, fmt: TensorFormat, N: int, 
 VARIANTS = ([{"T4_STAGES": s, "T4_XPRE": 0, "T4_MINB": 0} for s in (1, 2, 3, 4, 8)]
             + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 0} for s in (2, 3, 6)]
             + [{"T4_STAGES": s, "T4_XPRE": 1, "T4_MINB": 2} for s in (2, 3)]
-            + [{"T4_STAGES": 2, "T4_XPRE": 0, "T4_MINB": 0, "T4_L2PF": p} for p in (1, 4)])
+            + [{"T4_STAGES": 2, "T4_XPRE": 0, "T4_MINB": 0, "T4_L2PF": p} for p in (1, 4)]
+            # the activations staged in shared memory (where M (K + 8) * 2 bytes fit launchers.TILED_XSMEM_BYTES)
+            + [{"T4_STAGES": s, "T4_XPRE": p, "T4_MINB": 0, "T4_XSMEM": 1} for s, p in ((2, 0), (3, 1), (4, 0))])
 
 
 @pytest.mark.parametrize("warps", [8, 16])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("K", [64, 576, 1536, 4096, 14336])  # int8: 2 .. 448 slabs
 def test_gemv_tiled_variants_are_bit_equal(kc: KernelCompiler, fmt: TensorFormat, K: int, warps: int) -> None:
-    """Stages in flight, where the activations load, register caps and the tile's L2 prefetch change speed
-    only: at a block's
+    """Stages in flight, where the activations load (and whether a block stages them in shared memory),
+    register caps and the tile's L2 prefetch change speed only: at a block's
     warp count every variant gives the same bits, at widths where the warps' slab counts (K / 64 over
     the warps) leave every kind of tail, including warps with no slab; rows batched or alone bit-equal."""
     if K % fmt.group_size:
