@@ -183,9 +183,6 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
 MMA16816(mma16816, "bf16")
 MMA16816(mma16816_f16, "f16")  // the same with fp16 inputs
 
-// Streaming loads: weights and scales are read once, so they do not displace the activations in L1.
-// nc false (a constant where inlined): a coherent load, which ptxas leaves before a PDL_WAIT (it
-// moves .nc loads after one).
 // cp.async: 16 bytes from global into shared memory (through L2 only), asynchronously; cp_async_wait_all()
 // returns once every copy the thread issued has landed (visible to that thread; a barrier for the others)
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -193,6 +190,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// Streaming loads: weights and scales are read once, so they do not displace the activations in L1.
+// nc false (a constant where inlined): a coherent load, which ptxas leaves before a PDL_WAIT (it
+// moves .nc loads after one).
 __device__ __forceinline__ uint4 ld_stream(const void* p, bool nc = true) {
   uint4 v;
   if (nc)
