@@ -9,7 +9,8 @@ MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v (launcher
 sampler's four-logits-a-load scan; end to end only), q (launchers.TILED_DQ: asym g32 int4 dequantized
 to bf16 in the tiled gemv's registers), h (launchers.TILED_F16: the tiled int8 gemv's mmas in fp16),
 tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE, T4_MINB), z
-(launchers.TILED_XSMEM: the tiled gemv's activations staged once a block in shared memory), a
+(launchers.TILED_XSMEM: the tiled gemv's activations staged once a block in shared memory), r
+(launchers.SAMPLE_SPLIT: the sampler's scan split over blocks, then merged), a
 (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before the PDL
 wait; end to end only), joined by '+'. e, v, h and a are on in the rule; a trailing 0 turns a switch
 off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
@@ -45,16 +46,13 @@ def defines(label: str) -> dict[str, int]:
     out = {}
     for part in label.split("+"):
         flag = part.removesuffix("0")  # h0: that switch off (h, a, e and v are on in the rule)
-        if flag in ("v", "e", "k", "q", "h", "a") or part == "rule":  # rule: nothing set (the built-in choices)
+        if flag in ("v", "e", "k", "q", "h", "a", "z", "r") or part == "rule":  # rule: nothing set (the built-in choices)
             out.update({k: int(flag == part) for k in {
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
-                "a": ["ATTN_EARLY"], "rule": []}[flag]})
-            continue
-        if part in ("z", "z0"):  # the tiled gemv's activations staged in shared memory (launchers.TILED_XSMEM)
-            out["T4_XSMEM"] = int(part == "z")
+                "a": ["ATTN_EARLY"], "z": ["T4_XSMEM"], "r": ["SAMPLE_SPLIT"], "rule": []}[flag]})
             continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, v, z (a0: off) joined by '+'")
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, r, v, z (a0: off) joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB"}[part[0]]] = int(part[1:])
     return out
@@ -118,6 +116,7 @@ def main() -> None:
         L.TILED_F16 = bool(chosen.pop("T4_F16", L.TILED_F16))
         L.ATTN_EARLY = bool(chosen.pop("ATTN_EARLY", L.ATTN_EARLY))
         L.TILED_XSMEM = bool(chosen.pop("T4_XSMEM", L.TILED_XSMEM))
+        L.SAMPLE_SPLIT = bool(chosen.pop("SAMPLE_SPLIT", L.SAMPLE_SPLIT))
         L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
         L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
         L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv

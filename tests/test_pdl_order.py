@@ -48,6 +48,8 @@ CASES = [
     ("elementwise.cu", {}),
     ("sampling.cu", {}),
     ("sampling.cu", {"SAMPLE_VEC": 1}),
+    ("sampling.cu", {"SAMPLE_VEC": 1, "SAMPLE_PHASE": 1}),
+    ("sampling.cu", {"SAMPLE_VEC": 1, "SAMPLE_PHASE": 2}),
 ]
 def early_weights(source: str, defines: dict[str, int], name: str) -> bool:
     """Whether a kernel loads its weights before the wait: every gemv_tiled, gemv_mma's bf16 pipeline

@@ -902,6 +902,13 @@ def _out_stride(out: torch.Tensor, M: int) -> int:
 # the rows allow it (tests/gpu/test_kernels.py runs both scans). H100, llama-8b bf16 tg128 (a 128k
 # vocabulary, session 26, alternated twice): 164.4 / 164.7 -> 165.1 / 165.3 tok/s.
 SAMPLE_VEC = True
+# sampling.cu's scan split over blocks (SAMPLE_PHASE 1: each of a row's parts of ~SAMPLE_PART logits, at
+# most SAMPLE_MAX_PARTS, writes its top k; 2: one block a row merges them and samples; the same tokens):
+# one block reads a 128k row at one SM's pace (58 µs of an H200 bf16 step in session 23, before SAMPLE_VEC).
+# Off until timed (decode_variants.py label r).
+SAMPLE_SPLIT = False
+SAMPLE_PART = 4096
+SAMPLE_MAX_PARTS = 32
 
 
 def sample_vec_ok(logits: torch.Tensor, counts: torch.Tensor | None) -> bool:
@@ -916,7 +923,7 @@ def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor,
                   top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
                   steps: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor | None = None,
                   presence: torch.Tensor | None = None, frequency: torch.Tensor | None = None,
-                  vec: bool | None = None) -> None:
+                  vec: bool | None = None, split: bool | None = None) -> None:
     """Sample one token per row of fp32 logits [B, V] into tokens [B] int32 (see sampling.cu; the
     same definition as ninfer.engine.sampler).
 
@@ -927,7 +934,8 @@ def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor,
     (1..20), top_p, min_p fp32; seeds, steps int64 (the Philox key and counter: the same
     (seed, step) draws the same number). counts [B, V] int32 with presence/frequency [B] fp32:
     penalties on generated-token counts. vec (None: SAMPLE_VEC): the SAMPLE_VEC scan where
-    sample_vec_ok; the same tokens either way.
+    sample_vec_ok; split (None: SAMPLE_SPLIT): the scan over ceil(V / SAMPLE_PART) blocks a row (at most
+    SAMPLE_MAX_PARTS), then a merge; the same tokens either way.
     """
     B, V = logits.shape
     _check(logits, "logits", F32_DT, [B, V], kc.device, contiguous=False)
@@ -943,11 +951,22 @@ def sample_tokens(kc: KernelCompiler, logits: torch.Tensor, masks: torch.Tensor,
         _check(presence, "presence", F32_DT, [B], kc.device)
         _check(frequency, "frequency", F32_DT, [B], kc.device)
     vec = SAMPLE_VEC if vec is None else vec
-    if B:
-        defines = {"SAMPLE_VEC": 1} if vec and sample_vec_ok(logits, counts) else {}
-        kc.kernel("sampling.cu", "sample_tokens", defines).launch(
-            (B, 1, 1), (SAMPLE_THREADS, 1, 1),
-            [ptr(logits), I64(logits.stride(0)), I32(V), ptr(masks), I64(masks.stride(0)), ptr(counts),
-             I64(counts.stride(0) if counts is not None else 0),
-             ptr(presence if counts is not None else None), ptr(frequency if counts is not None else None),
-             ptr(temperature), ptr(top_k), ptr(top_p), ptr(min_p), ptr(seeds), ptr(steps), ptr(tokens)])
+    split = SAMPLE_SPLIT if split is None else split
+    if not B:
+        return
+    defines = {"SAMPLE_VEC": 1} if vec and sample_vec_ok(logits, counts) else {}
+    args = [ptr(logits), I64(logits.stride(0)), I32(V), ptr(masks), I64(masks.stride(0)), ptr(counts),
+            I64(counts.stride(0) if counts is not None else 0),
+            ptr(presence if counts is not None else None), ptr(frequency if counts is not None else None),
+            ptr(temperature), ptr(top_k), ptr(top_p), ptr(min_p), ptr(seeds), ptr(steps), ptr(tokens)]
+    parts = min(SAMPLE_MAX_PARTS, -(-V // SAMPLE_PART)) if split else 1
+    if parts == 1:
+        kc.kernel("sampling.cu", "sample_tokens", defines).launch((B, 1, 1), (SAMPLE_THREADS, 1, 1), args)
+        return
+    part_v = torch.empty((B, parts, TOPK_MAX), dtype=F32_DT, device=logits.device)
+    part_i = torch.empty((B, parts, TOPK_MAX), dtype=I32_DT, device=logits.device)
+    args += [ptr(part_v), ptr(part_i), I32(parts)]
+    kc.kernel("sampling.cu", "sample_tokens", {**defines, "SAMPLE_PHASE": 1}).launch(
+        (B, parts, 1), (SAMPLE_THREADS, 1, 1), args)
+    kc.kernel("sampling.cu", "sample_tokens", {**defines, "SAMPLE_PHASE": 2}).launch(
+        (B, 1, 1), (SAMPLE_THREADS, 1, 1), args)

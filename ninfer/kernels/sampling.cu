@@ -16,6 +16,14 @@
 //   u = (c[0] >> 8) * 2^-24; the token is the first kept candidate whose running sum exceeds
 //   u * kept mass (the last kept one if none does).
 // Writes tokens [B] int32.
+//
+// SAMPLE_PHASE (the same tokens in every mode: candidates are the top k under one total order, value then
+// lowest id, and the top k of a row is the top k of its parts' top k's):
+//   0: one block a row scans it and samples;
+//   1: block (b, s) scans part s of row b's loads (nparts parts) and writes its candidates to
+//      part_v / part_i [B, nparts, TOPK_MAX] (NO_ID past the row's end);
+//   2: one block a row merges its parts' candidates and samples.
+// One block reads a 128k-vocabulary row at one SM's pace; split over parts, the row streams from all SMs.
 #include "common.cuh"
 
 #define SAMPLE_THREADS 512
@@ -25,6 +33,9 @@
 #endif
 #define TOPK_MAX 20
 #define NO_ID 0x7fffffff
+#ifndef SAMPLE_PHASE
+#define SAMPLE_PHASE 0
+#endif
 
 __device__ __forceinline__ bool better(float av, int ai, float bv, int bi) {
   return av > bv || (av == bv && ai < bi);
@@ -46,7 +57,11 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
               i64 counts_stride, const float* __restrict__ presence, const float* __restrict__ frequency,
               const float* __restrict__ temperature, const i32* __restrict__ top_k,
               const float* __restrict__ top_p, const float* __restrict__ min_p, const i64* __restrict__ seeds,
-              const i64* __restrict__ steps, i32* __restrict__ tokens) {
+              const i64* __restrict__ steps, i32* __restrict__ tokens
+#if SAMPLE_PHASE
+              , float* __restrict__ part_v, i32* __restrict__ part_i, int nparts
+#endif
+              ) {
   PDL_ENTRY();
   __shared__ float red_v[SAMPLE_THREADS / 32];
   __shared__ int red_i[SAMPLE_THREADS / 32];
@@ -76,11 +91,8 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
 #define KTH_V lv[k - 1]
 #define KTH_I li[k - 1]
 #endif
-  // one logit (id i, generated count c, its mask word) into this thread's top-k
-  auto consider = [&](float v, int i, int c, u32 word) {
-    if (v != v) v = NEG_INF;
-    if (crow) v = __fsub_rn(v, __fadd_rn(c > 0 ? pres : 0.0f, __fmul_rn(freq, (float)c)));
-    if (!((word >> (i & 31)) & 1u)) v = NEG_INF;
+  // a candidate (value v, id i) into this thread's top-k
+  auto insert = [&](float v, int i) {
     if (cnt == k && !better(v, i, KTH_V, KTH_I)) return;
     int j = cnt < k ? cnt++ : k - 1;
     while (j > 0 && better(v, i, lv[j - 1], li[j - 1])) {
@@ -99,6 +111,13 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
   };
 #undef KTH_V
 #undef KTH_I
+  // one logit (id i, generated count c, its mask word): penalties, NaN and the mask, then insert
+  auto consider = [&](float v, int i, int c, u32 word) {
+    if (v != v) v = NEG_INF;
+    if (crow) v = __fsub_rn(v, __fadd_rn(c > 0 ? pres : 0.0f, __fmul_rn(freq, (float)c)));
+    if (!((word >> (i & 31)) & 1u)) v = NEG_INF;
+    insert(v, i);
+  };
   // SAMPLE_UNROLL loads per thread are issued before any value is compared, so the loads overlap (the
   // scan is otherwise one dependent global load per element); which thread sees an element, and in
   // which order, does not matter: a thread's top-k and the merge below order by value, then lowest id
@@ -111,22 +130,37 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
   typedef int counts_t;
   constexpr int W = 1;
 #endif
+#if SAMPLE_PHASE == 2
+  (void)consider;
+  // the parts' candidates (k a part, NO_ID padding skipped) in place of the row's logits
+  for (int j = threadIdx.x; j < nparts * k; j += SAMPLE_THREADS) {
+    const i64 at = ((i64)b * nparts + j / k) * TOPK_MAX + j % k;
+    const int id = part_i[at];
+    if (id != NO_ID) insert(part_v[at], id);
+  }
+#else
   const int loads = V / W;
-  for (int base = threadIdx.x; base < loads; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
+#if SAMPLE_PHASE == 1
+  const int per = (loads + nparts - 1) / nparts;  // this block's loads: [lo, hi)
+  const int lo = blockIdx.y * per, hi = min(loads, lo + per);
+#else
+  const int lo = 0, hi = loads;
+#endif
+  for (int base = lo + threadIdx.x; base < hi; base += SAMPLE_THREADS * SAMPLE_UNROLL) {
     vals_t vals[SAMPLE_UNROLL];
     u32 bits[SAMPLE_UNROLL];
     counts_t cs[SAMPLE_UNROLL];
 #pragma unroll
     for (int u = 0; u < SAMPLE_UNROLL; ++u) {
       const int q = base + u * SAMPLE_THREADS;
-      vals[u] = q < loads ? ((const vals_t*)row)[q] : vals_t{};
-      bits[u] = q < loads ? mrow[(q * W) >> 5] : 0u;
-      cs[u] = crow && q < loads ? ((const counts_t*)crow)[q] : counts_t{};
+      vals[u] = q < hi ? ((const vals_t*)row)[q] : vals_t{};
+      bits[u] = q < hi ? mrow[(q * W) >> 5] : 0u;
+      cs[u] = crow && q < hi ? ((const counts_t*)crow)[q] : counts_t{};
     }
 #pragma unroll
     for (int u = 0; u < SAMPLE_UNROLL; ++u) {
       const int q = base + u * SAMPLE_THREADS;
-      if (q >= loads) break;
+      if (q >= hi) break;
 #if SAMPLE_VEC
       consider(vals[u].x, 4 * q, cs[u].x, bits[u]);
       consider(vals[u].y, 4 * q + 1, cs[u].y, bits[u]);
@@ -137,6 +171,7 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
 #endif
     }
   }
+#endif
   int head = 0;
   for (int r = 0; r < k; ++r) {
     float v = head < cnt ? lv[head] : NEG_INF;
@@ -160,6 +195,14 @@ sample_tokens(const float* __restrict__ logits, i64 logits_stride, int V, const 
     __syncthreads();
     if (head < cnt && li[head] == cand_i[r]) ++head;
   }
+#if SAMPLE_PHASE == 1
+  if (threadIdx.x < k) {
+    const i64 at = ((i64)b * nparts + blockIdx.y) * TOPK_MAX + threadIdx.x;
+    part_v[at] = cand_v[threadIdx.x];
+    part_i[at] = cand_i[threadIdx.x];
+  }
+  return;
+#endif
   if (threadIdx.x != 0) return;
   int n = k;
   while (n > 1 && cand_i[n - 1] == NO_ID) --n;  // V < k

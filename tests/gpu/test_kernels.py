@@ -486,11 +486,14 @@ def sampler_inputs(B: int, temp: list[float], k: list[int], tp: list[float], mp:
             "steps": torch.tensor(step, dtype=torch.int64, device=DEV)}
 
 
-@pytest.fixture(params=[False, True], ids=["scan", "vec"])
+@pytest.fixture(params=[(False, False), (True, False), (True, True)], ids=["scan", "vec", "vec-split"])
 def sample_vec(request, monkeypatch) -> bool:
-    """sample_tokens with its one-logit scan and with the SAMPLE_VEC scan (where the rows allow it)."""
-    monkeypatch.setattr(L, "SAMPLE_VEC", request.param)
-    return request.param
+    """sample_tokens with its one-logit scan, with the SAMPLE_VEC scan (where the rows allow it), and with
+    that scan split over blocks (SAMPLE_SPLIT, rows past SAMPLE_PART logits)."""
+    vec, split = request.param
+    monkeypatch.setattr(L, "SAMPLE_VEC", vec)
+    monkeypatch.setattr(L, "SAMPLE_SPLIT", split)
+    return vec
 
 
 def test_sample_greedy_ties_and_penalties(kc: KernelCompiler, sample_vec: bool) -> None:
@@ -577,7 +580,7 @@ def _sampler_rows(B: int, V: int, rng: np.random.Generator, masked: set[int]) ->
 
 
 def _kernel_sample(kc: KernelCompiler, logits: torch.Tensor, seqs: list[SequenceWork],
-                   vec: bool | None = None) -> torch.Tensor:
+                   vec: bool | None = None, split: bool | None = None) -> torch.Tensor:
     """tokens [B] int32 from sample_tokens, its inputs built from the rows as a runner builds them."""
     B, V = logits.shape
     masks = torch.empty((B, (V + 31) // 32), dtype=torch.int32, device=DEV)
@@ -595,7 +598,8 @@ def _kernel_sample(kc: KernelCompiler, logits: torch.Tensor, seqs: list[Sequence
                     f32([p.top_p for p in sps]), f32([p.min_p for p in sps]),
                     torch.tensor(seeds, dtype=torch.int64, device=DEV),
                     torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.int64, device=DEV), tokens,
-                    counts, f32([p.presence_penalty for p in sps]), f32([p.frequency_penalty for p in sps]), vec=vec)
+                    counts, f32([p.presence_penalty for p in sps]), f32([p.frequency_penalty for p in sps]), vec=vec,
+                    split=split)
     return tokens
 
 
@@ -636,6 +640,29 @@ def test_sample_vec_scan_draws_the_scans_tokens(kc: KernelCompiler, V: int) -> N
     assert L.sample_vec_ok(logits, torch.zeros((B, V), dtype=torch.int32, device=DEV))
     assert not L.sample_vec_ok(logits[:, 1:], None) and not L.sample_vec_ok(logits[:, :V - 2], None)
     assert torch.equal(_kernel_sample(kc, logits, seqs, vec=False), _kernel_sample(kc, logits, seqs, vec=True))
+
+
+SPLITS = [(V, part) for V in (50257, 50256, 1000, 64) for part in (4096, 100, 8)] + [(20, 5)]
+
+
+@pytest.mark.parametrize("V,part", SPLITS, ids=[f"V{v}-part{p}" for v, p in SPLITS])
+def test_sample_split_scan_draws_the_scans_tokens(kc: KernelCompiler, monkeypatch, V: int, part: int) -> None:
+    """The scan split over blocks (each part's top k, then one block's merge) gives the one-block scan's
+    tokens row for row, both scans, parts of 5 logits to 4,096 (up to SAMPLE_MAX_PARTS; parts with fewer
+    logits than top_k among them, and at V 20 an empty one): masks, penalties, ties across the top-k cut,
+    NaN."""
+    rng = np.random.default_rng(V + part)
+    B = 64
+    logits = torch.from_numpy(rng.standard_normal((B, V)).astype(np.float32) * 3).to(DEV)
+    logits[1, 5] = float("nan")
+    logits[2, :] = 0.5
+    logits[3:5, 10:50] = 9.0
+    seqs = _sampler_rows(B, V, rng, set(rng.choice(B, B // 4, replace=False).tolist()) | {4})
+    monkeypatch.setattr(L, "SAMPLE_PART", part)
+    for vec in (False, True):
+        one = _kernel_sample(kc, logits, seqs, vec=vec, split=False)
+        assert torch.equal(_kernel_sample(kc, logits, seqs, vec=vec, split=True), one), vec
+    assert len(set(one.tolist())) > min(B // 4, V // 2)  # it really samples
 
 
 def test_sample_masked_rows_draw_only_allowed_ids(kc: KernelCompiler, sample_vec: bool) -> None:
