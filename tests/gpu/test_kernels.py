@@ -626,17 +626,23 @@ def test_sample_matches_torch_sampler(kc: KernelCompiler, V: int, sample_vec: bo
         assert _allowed(seqs[b].token_mask, ours[b])
 
 
-@pytest.mark.parametrize("V", [50256, 1000, 64])
-def test_sample_vec_scan_draws_the_scans_tokens(kc: KernelCompiler, V: int) -> None:
-    """The SAMPLE_VEC scan (four logits a load) takes rows of V in 4s and gives the one-logit scan's
-    tokens row for row: grammar masks, penalties, ties across the top-k cut, NaN, every sampler setting."""
-    rng = np.random.default_rng(V + 1)
-    B = 96
+def _scan_case(B: int, V: int, seed: int) -> tuple[torch.Tensor, list[SequenceWork]]:
+    """Logits [B, V] with a NaN, a row of ties and ties across the top-k cut, and random sampler rows
+    (a quarter of them masked, row 4 among them): the cases where two scans could differ."""
+    rng = np.random.default_rng(seed)
     logits = torch.from_numpy(rng.standard_normal((B, V)).astype(np.float32) * 3).to(DEV)
     logits[1, 5] = float("nan")
     logits[2, :] = 0.5
     logits[3:5, 10:50] = 9.0
-    seqs = _sampler_rows(B, V, rng, set(rng.choice(B, B // 4, replace=False).tolist()) | {4})
+    return logits, _sampler_rows(B, V, rng, set(rng.choice(B, B // 4, replace=False).tolist()) | {4})
+
+
+@pytest.mark.parametrize("V", [50256, 1000, 64])
+def test_sample_vec_scan_draws_the_scans_tokens(kc: KernelCompiler, V: int) -> None:
+    """The SAMPLE_VEC scan (four logits a load) takes rows of V in 4s and gives the one-logit scan's
+    tokens row for row: grammar masks, penalties, ties across the top-k cut, NaN, every sampler setting."""
+    B = 96
+    logits, seqs = _scan_case(B, V, seed=V + 1)
     assert L.sample_vec_ok(logits, torch.zeros((B, V), dtype=torch.int32, device=DEV))
     assert not L.sample_vec_ok(logits[:, 1:], None) and not L.sample_vec_ok(logits[:, :V - 2], None)
     assert torch.equal(_kernel_sample(kc, logits, seqs, vec=False), _kernel_sample(kc, logits, seqs, vec=True))
@@ -651,13 +657,8 @@ def test_sample_split_scan_draws_the_scans_tokens(kc: KernelCompiler, monkeypatc
     tokens row for row, both scans, parts of 5 logits to 4,096 (up to SAMPLE_MAX_PARTS; parts with fewer
     logits than top_k among them, and at V 20 an empty one): masks, penalties, ties across the top-k cut,
     NaN."""
-    rng = np.random.default_rng(V + part)
     B = 64
-    logits = torch.from_numpy(rng.standard_normal((B, V)).astype(np.float32) * 3).to(DEV)
-    logits[1, 5] = float("nan")
-    logits[2, :] = 0.5
-    logits[3:5, 10:50] = 9.0
-    seqs = _sampler_rows(B, V, rng, set(rng.choice(B, B // 4, replace=False).tolist()) | {4})
+    logits, seqs = _scan_case(B, V, seed=V + part)
     monkeypatch.setattr(L, "SAMPLE_PART", part)
     for vec in (False, True):
         one = _kernel_sample(kc, logits, seqs, vec=vec, split=False)
