@@ -9,11 +9,12 @@ MMA_EARLY: the pipeline's first weights loaded before the PDL wait), v (launcher
 sampler's four-logits-a-load scan; end to end only), q (launchers.TILED_DQ: asym g32 int4 dequantized
 to bf16 in the tiled gemv's registers), h (launchers.TILED_F16: the tiled int8 gemv's mmas in fp16),
 tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPRE, T4_MINB), z
-(launchers.TILED_XSMEM: the tiled gemv's activations staged once a block in shared memory), r
+(launchers.TILED_XSMEM: the tiled gemv's activations staged once a block in shared memory, where its
+rule takes them), r
 (launchers.SAMPLE_SPLIT: the sampler's scan split over blocks, then merged), a
 (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before the PDL
-wait; end to end only), joined by '+'. e, v, h and a are on in the rule; a trailing 0 turns a switch
-off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
+wait; end to end only), joined by '+'. e, v, h, a, z and r are on in the rule; a trailing 0 turns a
+switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
 
   PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8]
@@ -45,7 +46,7 @@ def defines(label: str) -> dict[str, int]:
     """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
     out = {}
     for part in label.split("+"):
-        flag = part.removesuffix("0")  # h0: that switch off (h, a, e and v are on in the rule)
+        flag = part.removesuffix("0")  # h0: that switch off (h, a, e, v, z and r are on in the rule)
         if flag in ("v", "e", "k", "q", "h", "a", "z", "r") or part == "rule":  # rule: nothing set (the built-in choices)
             out.update({k: int(flag == part) for k in {
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],

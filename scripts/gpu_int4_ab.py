@@ -9,7 +9,7 @@ and min bytes once. Checks each output against fp64 first. One line per case, th
 decode step would see (the shapes weighted as llama-8b runs them per token).
 
 Usage: PYTHONPATH=. python scripts/gpu_int4_ab.py [--quick] [--stages 2,3] [--warps 8,16] [--xpre 1] [--minb 0,2]
-       [--rows 1,8] [--xsmem 0,1]
+       [--rows 1,8] [--xsmem 0,1] [--on-rule]
        [--shapes N:K,...] [--formats asym,sym,int8]
   (--quick: rows 1 and 8 only)
 """
@@ -41,6 +41,15 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",")]
 
 
+def variant_name(v: dict[str, int]) -> str:
+    """A variant's name: s(stages) x(prefetch) w(warps) b(register cap), z where the activations sit in
+    shared memory; 'tiled rule' for the rule's own settings (--on-rule)."""
+    z = "z" if v.get("T4_XSMEM") else ""
+    if "T4_STAGES" not in v:
+        return f"tiled rule{'+' + z if z else ''}"
+    return f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}{z}"
+
+
 def time_route(kc, fmt, copies, x, out, route, variant=None) -> float:
     def run() -> None:
         for parts in copies:
@@ -60,9 +69,13 @@ def main() -> None:
     ap.add_argument("--xsmem", type=ints, default=[0], help="T4_XSMEM values to sweep (1: the activations staged "
                     "in shared memory, where they fit launchers.TILED_XSMEM_BYTES)")
     ap.add_argument("--shapes", default="", help="N:K,... of SHAPES to run (default all)")
+    ap.add_argument("--on-rule", action="store_true", help="variants of --xsmem only, on the rule's own stages, "
+                    "prefetch and register cap (launchers.tiled_variant)")
     args = ap.parse_args()
     variants = [{"T4_STAGES": s, "T4_XPRE": p, "T4_WARPS": w, "T4_MINB": b, "T4_XSMEM": z}
                 for w in args.warps for b in args.minb for s in args.stages for p in args.xpre for z in args.xsmem]
+    if args.on_rule:
+        variants = [{"T4_XSMEM": z} for z in args.xsmem]
     keep = {tuple(ints(v.replace(":", ","))) for v in args.shapes.split(",") if v} if args.shapes else None
     shapes = [s for s in SHAPES if keep is None or s[:2] in keep]
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
@@ -88,9 +101,7 @@ def main() -> None:
                 out = torch.empty(M, N, device=DEV, dtype=torch.float32)
                 ref = x.double() @ ref_w.T
                 cands = [(before, before, None), ("tiled", "tiled", None)]
-                cands += [(f"tiled s{v['T4_STAGES']}x{v['T4_XPRE']}w{v['T4_WARPS']}b{v['T4_MINB']}"
-                           f"{'z' if v['T4_XSMEM'] else ''}", "tiled", v)
-                          for v in variants]
+                cands += [(variant_name(v), "tiled", v) for v in variants]
                 line = []
                 tiled_out = None
                 for label, route, variant in cands:
@@ -102,7 +113,8 @@ def main() -> None:
                         continue
                     if label == "tiled":
                         tiled_out = out.clone()
-                    elif route == "tiled" and variant.get("T4_WARPS") == L.TILED_WARPS and not torch.equal(out, tiled_out):
+                    elif (route == "tiled" and variant.get("T4_WARPS", L.TILED_WARPS) == L.TILED_WARPS
+                          and not torch.equal(out, tiled_out)):
                         print(f"  !! {label} {name} {N}x{K} M={M}: other bits than the default tiled launch")
                     s = time_route(kc, fmt, copies[route], x, out, route, variant)
                     step[(name, label, M)] = step.get((name, label, M), 0.0) + count * s
@@ -117,7 +129,8 @@ def main() -> None:
         before = "warp" if fmt.format == "int8" else "mma"
         for M in rows:
             mma, tiled = step.get((name, before, M), math.nan), step.get((name, "tiled", M), math.nan)
-            variants = {k[1]: v for k, v in step.items() if k[0] == name and k[2] == M and k[1].startswith("tiled s")}
+            variants = {k[1]: v for k, v in step.items()
+                        if k[0] == name and k[2] == M and k[1] not in ("tiled", "mma", "warp")}
             best = min(variants, key=variants.get) if variants else "-"
             print(f"  {name} M={M}: {before} {mma * 1e3:.3f}  tiled {tiled * 1e3:.3f}  ({mma / tiled:.2f}x)  "
                   f"best variant {best} {variants.get(best, float('nan')) * 1e3:.3f}")

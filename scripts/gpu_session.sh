@@ -35,10 +35,10 @@
 #       mmas in fp16, the activations scaled by 2^-8) and h0 (bf16 mmas) (~3 min)
 #   scripts/gpu_session.sh xsmem OUTDIR                 # carry .whl; no llama.cpp needed
 #       the tiled gemv with its activations staged in shared memory (launchers.TILED_XSMEM, label z): the
-#       kernel sweep at llama-8b's shapes, one row (scripts/gpu_int4_ab.py), then tg128 alternated twice:
-#       llama-8b int4 with the rule, z, z+b0 (no register cap) and r (launchers.SAMPLE_SPLIT: the
-#       sampler's scan split over blocks), int8 with the rule and z, bf16 with the rule and r, and
-#       smollm2-135m int4 with the rule and r (~6 min)
+#       kernel sweep at llama-8b's shapes, one and two rows, against the rule's own settings
+#       (scripts/gpu_int4_ab.py --on-rule), then tg128 alternated twice: llama-8b int4 with the rule, z0
+#       and r0 (launchers.SAMPLE_SPLIT off: the sampler's scan in one block a row), bf16 with the rule and
+#       r0, and smollm2-135m int4 with the rule and r0 (~5 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -105,13 +105,12 @@ mma|attn|tiled|xsmem)
       "$OUT/$2.json" "$2" || tail -n 3 "$OUT/$2.log"
   }
   if [ "$MODE" = xsmem ]; then
-    python3 scripts/gpu_int4_ab.py --rows 1 --formats asym,int8 --stages 2,3,4 --xpre 0,1 --xsmem 1 > "$OUT/xsmem_ab.txt" 2>&1
-    grep -v "^    variants" "$OUT/xsmem_ab.txt" | tail -n 30
+    python3 scripts/gpu_int4_ab.py --rows 1,2 --formats asym,int8 --xsmem 1 --on-rule > "$OUT/xsmem_ab.txt" 2>&1
+    grep -v "^    best" "$OUT/xsmem_ab.txt" | tail -n 50
     for r in 1 2; do
-      for v in rule z z+b0 r; do variant "$v" "int4_${v//+/-}_$r" -p 0 --weights int4; done
-      for v in rule z; do variant "$v" "int8_${v//+/-}_$r" -p 0 --weights int8; done
-      for v in rule r; do variant "$v" "bf16_${v}_$r" -p 0; done
-      for v in rule r; do
+      for v in rule z0 r0; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
+      for v in rule r0; do variant "$v" "bf16_${v}_$r" -p 0; done
+      for v in rule r0; do
         python3 scripts/decode_variants.py bench "$v" --synthetic smollm2-135m --weights int4 --backend cuda -p 0 \
           -n 128 -r 3 --ceilings off --device-profile off -o json > "$OUT/smol_${v}_$r.json" 2> "$OUT/smol_${v}_$r.log"
         python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'])" \

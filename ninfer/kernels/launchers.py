@@ -55,9 +55,13 @@ TILED_DQ = False
 TILED_F16 = True
 # gemv_tiled.cu's T4_XSMEM: a block's activations copied once into shared memory (cp.async, after the PDL
 # wait) where their M (K + 8) * 2 bytes fit TILED_XSMEM_BYTES, the slabs reading them there (speed only, the
-# same bits). Nsight Compute (docs/PERF.md, session 27) has the tiled gemvs stalled on global loads; off
-# until timed (decode_variants.py label z)
-TILED_XSMEM = False
+# same bits). Nsight Compute (docs/PERF.md, session 27) has the tiled gemvs stalled on global loads. H100
+# kernel sweep at the rule's own settings (session 28, scripts/gpu_int4_ab.py --on-rule): one int4 row of
+# many outputs gains (lm_head 128256 x 4096: 127.3 -> 109.1 us, gate_up 29.0 -> 28.0), small shapes, two
+# rows and int8 lose up to 37 %; so the rule takes it for int4, one row, N >= XSMEM_MIN_N only (label z0:
+# never; a variant's T4_XSMEM 1: wherever it fits)
+TILED_XSMEM = True
+XSMEM_MIN_N = 16384
 TILED_XSMEM_BYTES = 32 << 10
 # gemv_tiled.cu defines over tiled_variant's for every int4 tiled launch (T4_STAGES, T4_XPRE, T4_MINB): the
 # tuning scripts' override (decode_variants.py labels tN, xN, bN); speed only, the same bits
@@ -763,6 +767,15 @@ def tiled_variant(N: int, K: int, sms: int = 0, int8: bool = False) -> dict[str,
     return {"T4_STAGES": 2, "T4_XPRE": 0 if N >= 16384 else 1, **minb}
 
 
+def xsmem_bytes(M: int, N: int, K: int, int8: bool, force: int | None = None) -> int:
+    """The tiled gemv's dynamic shared memory for its activations staged there (T4_XSMEM), 0 where it
+    reads them from global memory: TILED_XSMEM's rule (int4, one row, N >= XSMEM_MIN_N) unless a
+    variant's T4_XSMEM forces it on or off, and only where M (K + 8) * 2 bytes fit TILED_XSMEM_BYTES."""
+    on = TILED_XSMEM and M == 1 and not int8 and N >= XSMEM_MIN_N if force is None else bool(force)
+    nbytes = M * (K + 8) * 2
+    return nbytes if on and nbytes <= TILED_XSMEM_BYTES else 0
+
+
 MMA_PIPES = (0, 2, 4, 8)  # gemv_mma's bf16 MMA_PIPE values `ninfer calibrate` times (0: the built-in loop)
 
 
@@ -837,9 +850,7 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
                    **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}),
                    **({"T4_DQ": 1} if TILED_DQ and code == 3 and g32 else {}),
                    **({"T4_F16": 1} if TILED_F16 and code == 1 else {}), **(variant or {})}
-        xs_bytes = M * (K + 8) * 2  # T4_XSMEM's shared memory (bf16 activations)
-        if not (defines.pop("T4_XSMEM", TILED_XSMEM) and xs_bytes <= TILED_XSMEM_BYTES):
-            xs_bytes = 0
+        xs_bytes = xsmem_bytes(M, N, K, int8=code == 1, force=defines.pop("T4_XSMEM", None))
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
                                                   **({"T4_XSMEM": 1} if xs_bytes else {}), **glu_defines}).launch(
             (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args, shared_mem=xs_bytes)
@@ -905,8 +916,10 @@ SAMPLE_VEC = True
 # sampling.cu's scan split over blocks (SAMPLE_PHASE 1: each of a row's parts of ~SAMPLE_PART logits, at
 # most SAMPLE_MAX_PARTS, writes its top k; 2: one block a row merges them and samples; the same tokens):
 # one block reads a 128k row at one SM's pace (58 µs of an H200 bf16 step in session 23, before SAMPLE_VEC).
-# Off until timed (decode_variants.py label r).
-SAMPLE_SPLIT = False
+# H100 tg128 (session 28, alternated twice; decode_variants.py label r0 turns it off): llama-8b int4
+# 434.5 / 434.7 -> 441.6 / 441.0 tok/s, bf16 183.2 / 183.3 -> 184.1 / 184.1, SmolLM2-135M int4 2,157 / 2,154
+# -> 2,203 / 2,201.
+SAMPLE_SPLIT = True
 SAMPLE_PART = 4096
 SAMPLE_MAX_PARTS = 32
 

@@ -563,7 +563,7 @@ def _sampler_rows(B: int, V: int, rng: np.random.Generator, masked: set[int]) ->
     """Random sampler settings, penalties, seeds and grammar masks, one SequenceWork per row."""
     seqs = []
     for b in range(B):
-        out = rng.integers(0, 64, int(rng.integers(0, 40))).tolist()  # repeats: counts above 1
+        out = rng.integers(0, min(64, V), int(rng.integers(0, 40))).tolist()  # repeats: counts above 1
         sp = SamplingParams(temperature=0.0 if b % 9 == 0 else float(rng.uniform(0.1, 2.0)),
                             top_k=int(rng.integers(0, 25)), top_p=float(rng.choice([1.0, rng.uniform(0.05, 1.0)])),
                             min_p=float(rng.choice([0.0, rng.uniform(0.0, 0.4)])),
