@@ -19,7 +19,9 @@
 #       pp512, and tg128 at a 16k context; ninfer's rows carry their ceilings; scripts/targets_table.py
 #       prints one table per target (~2 min on an H100 once the build and the files are there);
 #       NINFER_DECODE_VARIANT=LABEL runs ninfer's rows with a decode_variants.py variant, e.g. the one
-#       `python3 scripts/pick_variant.py OUTDIR` picks from the mma and attn results in OUTDIR
+#       `python3 scripts/pick_variant.py OUTDIR` picks from the mma and attn results in OUTDIR; run it before
+#       a long test run: after the whole GPU suite (session 28) the 30 GB of GGUFs had left the page cache
+#       and the call passed 300 s where it had taken 124
 #   scripts/gpu_session.sh mma OUTDIR [VARIANTS]        # carry .whl; no llama.cpp needed
 #       decode variants (scripts/decode_variants.py): gemv_mma's bf16 ones (default p2,p2+k,p4; k: the
 #       rule's L2 prefetch in k order; the sweep adds p0, p2+w2 and p8) by the kernel
