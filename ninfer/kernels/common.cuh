@@ -243,6 +243,17 @@ __device__ __forceinline__ uint4 ld_act(const act* p) {
   return v;
 }
 
+// One activation (the kernel before's output, or one earlier's) by a coherent load, kept after PDL_WAIT.
+__device__ __forceinline__ act ld_act1(const act* p) {
+  act v;
+#if ACT_F32
+  asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
+#else
+  asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p));
+#endif
+  return v;
+}
+
 // 8 activations at p read through L2 only (not L1: data written by other blocks of the same kernel).
 __device__ __forceinline__ void load_act8_l2(const act* p, float* f) {
 #if ACT_F32
@@ -260,22 +271,30 @@ __device__ __forceinline__ void load_act8_l2(const act* p, float* f) {
 // (GEMV_NORM, the same nt) give the same bits. L2: x is read through L2 (written by other blocks).
 // PRE > 0: wpre[p] holds the weight's 8 values at vector threadIdx.x + p nt (rmsnorm_weights, loaded
 // before a PDL wait), for the first PRE of this thread's vectors; the same values, so the same bits.
-template <bool L2, int PRE = 0>
+// RR_WRITE false: rr is only read (out = rmsnorm(rr + x) * w, rr left as it was; the sum formed again for
+// the scaling), for a gemv's prologue (gemv_tiled.cu T4_PNORM) whose blocks all read rr at once.
+template <bool L2, int PRE = 0, bool RR_WRITE = true>
 __device__ __forceinline__ void rmsnorm_row(const act* x, act* rr, const act* __restrict__ weight, act* orow, int H,
                                             float eps, int nt, float* scratch, const float (*wpre)[8] = nullptr) {
   const int nvec = H / 8;
   const bool mine = threadIdx.x < nt;
+  auto load_x = [&](int i, float* a) {
+    if (L2) load_act8_l2(x + i * 8, a);
+    else load_act<8>(x + i * 8, a);
+  };
+  auto add_rr = [&](int i, float* a) {  // a = x + rr, rounded to act as an add in that dtype would be
+    float r[8];
+    load_act<8>(rr + i * 8, r);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[j] = act_round(a[j] + r[j]);
+  };
   float ss = 0.0f;
   for (int i = threadIdx.x; mine && i < nvec; i += nt) {
     float a[8];
-    if (L2) load_act8_l2(x + i * 8, a);
-    else load_act<8>(x + i * 8, a);
+    load_x(i, a);
     if (rr) {
-      float r[8];
-      load_act<8>(rr + i * 8, r);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) a[j] = act_round(a[j] + r[j]);
-      store_act<8>(rr + i * 8, a);
+      add_rr(i, a);
+      if (RR_WRITE) store_act<8>(rr + i * 8, a);
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss += a[j] * a[j];
@@ -283,9 +302,12 @@ __device__ __forceinline__ void rmsnorm_row(const act* x, act* rr, const act* __
   const float inv = rsqrtf(block_sum(ss, scratch) / (float)H + eps);
   auto scale = [&](int i, const float* w) {
     float a[8];
-    if (rr) load_act<8>(rr + i * 8, a);  // this thread's own writes above: no barrier needed
-    else if (L2) load_act8_l2(x + i * 8, a);
-    else load_act<8>(x + i * 8, a);
+    if (rr && RR_WRITE) {
+      load_act<8>(rr + i * 8, a);  // this thread's own writes above: no barrier needed
+    } else {
+      load_x(i, a);
+      if (rr) add_rr(i, a);
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) a[j] = a[j] * inv * w[j];
     store_act<8>(orow + i * 8, a);
@@ -365,9 +387,44 @@ __device__ __forceinline__ float gelu_mul_f(float g, float u) {
 #define NORM_PARAMS
 #define NORM_ARGS
 #endif
+// Compiled with -DGEMV_CATCHUP=1 (a decode step whose residual norms run in the next gemv's prologue,
+// gemv_tiled.cu T4_PNORM, leave the residual one add behind): the block also adds the previous residual
+// gemv's output yp into the residual rr at its own columns, rr[m, n] = act(rr[m, n] + yp[m, n]) (n0 ..
+// n0 + 15, m < M: no other block touches them), rmsnorm_residual's add with its bits. Warp 0 loads them
+// with catchup_load after the kernel's PDL wait (every block that read rr has finished then) and stores
+// them in the epilogue. Not with GEMV_GLU (a gated MLP's gate_up adds nothing to the residual).
+#ifndef GEMV_CATCHUP
+#define GEMV_CATCHUP 0
+#endif
+#if GEMV_CATCHUP
+#if GEMV_GLU || ACT_F32
+#error "GEMV_CATCHUP takes bf16 activations and no GEMV_GLU"
+#endif
+#define CATCHUP_PARAMS , const act* __restrict__ yp, i64 yp_stride, act* __restrict__ rr, i64 rr_stride
+#define CATCHUP_ARGS , cu, rr, rr_stride
+#define CATCHUP_EPARAMS , const u32* cu, act* __restrict__ rr, i64 rr_stride
+// the (m, n) of epilogue value j of a warp-0 lane (g, t): tile_epilogue's mapping
+// (bf16 only: values j and j + 1 packed in cu[j / 2], two registers held across the kernel's loop)
+__device__ __forceinline__ void catchup_load(u32* cu, const act* yp, i64 yp_stride, const act* rr, i64 rr_stride,
+                                             int n0, int N, int M) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  cu[0] = cu[1] = 0u;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (threadIdx.x < 32 && n < N && m < M)
+      cu[j >> 1] |= (u32)to_act(act_f32(ld_act1(yp + m * yp_stride + n)) + act_f32(ld_act1(rr + m * rr_stride + n)))
+                    << (16 * (j & 1));
+  }
+}
+#else
+#define CATCHUP_PARAMS
+#define CATCHUP_ARGS
+#define CATCHUP_EPARAMS
+#endif
 template <int MAXW>
 __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, int N, int M, void* y, i64 y_stride,
-                                              int y_f32 NORM_PARAMS) {
+                                              int y_f32 NORM_PARAMS CATCHUP_EPARAMS) {
   __shared__ float part[MAXW][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -399,6 +456,9 @@ __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, 
     if (n < N && m < M) {
       if (y_f32) ((float*)y)[m * y_stride + n] = r[j];
       else ((act*)y)[m * y_stride + n] = to_act(r[j]);
+#if GEMV_CATCHUP
+      rr[m * rr_stride + n] = (act)(cu[j >> 1] >> (16 * (j & 1)));
+#endif
     }
   }
 #endif

@@ -96,6 +96,25 @@
 #ifndef T4_XSMEM
 #define T4_XSMEM 0
 #endif
+// T4_PNORM 1 (with T4_XSMEM; the same bits as rmsnorm_residual then this gemv): x is the residual gemv's
+// output before the residual norm, and every block forms the normed rows itself into its shared memory,
+// x_m' = rmsnorm(rr_m + x_m) * pn_w (common.cuh rmsnorm_row over pn_nt = rmsnorm_residual's threads,
+// rr only read), in place of that norm's own launch. The residual stays one add behind; the next
+// residual gemv's epilogue makes it up (common.cuh GEMV_CATCHUP). The norm weight's first vectors load
+// before the PDL wait.
+#ifndef T4_PNORM
+#define T4_PNORM 0
+#endif
+#if T4_PNORM
+#if !T4_XSMEM
+#error "T4_PNORM takes T4_XSMEM 1"
+#endif
+#define PNORM_PARAMS , const act* __restrict__ pn_rr, i64 pn_rr_stride, const act* __restrict__ pn_w, float pn_eps, \
+    int pn_nt
+#define PNORM_PRE 2  // norm weight vectors a thread loads before the wait (H <= 2 * 8 * pn_nt: all of them)
+#else
+#define PNORM_PARAMS
+#endif
 #if T4_F16 && !T4_INT8
 #error "T4_F16 takes T4_FMT 1"
 #endif
@@ -270,7 +289,7 @@ __device__ __forceinline__ uint4 ld_x(const act* p) {
 extern "C" __global__ void T4_BOUNDS
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
-           int y_f32 NORM_PARAMS) {
+           int y_f32 NORM_PARAMS PNORM_PARAMS CATCHUP_PARAMS) {
   PDL_LAUNCH();  // the first stages' weights load before PDL_WAIT, while the kernel before runs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, S = K / SLAB_K;
@@ -394,8 +413,20 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #if T4_L2PF
   prefetch_region_l2<T4_L2PF>(w + (i64)tile * S * 512, (i64)S * 512);
 #endif
+#if T4_PNORM
+  float pn_wpre[PNORM_PRE][8];
+  rmsnorm_weights<PNORM_PRE>(pn_w, K, pn_nt, pn_wpre);
+#endif
   PDL_WAIT();
-#if T4_XSMEM
+#if GEMV_CATCHUP
+  u32 cu[2];  // warp 0's residual columns, one add caught up (stored in the epilogue)
+  catchup_load(cu, yp, yp_stride, rr, rr_stride, tile * 16, N, M);
+#endif
+#if T4_PNORM
+  __shared__ float pn_scratch[32];
+  rmsnorm_row<false, PNORM_PRE, false>(x, (act*)pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_scratch, pn_wpre);  // M == 1
+  __syncthreads();  // a thread's normed vectors are read by other threads' slabs
+#elif T4_XSMEM
   // every copy in flight at once (cp.async: no registers held), then one barrier
   for (int m = 0; m < M; ++m)
     for (int c = threadIdx.x; c < K / 8; c += T4_WARPS * 32)
@@ -436,5 +467,5 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] *= (float)(1 << F16_SHIFT);  // exact: the activations' scaling undone
 #endif
-  tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh
+  tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride, y_f32 NORM_ARGS CATCHUP_ARGS);  // common.cuh
 }
