@@ -796,7 +796,7 @@ def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
          out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None, glu: str = "",
-         norm: tuple | None = None) -> None:
+         norm: tuple | None = None, prenorm: tuple | None = None, catchup: tuple | None = None) -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
@@ -808,7 +808,13 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
     dtype followed by swiglu / geglu.
     norm (routes mma and tiled; out in x's dtype): (residual, weight, normed, eps, counter), then
-    out -> rmsnorm_residual into normed in the same launch (norm_epilogue)."""
+    out -> rmsnorm_residual into normed in the same launch (norm_epilogue).
+    prenorm (route tiled, one bf16 row where its shared memory fits TILED_XSMEM_BYTES): (residual [1, K],
+    weight [K], eps): x is a residual gemv's output before its norm, and the gemv takes
+    rmsnorm(residual + x) * weight in its place, the bits of rmsnorm_residual then the gemv; residual is
+    only read (gemv_tiled.cu T4_PNORM).
+    catchup (route tiled, bf16, no glu): (y_prev [M, N], residual [M, N]): residual += y_prev as well,
+    rmsnorm_residual's add (common.cuh GEMV_CATCHUP), for the residual a prenorm gemv left one add behind."""
     if route not in GEMV_ROUTES:
         raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
     act_defines = _act(x.dtype, "x")
@@ -840,6 +846,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     glu_defines, out_stride, norm_args = gemv_epilogue(kc, x, out, M, N, glu, route, GLU_ROUTES, norm)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0), *norm_args]
+    if (prenorm is not None or catchup is not None) and route != "tiled":
+        raise KernelError(f"prenorm and catchup take the tiled route, got {route!r}")
     if route == "tiled":
         g32 = int(code != 1 and g == 32)
         align = 8 if g32 else 4  # a lane reads its scales of a slab in one load
@@ -850,10 +858,14 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
                    **({"T4_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}),
                    **({"T4_DQ": 1} if TILED_DQ and code == 3 and g32 else {}),
                    **({"T4_F16": 1} if TILED_F16 and code == 1 else {}), **(variant or {})}
-        xs_bytes = xsmem_bytes(M, N, K, int8=code == 1, force=defines.pop("T4_XSMEM", None))
+        force = defines.pop("T4_XSMEM", None)
+        xs_bytes = xsmem_bytes(M, N, K, int8=code == 1, force=1 if prenorm is not None else force)
+        fused, fused_args = residual_fusions(kc, x, out, M, N, K, glu, prenorm, catchup, xs_bytes,
+                                             defines["T4_WARPS"] * 32)
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
-                                                  **({"T4_XSMEM": 1} if xs_bytes else {}), **glu_defines}).launch(
-            (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args, shared_mem=xs_bytes)
+                                                  **({"T4_XSMEM": 1} if xs_bytes else {}), **glu_defines,
+                                                  **fused}).launch(
+            (N // 16, 1, 1), (defines["T4_WARPS"] * 32, 1, 1), args + fused_args, shared_mem=xs_bytes)
     elif route == "mma":
         defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K),
                    **({"MMA_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}), **(variant or {})}
@@ -898,6 +910,37 @@ def gemv_epilogue(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: int
         raise KernelError(f"a fused norm takes the {' / '.join(glu_routes)} routes, no glu, out in {x.dtype}")
     norm_defines, norm_args = norm_epilogue(kc, out, M, N, norm)
     return {**defines, **norm_defines}, out_stride, norm_args
+
+
+def residual_fusions(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, glu: str,
+                     prenorm: tuple | None, catchup: tuple | None, xs_bytes: int,
+                     threads: int) -> tuple[dict[str, int], list]:
+    """Checks the tiled gemv's residual fusions (gemv's prenorm and catchup) -> (compile defines, extra
+    kernel arguments in gemv_tiled's order: T4_PNORM's, then GEMV_CATCHUP's)."""
+    defines: dict[str, int] = {}
+    args: list = []
+    if prenorm is not None:
+        residual, weight, eps = prenorm
+        if M != 1 or not xs_bytes or x.dtype != BF16:
+            raise KernelError(f"a prenorm gemv takes one bf16 row of at most {TILED_XSMEM_BYTES // 2 - 8} "
+                              f"(got {M} rows of {K}, {x.dtype})")
+        _check(residual, "residual", BF16, [1, K], kc.device, contiguous=False, align16=True)
+        _check(weight, "norm weight", BF16, [K], kc.device, align16=True)
+        if rmsnorm_threads(K) > threads:
+            raise KernelError(f"a prenorm gemv needs {rmsnorm_threads(K)} threads, has {threads}")
+        defines["T4_PNORM"] = 1
+        args += [ptr(residual), I64(0), ptr(weight), F32(eps), I32(rmsnorm_threads(K))]
+    if catchup is not None:
+        y_prev, residual = catchup
+        if glu or x.dtype != BF16 or out.dtype != BF16:
+            raise KernelError("a catchup gemv takes bf16 rows in and out, no glu")
+        for name, t in (("y_prev", y_prev), ("residual", residual)):
+            _check(t, name, BF16, [M, N], kc.device, contiguous=False)
+        if residual.data_ptr() in (y_prev.data_ptr(), out.data_ptr(), x.data_ptr()):
+            raise KernelError("the residual must not alias y_prev, out or x")
+        defines["GEMV_CATCHUP"] = 1
+        args += [ptr(y_prev), I64(_rows(y_prev, "y_prev", N)), ptr(residual), I64(_rows(residual, "residual", N))]
+    return defines, args
 
 
 def _out_stride(out: torch.Tensor, M: int) -> int:

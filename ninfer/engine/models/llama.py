@@ -90,10 +90,13 @@ class MLP:
         return cls(w.linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], glu=True),
                    w.linear([p + "mlp.down_proj.weight"]))
 
-    def add_norm(self, ops: Any, x: torch.Tensor, residual: torch.Tensor, norm: Any, eps: float) -> torch.Tensor:
+    def add_norm(self, ops: Any, x: torch.Tensor, residual: torch.Tensor, norm: Any, eps: float,
+                 then: Any = None) -> torch.Tensor:
         """The MLP's output added into the residual stream, then RMSNorm with `norm` (the down
-        projection and the norm are one op: a decode step fuses them)."""
-        return ops.linear_add_rms_norm(ops.gated_linear(x, self.gate_up, "silu"), self.down, residual, norm, eps)
+        projection and the norm are one op: a decode step fuses them); then: the one weight the result
+        feeds (ops.linear_add_rms_norm)."""
+        return ops.linear_add_rms_norm(ops.gated_linear(x, self.gate_up, "silu"), self.down, residual, norm, eps,
+                                       then=then)
 
 
 @dataclass(slots=True)
@@ -118,10 +121,10 @@ class Attention:
         return ops.attention(layer, ops.linear(x, self.qkv), self.q_norm, self.k_norm)
 
     def add_norm(self, ops: Any, layer: int, x: torch.Tensor, residual: torch.Tensor, norm: Any,
-                 eps: float) -> torch.Tensor:
+                 eps: float, then: Any = None) -> torch.Tensor:
         """The attention output added into the residual stream, then RMSNorm with `norm` (o_proj and
-        the norm are one op: a decode step fuses them)."""
-        return ops.linear_add_rms_norm(self.heads(ops, layer, x), self.o_proj, residual, norm, eps)
+        the norm are one op: a decode step fuses them); then: the one weight the result feeds."""
+        return ops.linear_add_rms_norm(self.heads(ops, layer, x), self.o_proj, residual, norm, eps, then=then)
 
 
 @dataclass(slots=True)
@@ -163,9 +166,12 @@ class LlamaModel:
         h = ops.embed(input_ids, self.embed)  # the residual stream
         x = ops.rms_norm(h, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
-            x = layer.attn.add_norm(ops, i, x, h, layer.post_norm, eps)
-            nxt = layers[i + 1].input_norm if i + 1 < len(layers) else self.norm
-            x = layer.mlp.add_norm(ops, x, h, nxt, eps)
+            # each normed row feeds one projection (the MLP's gate_up, the next layer's qkv), which a
+            # backend may hand the norm to (ops.linear_add_rms_norm's `then`); the last is returned
+            x = layer.attn.add_norm(ops, i, x, h, layer.post_norm, eps, then=layer.mlp.gate_up)
+            last = i + 1 == len(layers)
+            nxt = self.norm if last else layers[i + 1].input_norm
+            x = layer.mlp.add_norm(ops, x, h, nxt, eps, then=None if last else layers[i + 1].attn.qkv)
         return x
 
     def compute_logits(self, ops: Any, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,7 +15,10 @@ Weights (at load, through models.weights.WeightReader, the one loader):
 Compute (x: [tokens, width] in the backend's compute dtype; `residual` is the backend's residual
 stream, updated in place):
     embed(ids, w, scale=1) -> residual   rms_norm(x, w, eps) -> x   add_rms_norm(x, residual, w, eps) -> x
-    linear(x, w) -> [T, N]          linear_add_rms_norm(x, w, residual, norm, eps) -> add_rms_norm(linear(x, w), ...)
+    linear(x, w) -> [T, N]
+    linear_add_rms_norm(x, w, residual, norm, eps, then=None) -> add_rms_norm(linear(x, w), residual, norm, eps)
+        then: the one weight whose linear / gated_linear consumes the result before `residual` is used
+        again; a backend may leave the norm to that projection (cuda: its gemv's prologue)
     gated_linear(x, w, activation) -> [T, I]   act(x @ gate^T) * (x @ up^T), w a glu weight;
         activation "silu" (SwiGLU) or "gelu_tanh" (GeGLU); cuda decode: one gemv, the activation in its epilogue
     sigmoid_gate(x, gate) -> x * sigmoid(gate)

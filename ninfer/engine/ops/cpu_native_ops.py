@@ -122,7 +122,7 @@ class NativeCpuOps(TorchOps):
         return NativeLinear(self.kernels, weight, bias)
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Linear, residual: torch.Tensor, norm: torch.Tensor,
-                            eps: float) -> torch.Tensor:
+                            eps: float, then: Linear | None = None) -> torch.Tensor:
         if isinstance(w, NativeLinear) and w.decodes(x) and w.bias is None and residual.is_contiguous() \
                 and norm.is_contiguous():
             return self.kernels.linear_add_rms_norm(x.contiguous(), w.native, residual, norm, eps)

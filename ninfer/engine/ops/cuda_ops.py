@@ -128,6 +128,19 @@ class CudaContext:
 PROMPT_CALL_ROWS = 1024
 
 
+@dataclass(slots=True)
+class Deferred:
+    """A residual norm left to the prologue of its consumer's gemv (CudaOps.PRE_NORM): y, the residual
+    gemv's output, is not yet added into `residual`, and only `then` may take y as its input (the gemv
+    then forms rmsnorm(residual + y) * norm itself). The next residual gemv on `residual` adds y in its
+    epilogue; anything else runs the norm on its own first (CudaOps._settle)."""
+    y: torch.Tensor
+    then: Weight
+    residual: torch.Tensor
+    norm: torch.Tensor
+    eps: float
+
+
 class CudaOps:
     """The ops interface on one CUDA device (see ninfer/engine/ops/__init__.py)."""
 
@@ -147,6 +160,7 @@ class CudaOps:
         tables = [rope_tables(r, config.max_position_embeddings, device) for r in ropes]
         self.layer_rope = [tables[ropes.index(a.rope)] for a in self.layers]
         self.ctx: CudaContext | None = None
+        self._deferred: Deferred | None = None
         # tensor cores for prompt attention where they take it (one route for the whole run; layers
         # with a window or soft-capping take the warp kernel, which has them)
         self.prefill_attention = "mma" if L.attention_prefill_route_ok("mma", dtype, config.head_dim) else "warp"
@@ -160,6 +174,7 @@ class CudaOps:
 
     def begin(self, ctx: CudaContext) -> None:
         self.ctx = ctx
+        self._deferred = None  # a residual norm left to its consumer's prologue (linear_add_rms_norm's `then`)
 
     # -- weights ----------------------------------------------------------------------------
 
@@ -296,13 +311,39 @@ class CudaOps:
     # (tests/gpu/test_fused_norm.py), until an H200 run says whether it pays anywhere.
     FUSE_NORM = False
 
+    # A decode row's residual norm in the prologue of the gemv that consumes it (linear_add_rms_norm's
+    # `then`): the gemv's blocks each form the normed row in shared memory from the residual gemv's output
+    # and the residual (gemv_tiled.cu T4_PNORM), one launch fewer per norm; the residual, left one add
+    # behind, is caught up by the next residual gemv's epilogue (common.cuh GEMV_CATCHUP). The same bits as
+    # the separate rmsnorm_residual launch. bf16, one row, tiled routes; off until timed on a GPU.
+    PRE_NORM = False
+
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
-                            eps: float) -> torch.Tensor:
+                            eps: float, then: Weight | None = None) -> torch.Tensor:
         """add_rms_norm(linear(x, w), residual, norm, eps); with FUSE_NORM, on the decode route of one
         row one launch where w's gemv epilogue is tile_epilogue (the norm by the block that finishes
         last, the same bits). Past one row that last block's norms cost more than the launch they save
-        (int4 llama-8b, 8 streams: 1,745 fused against 2,362 tok/s unfused, docs/PERF.md)."""
+        (int4 llama-8b, 8 streams: 1,745 fused against 2,362 tok/s unfused, docs/PERF.md).
+        then: the weight of the one linear / gated_linear that consumes the result before `residual` is
+        used again (a promise of the caller); with PRE_NORM the norm may be left to that gemv's prologue,
+        and the result is then linear(x, w), which only `then` may take (see Deferred)."""
         n = x.shape[0]
+        behind = self._deferred
+        if behind is not None and not (behind.residual is residual and self._catchup_ok(w, n)):
+            self._settle(add_only=behind.residual is residual)
+            behind = None
+        self._deferred = None
+        defer = self._defer_ok(then, n)
+        if behind is not None or defer:
+            if behind is not None:  # the residual caught up in this gemv's epilogue
+                y = self._empty(n, w.rows)
+                L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), catchup=(behind.y, residual))
+            else:
+                y = self.linear(x, w)
+            if not defer:
+                return self.add_rms_norm(y, residual, norm, eps)
+            self._deferred = Deferred(y, then, residual, norm, eps)
+            return y
         if not (self.FUSE_NORM and self.ctx.decode and n == 1 and self._norm_route(w)):
             return self.add_rms_norm(self.linear(x, w), residual, norm, eps)
         y, out = self._empty(n, w.rows), torch.empty_like(residual)
@@ -313,6 +354,40 @@ class CudaOps:
             L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), norm=fused)
         return out
 
+    def _catchup_ok(self, w: Weight, n: int) -> bool:
+        """Whether w's decode gemv can add a deferred output into the residual in its epilogue."""
+        return (self.ctx.decode and n <= L.MAX_GEMV_ROWS and self.dtype == torch.bfloat16 and w.route == "tiled"
+                and not w.segments and not w.fmt.blocks and w.bias is None)
+
+    def _defer_ok(self, then: Weight | None, n: int) -> bool:
+        """Whether the norm can go into the prologue of `then`'s decode gemv (one bf16 row, the tiled
+        route, the row fitting its shared memory), and the residual gemv's output kept for it."""
+        if not (self.PRE_NORM and then is not None and self.ctx.decode and n == 1 and self.dtype == torch.bfloat16):
+            return False
+        H = self.config.hidden_size
+        return (then.route == "tiled" and not then.segments and not then.fmt.blocks
+                and L.xsmem_bytes(1, then.rows, H, then.fmt.format == "int8", force=1) > 0
+                and L.rmsnorm_threads(H) <= L.TILED_WARPS * 32)
+
+    def _prenorm(self, x: torch.Tensor, w: Weight) -> tuple[torch.Tensor, tuple | None]:
+        """(x, the gemv's prenorm) for a linear / gated_linear of x by w: the deferred norm's arguments
+        where x is its output and w its `then`; where x is that output but w another weight, the norm
+        run now (x replaced by the normed row)."""
+        d = self._deferred
+        if d is None or x is not d.y:
+            return x, None
+        if w is d.then:
+            return x, (d.residual, d.norm, d.eps)
+        return self._settle(), None
+
+    def _settle(self, add_only: bool = False) -> torch.Tensor | None:
+        """The deferred norm run on its own: residual += y (add_only) or add_rms_norm -> the normed row."""
+        d, self._deferred = self._deferred, None
+        if add_only:
+            d.residual.add_(d.y)  # bf16 add in fp32, rounded once: rmsnorm_residual's add
+            return None
+        return self.add_rms_norm(d.y, d.residual, d.norm, d.eps)
+
     def _norm_route(self, w: Weight) -> bool:
         """Whether w's decode gemv can fuse the residual norm: one format, no bias, a tile_epilogue route."""
         if w.segments or w.bias is not None or w.rows % 8:
@@ -320,8 +395,12 @@ class CudaOps:
         return BLOCK_ROUTES[w.route] in B.GLU_ROUTES if w.fmt.blocks else w.route in L.GLU_ROUTES
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        x, prenorm = self._prenorm(x, w)
         n, N = x.shape[0], w.rows
-        if self.ctx.decode:
+        if prenorm is not None:
+            y = self._empty(n, N)
+            L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), prenorm=prenorm)
+        elif self.ctx.decode:
             y = self._empty(n, N)
             for r in range(0, n, L.MAX_GEMV_ROWS):  # verify steps have more rows than one gemv takes
                 self._gemv(x[r:r + L.MAX_GEMV_ROWS], w, y[r:r + L.MAX_GEMV_ROWS])
@@ -406,7 +485,14 @@ class CudaOps:
         one gemv whose epilogue applies the activation (a glu weight), else the projection into the
         activation dtype, then the swiglu / geglu kernel (the same bits either way)."""
         kernel = {"silu": L.swiglu, "gelu_tanh": L.geglu}[activation]
+        x, prenorm = self._prenorm(x, w)
         n = x.shape[0]
+        if prenorm is not None and w.glu:
+            y = self._empty(n, w.rows // 2)
+            L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), glu=activation, prenorm=prenorm)
+            return y
+        if prenorm is not None:  # then was not a glu weight: the norm on its own
+            x = self._settle()
         if self.ctx.decode and w.glu:
             y = self._empty(n, w.rows // 2)
             for r in range(0, n, L.MAX_GEMV_ROWS):

@@ -595,7 +595,7 @@ class TorchOps:
         return w(x)
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Linear, residual: torch.Tensor, norm: torch.Tensor,
-                            eps: float) -> torch.Tensor:
+                            eps: float, then: Linear | None = None) -> torch.Tensor:
         return self.add_rms_norm(w(x), residual, norm, eps)
 
     def gated_linear(self, x: torch.Tensor, w: Linear, activation: str = "silu") -> torch.Tensor:

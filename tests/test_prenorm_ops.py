@@ -1,0 +1,161 @@
+"""CudaOps' deferred residual norms (PRE_NORM: linear_add_rms_norm's `then`) on the CPU: the kernel
+launchers replaced by torch references of what they compute, a llama forward with the deferral against
+the same forward without it: the same hidden rows and residual, every deferred norm taken by its
+`then` gemv's prologue and caught up by the next residual gemv, and the fallbacks (a consumer other
+than `then`, a residual gemv that cannot catch up) running the norm on its own. The kernels themselves
+are checked bit for bit on a GPU (tests/gpu/test_prenorm.py)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ninfer.engine.models.llama import MLP, Attention, DecoderLayer, LlamaModel
+from ninfer.engine.ops import cuda_ops
+from ninfer.engine.ops.cuda_ops import CudaOps, Weight
+from ninfer.engine.quant import TensorFormat
+from ninfer.kernels import launchers as L
+from ninfer.kernels.profile import DeviceProfile
+
+BF = torch.bfloat16
+H, LAYERS = 64, 3
+
+
+def rmsnorm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    f = h.float()
+    return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(BF)
+
+
+class FakeLaunchers:
+    """launchers.gemv / rmsnorm_residual as torch computations, counting the fused arguments."""
+
+    def __init__(self) -> None:
+        self.seen = {"prenorm": 0, "catchup": 0, "norm": 0}
+
+    def gemv(self, kc, x, fmt, parts, out, route, variant=None, glu="", norm=None, prenorm=None, catchup=None):
+        if prenorm is not None:
+            residual, w, eps = prenorm
+            x = rmsnorm((residual.float() + x.float()).to(BF), w, eps)
+            self.seen["prenorm"] += 1
+        y = x.float() @ parts[""].float().T
+        if glu:
+            gate, up = y.chunk(2, dim=-1)
+            y = torch.nn.functional.silu(gate.to(BF).float()) * up.to(BF).float()
+        out.copy_(y.to(out.dtype))
+        if catchup is not None:
+            y_prev, residual = catchup
+            residual.copy_((residual.float() + y_prev.float()).to(BF))
+            self.seen["catchup"] += 1
+
+    def rmsnorm_residual(self, kc, x, w, out, eps, residual=None):
+        if residual is not None:
+            residual.copy_((residual.float() + x.float()).to(BF))
+            x = residual
+        out.copy_(rmsnorm(x, w, eps))
+        self.seen["norm"] += 1
+
+
+class Ops(CudaOps):
+    """CudaOps without a device: attention keeps the q columns, the embedding is given."""
+
+    def __init__(self, pre_norm: bool) -> None:  # noqa: super().__init__ needs a GPU
+        self.kc, self.dtype, self.device = None, BF, torch.device("cpu")
+        self.config = SimpleNamespace(hidden_size=H)
+        self.profile = DeviceProfile()
+        self.PRE_NORM = pre_norm
+        self._deferred = None
+
+    def attention(self, layer, qkv, q_norm, k_norm):
+        return qkv[:, :H].contiguous()
+
+
+def weight(rows: int, cols: int, seed: int, route: str = "tiled", glu: bool = False) -> Weight:
+    g = torch.Generator().manual_seed(seed)
+    return Weight(TensorFormat("bf16"), {"": (torch.randn(rows, cols, generator=g) * 0.2).to(BF)}, route=route,
+                  glu=glu)
+
+
+def model(o_route: str = "tiled") -> LlamaModel:
+    def norm(seed: int) -> torch.Tensor:
+        return (1 + 0.2 * torch.randn(H, generator=torch.Generator().manual_seed(seed))).to(BF)
+
+    layers = []
+    for i in range(LAYERS):
+        attn = Attention(weight(3 * H, H, 10 * i), weight(H, H, 10 * i + 1, o_route), None, None)
+        mlp = MLP(weight(4 * H, H, 10 * i + 2, glu=True), weight(H, 2 * H, 10 * i + 3))
+        layers.append(DecoderLayer(norm(100 + i), attn, norm(200 + i), mlp))
+    config = SimpleNamespace(rms_norm_eps=1e-6)
+    final = (1 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(9))).to(BF)
+    return LlamaModel(config, None, layers, final, None)
+
+
+def forward(m: LlamaModel, ops: Ops, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    h = (torch.randn(rows, H, generator=torch.Generator().manual_seed(5)) * 2).to(BF)
+    ops.embed = lambda ids, w, scale=1.0: h
+    ops.begin(SimpleNamespace(decode=True))
+    return m.forward(ops, torch.zeros(rows, dtype=torch.int32)), h
+
+
+@pytest.fixture
+def fake(monkeypatch) -> FakeLaunchers:
+    f = FakeLaunchers()
+    monkeypatch.setattr(L, "gemv", f.gemv)
+    monkeypatch.setattr(L, "rmsnorm_residual", f.rmsnorm_residual)
+    assert cuda_ops.L is L
+    return f
+
+
+def test_deferred_norms_match_and_are_taken(fake: FakeLaunchers) -> None:
+    m = model()
+    x0, h0 = forward(m, Ops(pre_norm=False))
+    assert fake.seen == {"prenorm": 0, "catchup": 0, "norm": 1 + 2 * LAYERS}
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    ops = Ops(pre_norm=True)
+    x1, h1 = forward(m, ops)
+    assert torch.equal(x1, x0) and torch.equal(h1, h0)
+    # every norm but the last deferred to its consumer and caught up by the next residual gemv
+    assert fake.seen == {"prenorm": 2 * LAYERS - 1, "catchup": 2 * LAYERS - 1, "norm": 2}
+    assert ops._deferred is None
+
+
+def test_deferral_needs_one_row_and_a_tiled_consumer(fake: FakeLaunchers) -> None:
+    m = model()
+    x0, h0 = forward(m, Ops(pre_norm=False), rows=2)
+    x1, h1 = forward(m, Ops(pre_norm=True), rows=2)
+    assert torch.equal(x1, x0) and torch.equal(h1, h0) and fake.seen["prenorm"] == 0
+    for layer in m.layers:
+        layer.mlp.gate_up.route = "mma"
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x2, h2 = forward(m, Ops(pre_norm=True))
+    x3, h3 = forward(m, Ops(pre_norm=False))
+    assert torch.equal(x2, x3) and torch.equal(h2, h3)
+    assert fake.seen["prenorm"] == LAYERS - 1  # only the qkv consumers
+
+
+def test_residual_gemv_without_catchup_settles(fake: FakeLaunchers) -> None:
+    """o_proj on a route without the epilogue: the deferred add runs on its own before it."""
+    m = model(o_route="mma")
+    x0, h0 = forward(m, Ops(pre_norm=False))
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x1, h1 = forward(m, Ops(pre_norm=True))
+    assert torch.equal(x1, x0) and torch.equal(h1, h0)
+    assert fake.seen["catchup"] == LAYERS  # the down projections only
+
+
+def test_a_consumer_other_than_then_gets_the_normed_row(fake: FakeLaunchers) -> None:
+    ops = Ops(pre_norm=True)
+    ops.begin(SimpleNamespace(decode=True))
+    w_o, then, other = weight(H, H, 1), weight(2 * H, H, 2), weight(2 * H, H, 3)
+    norm = torch.ones(H, dtype=BF)
+    x = (torch.randn(1, H, generator=torch.Generator().manual_seed(4))).to(BF)
+    h = (torch.randn(1, H, generator=torch.Generator().manual_seed(6))).to(BF)
+    h_ref = h.clone()
+    y = ops.linear_add_rms_norm(x, w_o, h, norm, 1e-6, then=then)
+    assert ops._deferred is not None and torch.equal(h, h_ref)  # the residual is one add behind
+    out = ops.linear(y, other)
+    ref = Ops(pre_norm=False)
+    ref.begin(SimpleNamespace(decode=True))
+    normed = ref.linear_add_rms_norm(x, w_o, h_ref, norm, 1e-6)
+    assert torch.equal(out, ref.linear(normed, other)) and torch.equal(h, h_ref)
+    assert ops._deferred is None and fake.seen["prenorm"] == 0
