@@ -13,7 +13,8 @@ tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPR
 rule takes them), r
 (launchers.SAMPLE_SPLIT: the sampler's scan split over blocks, then merged), a
 (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before the PDL
-wait; end to end only), joined by '+'. e, v, h, a, z and r are on in the rule; a trailing 0 turns a
+wait; end to end only), n (CudaOps.PRE_NORM: a decode row's residual norm in its consumer's tiled
+gemv prologue; end to end only), joined by '+'. e, v, h, a, z and r are on in the rule; a trailing 0 turns a
 switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
 
@@ -47,13 +48,14 @@ def defines(label: str) -> dict[str, int]:
     out = {}
     for part in label.split("+"):
         flag = part.removesuffix("0")  # h0: that switch off (h, a, e, v, z and r are on in the rule)
-        if flag in ("v", "e", "k", "q", "h", "a", "z", "r") or part == "rule":  # rule: nothing set (the built-in choices)
+        if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n") or part == "rule":  # rule: nothing set (the built-in choices)
             out.update({k: int(flag == part) for k in {
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
-                "a": ["ATTN_EARLY"], "z": ["T4_XSMEM"], "r": ["SAMPLE_SPLIT"], "rule": []}[flag]})
+                "a": ["ATTN_EARLY"], "z": ["T4_XSMEM"], "r": ["SAMPLE_SPLIT"], "n": ["PRE_NORM"], "rule": []}[flag]})
             continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, q, h, r, v, z (a0: off) joined by '+'")
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, n, q, h, r, v, z (a0: off) "
+                             "joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB"}[part[0]]] = int(part[1:])
     return out
@@ -65,7 +67,7 @@ def sweep(labels: list[str]) -> None:
 
     variants = {label: defines(label) for label in labels}
     if any(set(v) - {"MMA_PIPE", "MMA_EARLY", "MMA_L2PF", "MMA_L2PF_K"} for v in variants.values()):
-        raise SystemExit("sN, fN, a, q, h and v: bench them end to end (the sweep times gemv_mma's bf16)")
+        raise SystemExit("sN, fN, a, n, q, h and v: bench them end to end (the sweep times gemv_mma's bf16)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)
     fmt = TensorFormat("bf16")
@@ -110,6 +112,8 @@ def main() -> None:
     if mode == "sweep":
         sweep((sys.argv[2] if len(sys.argv) > 2 else "p0,p2,p3,p4,p6,p8").split(","))
     elif mode == "bench":
+        from ninfer.engine.ops.cuda_ops import CudaOps
+
         chosen = defines(sys.argv[2])
         L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)
         L.SAMPLE_VEC = bool(chosen.pop("SAMPLE_VEC", L.SAMPLE_VEC))
@@ -118,6 +122,7 @@ def main() -> None:
         L.ATTN_EARLY = bool(chosen.pop("ATTN_EARLY", L.ATTN_EARLY))
         L.TILED_XSMEM = bool(chosen.pop("T4_XSMEM", L.TILED_XSMEM))
         L.SAMPLE_SPLIT = bool(chosen.pop("SAMPLE_SPLIT", L.SAMPLE_SPLIT))
+        CudaOps.PRE_NORM = bool(chosen.pop("PRE_NORM", CudaOps.PRE_NORM))
         L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
         L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
         L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv

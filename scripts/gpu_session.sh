@@ -41,6 +41,10 @@
 #       (scripts/gpu_int4_ab.py --on-rule), then tg128 alternated twice: llama-8b int4 with the rule, z0
 #       and r0 (launchers.SAMPLE_SPLIT off: the sampler's scan in one block a row), bf16 with the rule and
 #       r0, and smollm2-135m int4 with the rule and r0 (~5 min)
+#   scripts/gpu_session.sh prenorm OUTDIR              # carry .whl; no llama.cpp needed
+#       the residual norms in their consumers' gemv prologues (CudaOps.PRE_NORM, label n): its GPU tests
+#       (tests/gpu/test_prenorm.py), then tg128 alternated twice: llama-8b int4 and int8 with the rule
+#       and n, and smollm2-135m int4 with the rule and n (~5 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -50,8 +54,8 @@
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|fusions OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|fusions OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -96,7 +100,7 @@ start)
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
-mma|attn|tiled|xsmem)
+mma|attn|tiled|xsmem|prenorm)
   VARIANTS="${1:-p2,p2+k,p4}"
   [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w2,p8" > "$OUT/mma_sweep.txt" 2>&1
   [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
@@ -113,6 +117,21 @@ mma|attn|tiled|xsmem)
       for v in rule z0 r0; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
       for v in rule r0; do variant "$v" "bf16_${v}_$r" -p 0; done
       for v in rule r0; do
+        python3 scripts/decode_variants.py bench "$v" --synthetic smollm2-135m --weights int4 --backend cuda -p 0 \
+          -n 128 -r 3 --ceilings off --device-profile off -o json > "$OUT/smol_${v}_$r.json" 2> "$OUT/smol_${v}_$r.log"
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'])" \
+          "$OUT/smol_${v}_$r.json" "smol_${v}_$r" || tail -n 3 "$OUT/smol_${v}_$r.log"
+      done
+    done
+    exit 0
+  fi
+  if [ "$MODE" = prenorm ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_prenorm.py > "$OUT/pytest.log" 2>&1
+    tail -n 5 "$OUT/pytest.log"
+    for r in 1 2; do
+      for v in rule n; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
+      for v in rule n; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
+      for v in rule n; do
         python3 scripts/decode_variants.py bench "$v" --synthetic smollm2-135m --weights int4 --backend cuda -p 0 \
           -n 128 -r 3 --ceilings off --device-profile off -o json > "$OUT/smol_${v}_$r.json" 2> "$OUT/smol_${v}_$r.log"
         python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'])" \
@@ -168,7 +187,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|fusions OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)

@@ -27,6 +27,7 @@ decode_variants, pick_variant = script("decode_variants"), script("pick_variant"
     ("q+t3+x0+b4", {"T4_DQ": 1, "T4_STAGES": 3, "T4_XPRE": 0, "T4_MINB": 4}),
     ("z+b0", {"T4_XSMEM": 1, "T4_MINB": 0}),
     ("r", {"SAMPLE_SPLIT": 1}),
+    ("n+z0", {"PRE_NORM": 1, "T4_XSMEM": 0}),
     ("r0+s64+f2+w1", {"SAMPLE_SPLIT": 0, "ATTN_MAX_SPLIT": 64, "ATTN_PREFETCH": 2, "MMA_L2PF": 1}),
 ])
 def test_variant_labels(label: str, defines: dict[str, int]) -> None:
