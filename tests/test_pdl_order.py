@@ -27,10 +27,10 @@ CASES = [
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 4, "T4_XPRE": 1, "T4_F16": 1}),
     ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 3, "T4_XPRE": 0, "T4_XSMEM": 1}),
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 4, "T4_XPRE": 1, "T4_F16": 1, "T4_XSMEM": 1}),
-    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 1, "T4_XSMEM": 1, "T4_PNORM": 1}),
-    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 0, "T4_XSMEM": 1, "T4_PNORM": 1, "GEMV_GLU": 1}),
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 1, "T4_XSMEM": 1, "GEMV_PNORM": 1}),
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 0, "T4_XSMEM": 1, "GEMV_PNORM": 1, "GEMV_GLU": 1}),
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 4, "T4_XPRE": 1, "T4_F16": 1, "T4_XSMEM": 1,
-                       "T4_PNORM": 1}),
+                       "GEMV_PNORM": 1}),
     ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 1, "T4_MINB": 2, "GEMV_CATCHUP": 1}),
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 4, "T4_XPRE": 0, "T4_MINB": 2, "T4_F16": 1,
                        "GEMV_CATCHUP": 1}),
@@ -42,6 +42,10 @@ CASES = [
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_L2PF": 4}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_L2PF": 2, "MMA_L2PF_K": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1, "MMA_L2PF": 2}),
+    ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_L2PF": 1, "MMA_EARLY": 1, "GEMV_PNORM": 1}),
+    ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "GEMV_PNORM": 1, "GEMV_GLU": 1}),
+    ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2, "MMA_L2PF": 1, "MMA_EARLY": 1, "GEMV_CATCHUP": 1}),
+    ("gemv_mma.cu", {"MMA_FMT": 3, "MMA_WIDE": 1, "GEMV_CATCHUP": 1}),
     ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 0, "T4_L2PF": 1}),
     ("gemv.cu", {"GEMV_FMT": 1}),
     ("attention.cu", {"HEAD_DIM": 64, "GQA": 3, "MAX_SPLIT": 32, "SPLIT_MIN": 256, "ROPE_KV": 1}),
@@ -60,8 +64,9 @@ CASES = [
 ]
 def early_weights(source: str, defines: dict[str, int], name: str) -> bool:
     """Whether a kernel loads its weights before the wait: every gemv_tiled, gemv_mma's bf16 pipeline
-    with MMA_EARLY, elementwise.cu's rmsnorm_residual."""
+    with MMA_EARLY, elementwise.cu's rmsnorm_residual, a gemv with GEMV_PNORM (its norm weight)."""
     return (source == "gemv_tiled.cu" or (source, name) == ("elementwise.cu", "rmsnorm_residual")
+            or bool(defines.get("GEMV_PNORM"))
             or (source == "gemv_mma.cu" and defines.get("MMA_FMT") == 0 and bool(defines.get("MMA_PIPE"))
                 and bool(defines.get("MMA_EARLY"))))
 

@@ -125,7 +125,7 @@ def test_deferral_needs_one_row_and_a_tiled_consumer(fake: FakeLaunchers) -> Non
     x1, h1 = forward(m, Ops(pre_norm=True), rows=2)
     assert torch.equal(x1, x0) and torch.equal(h1, h0) and fake.seen["prenorm"] == 0
     for layer in m.layers:
-        layer.mlp.gate_up.route = "mma"
+        layer.mlp.gate_up.route = "warp"
     fake.seen = dict.fromkeys(fake.seen, 0)
     x2, h2 = forward(m, Ops(pre_norm=True))
     x3, h3 = forward(m, Ops(pre_norm=False))
@@ -133,9 +133,28 @@ def test_deferral_needs_one_row_and_a_tiled_consumer(fake: FakeLaunchers) -> Non
     assert fake.seen["prenorm"] == LAYERS - 1  # only the qkv consumers
 
 
+def test_bf16_consumers_on_the_mma_pipeline(fake: FakeLaunchers) -> None:
+    """bf16 weights on the mma route take the norm where their pipeline runs (not with a profile's
+    MMA_PIPE 0, the built-in loop)."""
+    m = model()
+    for layer in m.layers:
+        for w in (layer.attn.qkv, layer.attn.o_proj, layer.mlp.gate_up, layer.mlp.down):
+            w.route = "mma"
+    x0, h0 = forward(m, Ops(pre_norm=False))
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x1, h1 = forward(m, Ops(pre_norm=True))
+    assert torch.equal(x1, x0) and torch.equal(h1, h0)
+    assert fake.seen["prenorm"] == fake.seen["catchup"] == 2 * LAYERS - 1
+    ops = Ops(pre_norm=True)
+    ops.profile = DeviceProfile(mma_pipe=0)
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x2, _ = forward(m, ops)
+    assert torch.equal(x2, x0) and fake.seen["prenorm"] == 0
+
+
 def test_residual_gemv_without_catchup_settles(fake: FakeLaunchers) -> None:
     """o_proj on a route without the epilogue: the deferred add runs on its own before it."""
-    m = model(o_route="mma")
+    m = model(o_route="warp")
     x0, h0 = forward(m, Ops(pre_norm=False))
     fake.seen = dict.fromkeys(fake.seen, 0)
     x1, h1 = forward(m, Ops(pre_norm=True))

@@ -422,6 +422,34 @@ __device__ __forceinline__ void catchup_load(u32* cu, const act* yp, i64 yp_stri
 #define CATCHUP_ARGS
 #define CATCHUP_EPARAMS
 #endif
+// Compiled with -DGEMV_PNORM=1 (gemv_tiled.cu, gemv_mma.cu's bf16 pipeline; one bf16 row; the same bits as
+// rmsnorm_residual then the gemv): x is the residual gemv's output before the residual norm, and every
+// block forms the normed row itself, x' = rmsnorm(rr + x) * pn_w (rmsnorm_row over pn_nt =
+// rmsnorm_residual's threads, rr only read), into its dynamic shared memory (K + 8 activations), where
+// its slabs read it: one launch fewer per norm. The residual stays one add behind; the next residual gemv
+// makes it up (GEMV_CATCHUP). The kernel loads the norm weight's first vectors before its PDL wait
+// (PNORM_WEIGHTS) and forms the row after it (pnorm_row).
+#ifndef GEMV_PNORM
+#define GEMV_PNORM 0
+#endif
+#if GEMV_PNORM
+#if ACT_F32
+#error "GEMV_PNORM takes bf16 activations"
+#endif
+#define PNORM_PARAMS , const act* __restrict__ pn_rr, const act* __restrict__ pn_w, float pn_eps, int pn_nt
+#define PNORM_PRE 2  // norm weight vectors a thread loads before the wait (K <= 2 * 8 * pn_nt: all of them)
+#define PNORM_WEIGHTS()              \
+  float pn_wpre[PNORM_PRE][8];       \
+  rmsnorm_weights<PNORM_PRE>(pn_w, K, pn_nt, pn_wpre)
+__device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act* __restrict__ weight, act* xs, int K,
+                                          float eps, int nt, const float (*wpre)[8]) {
+  __shared__ float scratch[32];
+  rmsnorm_row<false, PNORM_PRE, false>(x, (act*)rr, weight, xs, K, eps, nt, scratch, wpre);
+  __syncthreads();  // a thread's normed vectors are read by other threads
+}
+#else
+#define PNORM_PARAMS
+#endif
 template <int MAXW>
 __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, int N, int M, void* y, i64 y_stride,
                                               int y_f32 NORM_PARAMS CATCHUP_EPARAMS) {

@@ -55,6 +55,12 @@
 #define MMA_L2PF_K 0
 #endif
 
+// GEMV_PNORM 1 (common.cuh; bf16 with MMA_PIPE, one row): the residual norm in this gemv's prologue, the
+// pipeline reading the normed row from shared memory.
+#if GEMV_PNORM && !(MMA_FMT == 0 && MMA_PIPE)
+#error "GEMV_PNORM takes MMA_FMT 0 with MMA_PIPE"
+#endif
+
 // The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
 __device__ __forceinline__ u32 bf16_pair(u32 w, int shift, u32 neg_off2) {
   const u32 v = ((w >> shift) & 0x000F000Fu) | 0x43004300u;
@@ -105,8 +111,25 @@ __device__ __forceinline__ void int4_chunk(float* acc, u32 wa, u32 wb, const act
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
          const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
-         int y_f32 NORM_PARAMS) {
+         int y_f32 NORM_PARAMS PNORM_PARAMS CATCHUP_PARAMS) {
   PDL_LAUNCH();
+#if GEMV_PNORM
+  extern __shared__ uint4 xs_raw[];  // the normed row (K + 8 activations)
+  act* const xs = (act*)xs_raw;
+  PNORM_WEIGHTS();
+#endif
+#if GEMV_CATCHUP
+  u32 cu[2];  // warp 0's residual columns, one add caught up (stored in the epilogue)
+#endif
+  // after the PDL wait: the residual's catch-up loads, the normed row
+  auto after_wait = [&]() {
+#if GEMV_CATCHUP
+    catchup_load(cu, yp, yp_stride, rr, rr_stride, blockIdx.x * 16, N, M);
+#endif
+#if GEMV_PNORM
+    pnorm_row(x, pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_wpre);
+#endif
+  };
 #if MMA_L2PF
   {
     const i64 row_bytes = MMA_FMT == 0 ? 2 * (i64)K : MMA_FMT == 1 ? (i64)K : (i64)K / 2;
@@ -125,6 +148,7 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #endif
 #if !MMA_EARLY_W
   PDL_WAIT();
+  after_wait();
 #endif
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int n0 = blockIdx.x * 16;
@@ -148,12 +172,18 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
   const int n = iters > warp ? (iters - warp + MMA_WARPS - 1) / MMA_WARPS : 0;  // this warp's iterations
   const u16* pa = w0 + warp * 32;
   const u16* pb = w1 + warp * 32;
+#if GEMV_PNORM
+  const act* px = xs + warp * 32 + 8 * t;
+  auto ldx = [&](const act* p) { return *(const uint4*)p; };
+#else
   const act* px = xr + warp * 32 + 8 * t;
+  auto ldx = [&](const act* p) { return ld_act(p); };
+#endif
   uint4 a[MMA_PIPE], b[MMA_PIPE], xv[MMA_PIPE];
   auto load = [&](int p, int i) {  // iteration base + i (pointers at base) into slot p
     a[p] = ld_stream(pa + i * STEP);
     b[p] = ld_stream(pb + i * STEP);
-    xv[p] = has_x ? ld_act(px + i * STEP) : ZERO4;
+    xv[p] = has_x ? ldx(px + i * STEP) : ZERO4;
   };
   auto compute = [&](int p) {
     mma16816(acc, a[p].x, b[p].x, a[p].y, b[p].y, xv[p].x, xv[p].y);
@@ -167,9 +197,10 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
       b[p] = ld_stream(pb + p * STEP, false);
     }
   PDL_WAIT();
+  after_wait();
 #pragma unroll
   for (int p = 0; p < MMA_PIPE; ++p)
-    if (p < n) xv[p] = has_x ? ld_act(px + p * STEP) : ZERO4;
+    if (p < n) xv[p] = has_x ? ldx(px + p * STEP) : ZERO4;
 #else
 #pragma unroll
   for (int p = 0; p < MMA_PIPE; ++p)
@@ -285,5 +316,5 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #endif
 #endif
 
-  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride, y_f32 NORM_ARGS);  // common.cuh
+  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride, y_f32 NORM_ARGS CATCHUP_ARGS);  // common.cuh
 }

@@ -96,24 +96,10 @@
 #ifndef T4_XSMEM
 #define T4_XSMEM 0
 #endif
-// T4_PNORM 1 (with T4_XSMEM; the same bits as rmsnorm_residual then this gemv): x is the residual gemv's
-// output before the residual norm, and every block forms the normed rows itself into its shared memory,
-// x_m' = rmsnorm(rr_m + x_m) * pn_w (common.cuh rmsnorm_row over pn_nt = rmsnorm_residual's threads,
-// rr only read), in place of that norm's own launch. The residual stays one add behind; the next
-// residual gemv's epilogue makes it up (common.cuh GEMV_CATCHUP). The norm weight's first vectors load
-// before the PDL wait.
-#ifndef T4_PNORM
-#define T4_PNORM 0
-#endif
-#if T4_PNORM
-#if !T4_XSMEM
-#error "T4_PNORM takes T4_XSMEM 1"
-#endif
-#define PNORM_PARAMS , const act* __restrict__ pn_rr, i64 pn_rr_stride, const act* __restrict__ pn_w, float pn_eps, \
-    int pn_nt
-#define PNORM_PRE 2  // norm weight vectors a thread loads before the wait (H <= 2 * 8 * pn_nt: all of them)
-#else
-#define PNORM_PARAMS
+// GEMV_PNORM 1 (common.cuh; with T4_XSMEM, whose shared memory holds the normed row): the residual norm
+// in this gemv's prologue.
+#if GEMV_PNORM && !T4_XSMEM
+#error "GEMV_PNORM takes T4_XSMEM 1"
 #endif
 #if T4_F16 && !T4_INT8
 #error "T4_F16 takes T4_FMT 1"
@@ -413,19 +399,16 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #if T4_L2PF
   prefetch_region_l2<T4_L2PF>(w + (i64)tile * S * 512, (i64)S * 512);
 #endif
-#if T4_PNORM
-  float pn_wpre[PNORM_PRE][8];
-  rmsnorm_weights<PNORM_PRE>(pn_w, K, pn_nt, pn_wpre);
+#if GEMV_PNORM
+  PNORM_WEIGHTS();
 #endif
   PDL_WAIT();
 #if GEMV_CATCHUP
   u32 cu[2];  // warp 0's residual columns, one add caught up (stored in the epilogue)
   catchup_load(cu, yp, yp_stride, rr, rr_stride, tile * 16, N, M);
 #endif
-#if T4_PNORM
-  __shared__ float pn_scratch[32];
-  rmsnorm_row<false, PNORM_PRE, false>(x, (act*)pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_scratch, pn_wpre);  // M == 1
-  __syncthreads();  // a thread's normed vectors are read by other threads' slabs
+#if GEMV_PNORM
+  pnorm_row(x, pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_wpre);  // M == 1
 #elif T4_XSMEM
   // every copy in flight at once (cp.async: no registers held), then one barrier
   for (int m = 0; m < M; ++m)

@@ -809,12 +809,13 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     dtype followed by swiglu / geglu.
     norm (routes mma and tiled; out in x's dtype): (residual, weight, normed, eps, counter), then
     out -> rmsnorm_residual into normed in the same launch (norm_epilogue).
-    prenorm (route tiled, one bf16 row where its shared memory fits TILED_XSMEM_BYTES): (residual [1, K],
-    weight [K], eps): x is a residual gemv's output before its norm, and the gemv takes
-    rmsnorm(residual + x) * weight in its place, the bits of rmsnorm_residual then the gemv; residual is
-    only read (gemv_tiled.cu T4_PNORM).
-    catchup (route tiled, bf16, no glu): (y_prev [M, N], residual [M, N]): residual += y_prev as well,
-    rmsnorm_residual's add (common.cuh GEMV_CATCHUP), for the residual a prenorm gemv left one add behind."""
+    prenorm (routes tiled and mma (bf16 weights), one bf16 row whose K + 8 activations fit
+    TILED_XSMEM_BYTES): (residual [1, K], weight [K], eps): x is a residual gemv's output before its norm,
+    and the gemv takes rmsnorm(residual + x) * weight in its place, the bits of rmsnorm_residual then the
+    gemv; residual is only read (common.cuh GEMV_PNORM).
+    catchup (routes tiled and mma, bf16 rows, no glu): (y_prev [M, N], residual [M, N]): residual +=
+    y_prev as well, rmsnorm_residual's add (common.cuh GEMV_CATCHUP), for the residual a prenorm gemv left
+    one add behind."""
     if route not in GEMV_ROUTES:
         raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
     act_defines = _act(x.dtype, "x")
@@ -846,8 +847,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     glu_defines, out_stride, norm_args = gemv_epilogue(kc, x, out, M, N, glu, route, GLU_ROUTES, norm)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0), *norm_args]
-    if (prenorm is not None or catchup is not None) and route != "tiled":
-        raise KernelError(f"prenorm and catchup take the tiled route, got {route!r}")
+    if (prenorm is not None or catchup is not None) and route not in GLU_ROUTES:
+        raise KernelError(f"prenorm and catchup take the {' / '.join(GLU_ROUTES)} routes, got {route!r}")
     if route == "tiled":
         g32 = int(code != 1 and g == 32)
         align = 8 if g32 else 4  # a lane reads its scales of a slab in one load
@@ -869,8 +870,14 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     elif route == "mma":
         defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K),
                    **({"MMA_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}), **(variant or {})}
-        kc.kernel("gemv_mma.cu", "gemv_mma", {**defines, **glu_defines}).launch(
-            (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args)
+        xs_bytes = 0
+        if prenorm is not None:  # the normed row in shared memory, for bf16's pipeline only
+            if not (code == 0 and defines.get("MMA_PIPE")):
+                raise KernelError("a prenorm gemv on the mma route takes bf16 weights and an MMA_PIPE variant")
+            xs_bytes = xsmem_bytes(M, N, K, int8=False, force=1)
+        fused, fused_args = residual_fusions(kc, x, out, M, N, K, glu, prenorm, catchup, xs_bytes, MMA_WARPS * 32)
+        kc.kernel("gemv_mma.cu", "gemv_mma", {**defines, **glu_defines, **fused}).launch(
+            (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args + fused_args, shared_mem=xs_bytes)
     else:
         kc.kernel("gemv.cu", "gemv", {"GEMV_FMT": code, **act_defines}).launch(
             (math.ceil(N / GEMV_WARPS), 1, 1), (GEMV_WARPS * 32, 1, 1), args)
@@ -915,8 +922,9 @@ def gemv_epilogue(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: int
 def residual_fusions(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, glu: str,
                      prenorm: tuple | None, catchup: tuple | None, xs_bytes: int,
                      threads: int) -> tuple[dict[str, int], list]:
-    """Checks the tiled gemv's residual fusions (gemv's prenorm and catchup) -> (compile defines, extra
-    kernel arguments in gemv_tiled's order: T4_PNORM's, then GEMV_CATCHUP's)."""
+    """Checks a tiled or mma gemv's residual fusions (gemv's prenorm and catchup; xs_bytes: the shared
+    memory its launch gives the normed row, 0 where it cannot) -> (compile defines, extra kernel arguments
+    in the kernels' order: GEMV_PNORM's, then GEMV_CATCHUP's)."""
     defines: dict[str, int] = {}
     args: list = []
     if prenorm is not None:
@@ -928,8 +936,8 @@ def residual_fusions(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: 
         _check(weight, "norm weight", BF16, [K], kc.device, align16=True)
         if rmsnorm_threads(K) > threads:
             raise KernelError(f"a prenorm gemv needs {rmsnorm_threads(K)} threads, has {threads}")
-        defines["T4_PNORM"] = 1
-        args += [ptr(residual), I64(0), ptr(weight), F32(eps), I32(rmsnorm_threads(K))]
+        defines["GEMV_PNORM"] = 1
+        args += [ptr(residual), ptr(weight), F32(eps), I32(rmsnorm_threads(K))]
     if catchup is not None:
         y_prev, residual = catchup
         if glu or x.dtype != BF16 or out.dtype != BF16:

@@ -313,9 +313,10 @@ class CudaOps:
 
     # A decode row's residual norm in the prologue of the gemv that consumes it (linear_add_rms_norm's
     # `then`): the gemv's blocks each form the normed row in shared memory from the residual gemv's output
-    # and the residual (gemv_tiled.cu T4_PNORM), one launch fewer per norm; the residual, left one add
+    # and the residual (common.cuh GEMV_PNORM), one launch fewer per norm; the residual, left one add
     # behind, is caught up by the next residual gemv's epilogue (common.cuh GEMV_CATCHUP). The same bits as
-    # the separate rmsnorm_residual launch. bf16, one row, tiled routes; off until timed on a GPU.
+    # the separate rmsnorm_residual launch. bf16 activations, one row, the tiled route and bf16's mma
+    # pipeline; off until timed on a GPU.
     PRE_NORM = False
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
@@ -356,18 +357,20 @@ class CudaOps:
 
     def _catchup_ok(self, w: Weight, n: int) -> bool:
         """Whether w's decode gemv can add a deferred output into the residual in its epilogue."""
-        return (self.ctx.decode and n <= L.MAX_GEMV_ROWS and self.dtype == torch.bfloat16 and w.route == "tiled"
+        return (self.ctx.decode and n <= L.MAX_GEMV_ROWS and self.dtype == torch.bfloat16 and w.route in L.GLU_ROUTES
                 and not w.segments and not w.fmt.blocks and w.bias is None)
 
     def _defer_ok(self, then: Weight | None, n: int) -> bool:
-        """Whether the norm can go into the prologue of `then`'s decode gemv (one bf16 row, the tiled
-        route, the row fitting its shared memory), and the residual gemv's output kept for it."""
+        """Whether the norm can go into the prologue of `then`'s decode gemv (one bf16 row; the tiled
+        route, or the mma route's bf16 pipeline; the row fitting its shared memory), and the residual
+        gemv's output kept for it."""
         if not (self.PRE_NORM and then is not None and self.ctx.decode and n == 1 and self.dtype == torch.bfloat16):
             return False
         H = self.config.hidden_size
-        return (then.route == "tiled" and not then.segments and not then.fmt.blocks
+        pipeline = then.route == "mma" and then.fmt.format == "bf16" and self.profile.mma_pipe != 0
+        return ((then.route == "tiled" or pipeline) and not then.segments and not then.fmt.blocks
                 and L.xsmem_bytes(1, then.rows, H, then.fmt.format == "int8", force=1) > 0
-                and L.rmsnorm_threads(H) <= L.TILED_WARPS * 32)
+                and L.rmsnorm_threads(H) <= min(L.TILED_WARPS, L.MMA_WARPS) * 32)
 
     def _prenorm(self, x: torch.Tensor, w: Weight) -> tuple[torch.Tensor, tuple | None]:
         """(x, the gemv's prenorm) for a linear / gated_linear of x by w: the deferred norm's arguments
