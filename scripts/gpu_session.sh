@@ -43,8 +43,8 @@
 #       r0, and smollm2-135m int4 with the rule and r0 (~5 min)
 #   scripts/gpu_session.sh prenorm OUTDIR              # carry .whl; no llama.cpp needed
 #       the residual norms in their consumers' gemv prologues (CudaOps.PRE_NORM, label n): its GPU tests
-#       (tests/gpu/test_prenorm.py), then tg128 alternated twice: llama-8b int4 and int8 with the rule
-#       and n, and smollm2-135m int4 with the rule and n (~5 min)
+#       (tests/gpu/test_prenorm.py), then tg128 alternated twice: llama-8b int4, int8 and bf16 with the
+#       rule and n, and smollm2-135m int4 with the rule and n (~6 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -131,6 +131,7 @@ mma|attn|tiled|xsmem|prenorm)
     for r in 1 2; do
       for v in rule n; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
       for v in rule n; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
+      for v in rule n; do variant "$v" "bf16_${v}_$r" -p 0; done
       for v in rule n; do
         python3 scripts/decode_variants.py bench "$v" --synthetic smollm2-135m --weights int4 --backend cuda -p 0 \
           -n 128 -r 3 --ceilings off --device-profile off -o json > "$OUT/smol_${v}_$r.json" 2> "$OUT/smol_${v}_$r.log"
