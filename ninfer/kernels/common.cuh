@@ -272,7 +272,7 @@ __device__ __forceinline__ void load_act8_l2(const act* p, float* f) {
 // PRE > 0: wpre[p] holds the weight's 8 values at vector threadIdx.x + p nt (rmsnorm_weights, loaded
 // before a PDL wait), for the first PRE of this thread's vectors; the same values, so the same bits.
 // RR_WRITE false: rr is only read (out = rmsnorm(rr + x) * w, rr left as it was; the sum formed again for
-// the scaling), for a gemv's prologue (gemv_tiled.cu T4_PNORM) whose blocks all read rr at once.
+// the scaling), for a gemv's prologue (GEMV_PNORM) whose blocks all read rr at once.
 template <bool L2, int PRE = 0, bool RR_WRITE = true>
 __device__ __forceinline__ void rmsnorm_row(const act* x, act* rr, const act* __restrict__ weight, act* orow, int H,
                                             float eps, int nt, float* scratch, const float (*wpre)[8] = nullptr) {
@@ -388,7 +388,7 @@ __device__ __forceinline__ float gelu_mul_f(float g, float u) {
 #define NORM_ARGS
 #endif
 // Compiled with -DGEMV_CATCHUP=1 (a decode step whose residual norms run in the next gemv's prologue,
-// gemv_tiled.cu T4_PNORM, leave the residual one add behind): the block also adds the previous residual
+// GEMV_PNORM below, leave the residual one add behind): the block also adds the previous residual
 // gemv's output yp into the residual rr at its own columns, rr[m, n] = act(rr[m, n] + yp[m, n]) (n0 ..
 // n0 + 15, m < M: no other block touches them), rmsnorm_residual's add with its bits. Warp 0 loads them
 // with catchup_load after the kernel's PDL wait (every block that read rr has finished then) and stores
