@@ -104,7 +104,7 @@ mma|attn|tiled|xsmem|prenorm)
   VARIANTS="${1:-p2,p2+k,p4}"
   [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w2,p8" > "$OUT/mma_sweep.txt" 2>&1
   [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
-  variant() {  # label, file name, bench args (bf16 unless they name --weights)
+  variant() {  # label, file name, bench args (llama-8b bf16 unless they name --weights, --synthetic)
     python3 scripts/decode_variants.py bench "$1" --synthetic llama-8b --weights bf16 --backend cuda -n 128 -r 3 \
       --ceilings off --device-profile off -o json "${@:3}" > "$OUT/$2.json" 2> "$OUT/$2.log"
     python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'], r['stddev_ts'])" \
@@ -116,12 +116,7 @@ mma|attn|tiled|xsmem|prenorm)
     for r in 1 2; do
       for v in rule z0 r0; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
       for v in rule r0; do variant "$v" "bf16_${v}_$r" -p 0; done
-      for v in rule r0; do
-        python3 scripts/decode_variants.py bench "$v" --synthetic smollm2-135m --weights int4 --backend cuda -p 0 \
-          -n 128 -r 3 --ceilings off --device-profile off -o json > "$OUT/smol_${v}_$r.json" 2> "$OUT/smol_${v}_$r.log"
-        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'])" \
-          "$OUT/smol_${v}_$r.json" "smol_${v}_$r" || tail -n 3 "$OUT/smol_${v}_$r.log"
-      done
+      for v in rule r0; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
     done
     exit 0
   fi
@@ -132,12 +127,7 @@ mma|attn|tiled|xsmem|prenorm)
       for v in rule n; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
       for v in rule n; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
       for v in rule n; do variant "$v" "bf16_${v}_$r" -p 0; done
-      for v in rule n; do
-        python3 scripts/decode_variants.py bench "$v" --synthetic smollm2-135m --weights int4 --backend cuda -p 0 \
-          -n 128 -r 3 --ceilings off --device-profile off -o json > "$OUT/smol_${v}_$r.json" 2> "$OUT/smol_${v}_$r.log"
-        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))[0]; print(sys.argv[2], r['avg_ts'])" \
-          "$OUT/smol_${v}_$r.json" "smol_${v}_$r" || tail -n 3 "$OUT/smol_${v}_$r.log"
-      done
+      for v in rule n; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
     done
     exit 0
   fi
