@@ -13,9 +13,9 @@ tN / xN / bN (launchers.TILED_DEFINES: every int4 tiled gemv's T4_STAGES, T4_XPR
 rule takes them), r
 (launchers.SAMPLE_SPLIT: the sampler's scan split over blocks, then merged), a
 (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before the PDL
-wait; end to end only), n (CudaOps.PRE_NORM: a decode row's residual norm in its consumer's tiled
-gemv prologue; end to end only), joined by '+'. e, v, h, a, z and r are on in the rule; a trailing 0 turns a
-switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
+wait; end to end only), n (CudaOps.PRE_NORM: a decode row's residual norm in its consumer's gemv
+prologue; end to end only), joined by '+'. e, v, h, a, z and r are on in the rule; a trailing 0 turns
+a switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
 
   PYTHONPATH=. python scripts/decode_variants.py sweep [p0,p2,p3,p4,p6,p8]
@@ -48,7 +48,7 @@ def defines(label: str) -> dict[str, int]:
     out = {}
     for part in label.split("+"):
         flag = part.removesuffix("0")  # h0: that switch off (h, a, e, v, z and r are on in the rule)
-        if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n") or part == "rule":  # rule: nothing set (the built-in choices)
+        if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n") or part == "rule":  # rule: the built-in choices
             out.update({k: int(flag == part) for k in {
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
                 "a": ["ATTN_EARLY"], "z": ["T4_XSMEM"], "r": ["SAMPLE_SPLIT"], "n": ["PRE_NORM"], "rule": []}[flag]})
