@@ -152,6 +152,17 @@ def test_bf16_consumers_on_the_mma_pipeline(fake: FakeLaunchers) -> None:
     assert torch.equal(x2, x0) and fake.seen["prenorm"] == 0
 
 
+def test_a_consumer_with_bias(fake: FakeLaunchers) -> None:
+    """qkv with a bias (qwen2): the prologue gemv, then the bias, as without the deferral."""
+    m = model()
+    for i, layer in enumerate(m.layers):
+        layer.attn.qkv.bias = torch.randn(3 * H, generator=torch.Generator().manual_seed(50 + i)).to(BF)
+    x0, h0 = forward(m, Ops(pre_norm=False))
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x1, h1 = forward(m, Ops(pre_norm=True))
+    assert torch.equal(x1, x0) and torch.equal(h1, h0) and fake.seen["prenorm"] == 2 * LAYERS - 1
+
+
 def test_residual_gemv_without_catchup_settles(fake: FakeLaunchers) -> None:
     """o_proj on a route without the epilogue: the deferred add runs on its own before it."""
     m = model(o_route="warp")
