@@ -133,6 +133,23 @@ def test_deferral_needs_one_row_and_a_tiled_consumer(fake: FakeLaunchers) -> Non
     assert fake.seen["prenorm"] == LAYERS - 1  # only the qkv consumers
 
 
+def test_a_larger_tiled_consumer_only_where_it_stages_its_row(fake: FakeLaunchers, monkeypatch) -> None:
+    """Over PRE_NORM_SMALL bytes a tiled consumer takes the norm only where launchers' rule stages its
+    activations in shared memory anyway (here: the gate_up weights, 4 H rows)."""
+    m = model()
+    x0, h0 = forward(m, Ops(pre_norm=False))
+    ops = Ops(pre_norm=True)
+    ops.PRE_NORM_SMALL = 0
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x1, h1 = forward(m, ops)
+    assert torch.equal(x1, x0) and torch.equal(h1, h0) and fake.seen["prenorm"] == 0
+    monkeypatch.setattr(L, "XSMEM_MIN_N", 4 * H)
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x2, h2 = forward(m, ops)
+    assert torch.equal(x2, x0) and torch.equal(h2, h0)
+    assert fake.seen["prenorm"] == fake.seen["catchup"] == LAYERS
+
+
 def test_bf16_consumers_on_the_mma_pipeline(fake: FakeLaunchers) -> None:
     """bf16 weights on the mma route take the norm where their pipeline runs (not with a profile's
     MMA_PIPE 0, the built-in loop)."""

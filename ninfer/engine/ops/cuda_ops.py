@@ -316,8 +316,11 @@ class CudaOps:
     # and the residual (common.cuh GEMV_PNORM), one launch fewer per norm; the residual, left one add
     # behind, is caught up by the next residual gemv's epilogue (common.cuh GEMV_CATCHUP). The same bits as
     # the separate rmsnorm_residual launch. bf16 activations, one row, the tiled route and bf16's mma
-    # pipeline; off until timed on a GPU.
+    # pipeline; off until timed on a GPU. A tiled consumer takes it only where it stages its activations
+    # in shared memory anyway (launchers.xsmem_bytes' rule) or its weight is at most PRE_NORM_SMALL bytes
+    # (a launch-bound gemv): forcing the staging on a mid-sized one costs more than the launch saved.
     PRE_NORM = False
+    PRE_NORM_SMALL = 4 << 20
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float, then: Weight | None = None) -> torch.Tensor:
@@ -366,11 +369,14 @@ class CudaOps:
         gemv's output kept for it."""
         if not (self.PRE_NORM and then is not None and self.ctx.decode and n == 1 and self.dtype == torch.bfloat16):
             return False
-        H = self.config.hidden_size
-        pipeline = then.route == "mma" and then.fmt.format == "bf16" and self.profile.mma_pipe != 0
-        return ((then.route == "tiled" or pipeline) and not then.segments and not then.fmt.blocks
-                and L.xsmem_bytes(1, then.rows, H, then.fmt.format == "int8", force=1) > 0
-                and L.rmsnorm_threads(H) <= min(L.TILED_WARPS, L.MMA_WARPS) * 32)
+        H, int8 = self.config.hidden_size, then.fmt.format == "int8"
+        if then.segments or then.fmt.blocks or L.xsmem_bytes(1, then.rows, H, int8, force=1) == 0 \
+                or L.rmsnorm_threads(H) > min(L.TILED_WARPS, L.MMA_WARPS) * 32:
+            return False
+        if then.route == "mma":
+            return then.fmt.format == "bf16" and self.profile.mma_pipe != 0
+        staged = L.xsmem_bytes(1, then.rows, H, int8) > 0
+        return then.route == "tiled" and (staged or sum(p.nbytes for p in then.parts.values()) <= self.PRE_NORM_SMALL)
 
     def _prenorm(self, x: torch.Tensor, w: Weight) -> tuple[torch.Tensor, tuple | None]:
         """(x, the gemv's prenorm) for a linear / gated_linear of x by w: the deferred norm's arguments
