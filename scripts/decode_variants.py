@@ -15,7 +15,7 @@ rule takes them), r
 (launchers.ATTN_EARLY: decode attention's lengths, block table and first K / V rows before the PDL
 wait; end to end only), n (CudaOps.PRE_NORM: a decode row's residual norm in its consumer's gemv
 prologue; end to end only), mN (CudaOps.PRE_NORM_SMALL N MiB: the largest weight of a tiled consumer
-that takes the norm without staging its activations by rule), joined by '+'. e, v, h, a, z and r are on in the rule; a trailing 0 turns
+that takes the norm), joined by '+'. e, v, h, a, z, r and n are on in the rule; a trailing 0 turns
 a switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
 

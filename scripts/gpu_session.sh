@@ -42,9 +42,10 @@
 #       and r0 (launchers.SAMPLE_SPLIT off: the sampler's scan in one block a row), bf16 with the rule and
 #       r0, and smollm2-135m int4 with the rule and r0 (~5 min)
 #   scripts/gpu_session.sh prenorm OUTDIR              # carry .whl; no llama.cpp needed
-#       the residual norms in their consumers' gemv prologues (CudaOps.PRE_NORM, label n): its GPU tests
-#       (tests/gpu/test_prenorm.py), then tg128 alternated twice: llama-8b int4, int8 and bf16 with the
-#       rule and n, and smollm2-135m int4 with the rule and n (~6 min)
+#       the residual norms in their consumers' gemv prologues (CudaOps.PRE_NORM, label n, on): its GPU
+#       tests (tests/gpu/test_prenorm.py), then tg128 alternated twice without it (n0) and with the rule:
+#       llama-8b int4 (also n+m64: every tiled consumer takes it) and bf16, llama-1b bf16, smollm2-135m
+#       int4 (~5 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -124,10 +125,10 @@ mma|attn|tiled|xsmem|prenorm)
     python3 -m pytest -q -p no:cacheprovider tests/gpu/test_prenorm.py > "$OUT/pytest.log" 2>&1
     tail -n 5 "$OUT/pytest.log"
     for r in 1 2; do
-      for v in rule n; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
-      for v in rule n; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
-      for v in rule n; do variant "$v" "bf16_${v}_$r" -p 0; done
-      for v in rule n; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
+      for v in n0 rule n+m64; do variant "$v" "int4_${v/+/-}_$r" -p 0 --weights int4; done
+      for v in n0 rule; do variant "$v" "bf16_${v}_$r" -p 0; done
+      for v in n0 rule; do variant "$v" "1b_bf16_${v}_$r" -p 0 --synthetic llama-1b; done
+      for v in n0 rule; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
     done
     exit 0
   fi

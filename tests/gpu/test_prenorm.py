@@ -121,6 +121,7 @@ def test_model_with_prenorm_matches_without(weights: str, monkeypatch) -> None:
     monkeypatch.setitem(SHAPES, "tiny", dict(SHAPES["smollm2-135m"], **TINY))
     artifact = SyntheticArtifact("tiny", weights, seed=7)
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    monkeypatch.setattr(CudaOps, "PRE_NORM", False)
     plain = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     tokens = greedy(plain, prompt, 24)
     del plain

@@ -315,12 +315,14 @@ class CudaOps:
     # `then`): the gemv's blocks each form the normed row in shared memory from the residual gemv's output
     # and the residual (common.cuh GEMV_PNORM), one launch fewer per norm; the residual, left one add
     # behind, is caught up by the next residual gemv's epilogue (common.cuh GEMV_CATCHUP). The same bits as
-    # the separate rmsnorm_residual launch. bf16 activations, one row, the tiled route and bf16's mma
-    # pipeline; off until timed on a GPU. A tiled consumer takes it only where it stages its activations
-    # in shared memory anyway (launchers.xsmem_bytes' rule) or its weight is at most PRE_NORM_SMALL bytes
-    # (a launch-bound gemv): forcing the staging on a mid-sized one costs more than the launch saved.
-    PRE_NORM = False
-    PRE_NORM_SMALL = 4 << 20
+    # the separate rmsnorm_residual launch. bf16 activations, one row; bf16's mma pipeline, and the tiled
+    # route only for a weight of at most PRE_NORM_SMALL bytes (a launch-bound gemv): every block forms
+    # the whole row, which beside a tiled block's 16 quantized rows costs more than the launch saved,
+    # where bf16's 16 rows are 2-3x the bytes. H100 tg128 (docs/PERF.md, session 29): llama-8b bf16
+    # 177.3 -> 180.3, llama-1b bf16 867 -> 889, SmolLM2 int4 2,192 -> 2,309; llama-8b int4 with its
+    # gate_up taking it 440.7 -> 406.9, llama-1b int4 1,554 -> 1,480.
+    PRE_NORM = True
+    PRE_NORM_SMALL = 2 << 20
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float, then: Weight | None = None) -> torch.Tensor:
@@ -364,19 +366,18 @@ class CudaOps:
                 and not w.segments and not w.fmt.blocks and w.bias is None)
 
     def _defer_ok(self, then: Weight | None, n: int) -> bool:
-        """Whether the norm can go into the prologue of `then`'s decode gemv (one bf16 row; the tiled
-        route, or the mma route's bf16 pipeline; the row fitting its shared memory), and the residual
-        gemv's output kept for it."""
+        """Whether the norm can go into the prologue of `then`'s decode gemv (one bf16 row; the mma
+        route's bf16 pipeline, or the tiled route up to PRE_NORM_SMALL bytes of weight; the row fitting
+        its shared memory), and the residual gemv's output kept for it."""
         if not (self.PRE_NORM and then is not None and self.ctx.decode and n == 1 and self.dtype == torch.bfloat16):
             return False
-        H, int8 = self.config.hidden_size, then.fmt.format == "int8"
-        if then.segments or then.fmt.blocks or L.xsmem_bytes(1, then.rows, H, int8, force=1) == 0 \
+        H = self.config.hidden_size
+        if then.segments or then.fmt.blocks or L.xsmem_bytes(1, then.rows, H, False, force=1) == 0 \
                 or L.rmsnorm_threads(H) > min(L.TILED_WARPS, L.MMA_WARPS) * 32:
             return False
         if then.route == "mma":
             return then.fmt.format == "bf16" and self.profile.mma_pipe != 0
-        staged = L.xsmem_bytes(1, then.rows, H, int8) > 0
-        return then.route == "tiled" and (staged or sum(p.nbytes for p in then.parts.values()) <= self.PRE_NORM_SMALL)
+        return then.route == "tiled" and sum(p.nbytes for p in then.parts.values()) <= self.PRE_NORM_SMALL
 
     def _prenorm(self, x: torch.Tensor, w: Weight) -> tuple[torch.Tensor, tuple | None]:
         """(x, the gemv's prenorm) for a linear / gated_linear of x by w: the deferred norm's arguments
