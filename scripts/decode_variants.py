@@ -55,7 +55,7 @@ def defines(label: str) -> dict[str, int]:
                 "a": ["ATTN_EARLY"], "z": ["T4_XSMEM"], "r": ["SAMPLE_SPLIT"], "n": ["PRE_NORM"], "rule": []}[flag]})
             continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b", "m") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, a, e, k, n, q, h, r, v, z "
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, mN, a, e, k, n, q, h, r, v, z "
                              "(a0: off) joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB", "m": "PRE_NORM_SMALL"}[part[0]]] = int(part[1:])

@@ -28,13 +28,15 @@ decode_variants, pick_variant = script("decode_variants"), script("pick_variant"
     ("z+b0", {"T4_XSMEM": 1, "T4_MINB": 0}),
     ("r", {"SAMPLE_SPLIT": 1}),
     ("n+z0", {"PRE_NORM": 1, "T4_XSMEM": 0}),
+    ("n0", {"PRE_NORM": 0}),
+    ("n+m64", {"PRE_NORM": 1, "PRE_NORM_SMALL": 64}),
     ("r0+s64+f2+w1", {"SAMPLE_SPLIT": 0, "ATTN_MAX_SPLIT": 64, "ATTN_PREFETCH": 2, "MMA_L2PF": 1}),
 ])
 def test_variant_labels(label: str, defines: dict[str, int]) -> None:
     assert decode_variants.defines(label) == defines
 
 
-@pytest.mark.parametrize("label", ["bogus", "p", "h1", "z2", "p2+"])
+@pytest.mark.parametrize("label", ["bogus", "p", "h1", "z2", "p2+", "m"])
 def test_unknown_labels_are_refused(label: str) -> None:
     with pytest.raises(SystemExit, match="unknown variant"):
         decode_variants.defines(label)
