@@ -174,6 +174,9 @@ fusions)
   ;;
 compare|targets)
   BASE="${1:-}"
+  # a fresh machine (the last one given back after ~30 s idle) has no build under way: say so at once
+  # rather than wait out the call (session 29 lost a 600 s call so)
+  [ -d "$PEER/src" ] || { echo "no llama.cpp build on this machine (/tmp/peer): run \`start\` first, then this mode in the next call within ~30 s"; exit 1; }
   for _ in $(seq 120); do [ -f "$PEER/built" ] && break; sleep 5; done
   BENCH="$PEER/src/build-peer/bin/llama-bench"
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
