@@ -46,6 +46,11 @@
 #       tests (tests/gpu/test_prenorm.py), then tg128 alternated twice without it (n0) and with the rule:
 #       llama-8b int4 (also n+m64: every tiled consumer takes it) and bf16, llama-1b bf16, smollm2-135m
 #       int4 (~5 min)
+#   scripts/gpu_session.sh split OUTDIR                # carry .whl; no llama.cpp needed
+#       a residual norm split between two tiled gemvs (CudaOps.SPLIT_NORM, label d, on): its GPU tests
+#       (tests/gpu/test_split_norm.py, with test_prenorm.py and test_fused_norm.py), then tg128 without it
+#       (d0) and with the rule, alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 and int8,
+#       smollm2-135m int4, llama-1b int4 (~5 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -55,8 +60,8 @@
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|fusions OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|fusions OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -101,7 +106,7 @@ start)
   tail -n 15 "$OUT/pytest.log"
   tail -n 1 "$PEER/build.log" 2>/dev/null
   ;;
-mma|attn|tiled|xsmem|prenorm)
+mma|attn|tiled|xsmem|prenorm|split)
   VARIANTS="${1:-p2,p2+k,p4}"
   [ "$MODE" = mma ] && python3 scripts/decode_variants.py sweep "p0,$VARIANTS,p2+w2,p8" > "$OUT/mma_sweep.txt" 2>&1
   [ "$MODE" = mma ] && grep -v Warning "$OUT/mma_sweep.txt" | tail -n 16
@@ -118,6 +123,18 @@ mma|attn|tiled|xsmem|prenorm)
       for v in rule z0 r0; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
       for v in rule r0; do variant "$v" "bf16_${v}_$r" -p 0; done
       for v in rule r0; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
+    done
+    exit 0
+  fi
+  if [ "$MODE" = split ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_split_norm.py tests/gpu/test_prenorm.py \
+      tests/gpu/test_fused_norm.py > "$OUT/pytest.log" 2>&1
+    tail -n 5 "$OUT/pytest.log"
+    for r in ${NINFER_ROUNDS:-1 2}; do
+      for v in d0 rule; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
+      for v in d0 rule; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
+      for v in d0 rule; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
+      for v in d0 rule; do variant "$v" "1b_int4_${v}_$r" -p 0 --weights int4 --synthetic llama-1b; done
     done
     exit 0
   fi
@@ -182,7 +199,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|fusions OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)

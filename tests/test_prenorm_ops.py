@@ -1,9 +1,9 @@
-"""CudaOps' deferred residual norms (PRE_NORM: linear_add_rms_norm's `then`) on the CPU: the kernel
-launchers replaced by torch references of what they compute, a llama forward with the deferral against
-the same forward without it: the same hidden rows and residual, every deferred norm taken by its
-`then` gemv's prologue and caught up by the next residual gemv, and the fallbacks (a consumer other
-than `then`, a residual gemv that cannot catch up) running the norm on its own. The kernels themselves
-are checked bit for bit on a GPU (tests/gpu/test_prenorm.py)."""
+"""CudaOps' deferred residual norms (PRE_NORM and SPLIT_NORM: linear_add_rms_norm's `then`) on the CPU:
+the kernel launchers replaced by torch references of what they compute, a llama forward with the
+deferral against the same forward without it: the same hidden rows and residual (PRE_NORM; SPLIT_NORM's
+rows within bf16 rounding), every deferred norm taken by its `then` gemv and caught up by the next
+residual gemv, and the fallbacks (a consumer other than `then`, a residual gemv that cannot catch up)
+running the norm on its own. The kernels themselves are checked on a GPU (tests/gpu/test_prenorm.py)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -31,14 +31,26 @@ class FakeLaunchers:
     """launchers.gemv / rmsnorm_residual as torch computations, counting the fused arguments."""
 
     def __init__(self) -> None:
-        self.seen = {"prenorm": 0, "catchup": 0, "norm": 0}
+        self.seen = {"prenorm": 0, "catchup": 0, "norm": 0, "hwout": 0, "rscale": 0}
 
-    def gemv(self, kc, x, fmt, parts, out, route, variant=None, glu="", norm=None, prenorm=None, catchup=None):
+    def gemv(self, kc, x, fmt, parts, out, route, variant=None, glu="", norm=None, prenorm=None, catchup=None,
+             hwout=None, rscale=None):
         if prenorm is not None:
             residual, w, eps = prenorm
             x = rmsnorm((residual.float() + x.float()).to(BF), w, eps)
             self.seen["prenorm"] += 1
         y = x.float() @ parts[""].float().T
+        if hwout is not None:  # residual += y, out = residual * w, parts: sums of squares of 16 columns
+            residual, w, sums = hwout
+            h = (residual.float() + y.to(BF).float()).to(BF)
+            residual.copy_(h)
+            sums.copy_(h.float().pow(2).view(h.shape[0], -1, 16).sum(-1))
+            y = h.float() * w.float()
+            self.seen["hwout"] += 1
+        if rscale is not None:
+            sums, eps = rscale
+            y = y * torch.rsqrt(sums.sum(-1, keepdim=True) / x.shape[1] + eps)
+            self.seen["rscale"] += 1
         if glu:
             gate, up = y.chunk(2, dim=-1)
             y = torch.nn.functional.silu(gate.to(BF).float()) * up.to(BF).float()
@@ -59,11 +71,11 @@ class FakeLaunchers:
 class Ops(CudaOps):
     """CudaOps without a device: attention keeps the q columns, the embedding is given."""
 
-    def __init__(self, pre_norm: bool) -> None:  # noqa: super().__init__ needs a GPU
+    def __init__(self, pre_norm: bool, split_norm: bool = False) -> None:  # noqa: super().__init__ needs a GPU
         self.kc, self.dtype, self.device = None, BF, torch.device("cpu")
         self.config = SimpleNamespace(hidden_size=H)
         self.profile = DeviceProfile()
-        self.PRE_NORM = pre_norm
+        self.PRE_NORM, self.SPLIT_NORM = pre_norm, split_norm
         self._deferred = None
 
     def attention(self, layer, qkv, q_norm, k_norm):
@@ -109,13 +121,13 @@ def fake(monkeypatch) -> FakeLaunchers:
 def test_deferred_norms_match_and_are_taken(fake: FakeLaunchers) -> None:
     m = model()
     x0, h0 = forward(m, Ops(pre_norm=False))
-    assert fake.seen == {"prenorm": 0, "catchup": 0, "norm": 1 + 2 * LAYERS}
+    assert fake.seen == {"prenorm": 0, "catchup": 0, "norm": 1 + 2 * LAYERS, "hwout": 0, "rscale": 0}
     fake.seen = dict.fromkeys(fake.seen, 0)
     ops = Ops(pre_norm=True)
     x1, h1 = forward(m, ops)
     assert torch.equal(x1, x0) and torch.equal(h1, h0)
     # every norm but the last deferred to its consumer and caught up by the next residual gemv
-    assert fake.seen == {"prenorm": 2 * LAYERS - 1, "catchup": 2 * LAYERS - 1, "norm": 2}
+    assert fake.seen == {"prenorm": 2 * LAYERS - 1, "catchup": 2 * LAYERS - 1, "norm": 2, "hwout": 0, "rscale": 0}
     assert ops._deferred is None
 
 
@@ -207,3 +219,64 @@ def test_a_consumer_other_than_then_gets_the_normed_row(fake: FakeLaunchers) -> 
     normed = ref.linear_add_rms_norm(x, w_o, h_ref, norm, 1e-6)
     assert torch.equal(out, ref.linear(normed, other)) and torch.equal(h, h_ref)
     assert ops._deferred is None and fake.seen["prenorm"] == 0
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within a few bf16 roundings of each other, relative to the rows' size."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item() < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 2, 11])
+def test_split_norms_between_tiled_gemvs(fake: FakeLaunchers, rows: int) -> None:
+    """SPLIT_NORM: every norm between two tiled gemvs left to the pair (the residual gemv's hwout, the
+    consumer's rscale) at any row count (11: two gemvs of up to 8 rows each), none on its own but the
+    first and the last; the rows as the norms on their own give them, within bf16 rounding."""
+    m = model()
+    x0, h0 = forward(m, Ops(pre_norm=False), rows=rows)
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    ops = Ops(pre_norm=True, split_norm=True)
+    x1, h1 = forward(m, ops, rows=rows)
+    pieces = -(-rows // L.MAX_GEMV_ROWS)
+    assert fake.seen == {"prenorm": 0, "catchup": 0, "norm": 2, "hwout": pieces * (2 * LAYERS - 1),
+                         "rscale": pieces * (2 * LAYERS - 1)}
+    assert close(x1, x0) and close(h1, h0) and not torch.equal(x1, x0)
+    assert ops._deferred is None
+
+
+def test_split_norm_needs_tiled_gemvs_on_both_sides(fake: FakeLaunchers) -> None:
+    """An mma consumer (qkv) or an mma residual gemv (o_proj): those norms as PRE_NORM takes them, the
+    rest split; a pending PRE_NORM add is settled before a split norm's residual gemv."""
+    m = model(o_route="mma")
+    for layer in m.layers:
+        layer.attn.qkv.route = "mma"
+    x0, h0 = forward(m, Ops(pre_norm=False))
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    ops = Ops(pre_norm=True, split_norm=True)
+    ops.PRE_NORM_SMALL = 1 << 30
+    x1, h1 = forward(m, ops)
+    # o_proj (mma) -> gate_up: not split; down (tiled) -> the next qkv (mma): not split either
+    assert fake.seen["hwout"] == fake.seen["rscale"] == 0
+    for layer in m.layers:
+        layer.attn.qkv.route = "tiled"
+    fake.seen = dict.fromkeys(fake.seen, 0)
+    x2, h2 = forward(m, ops)
+    assert fake.seen["hwout"] == fake.seen["rscale"] == LAYERS - 1  # down -> the next qkv
+    assert close(x2, x0) and close(h2, h0) and ops._deferred is None
+
+
+def test_a_split_norms_other_consumer_gets_the_normed_row(fake: FakeLaunchers) -> None:
+    ops = Ops(pre_norm=True, split_norm=True)
+    ops.begin(SimpleNamespace(decode=True))
+    w_o, then, other = weight(H, H, 1), weight(2 * H, H, 2), weight(2 * H, H, 3)
+    norm = (1 + 0.2 * torch.randn(H, generator=torch.Generator().manual_seed(7))).to(BF)
+    x = (torch.randn(1, H, generator=torch.Generator().manual_seed(4))).to(BF)
+    h = (torch.randn(1, H, generator=torch.Generator().manual_seed(6))).to(BF)
+    h_ref = h.clone()
+    y = ops.linear_add_rms_norm(x, w_o, h, norm, 1e-6, then=then)
+    assert ops._deferred is not None and ops._deferred.parts is not None
+    out = ops.linear(y, other)
+    ref = Ops(pre_norm=False)
+    ref.begin(SimpleNamespace(decode=True))
+    normed = ref.linear_add_rms_norm(x, w_o, h_ref, norm, 1e-6)
+    assert torch.equal(out, ref.linear(normed, other)) and torch.equal(h, h_ref)
+    assert ops._deferred is None and fake.seen["rscale"] == 0

@@ -15,6 +15,9 @@
 // 4 q3_k, 5 q5_0, 6 q5_1, 7 iq4_nl, 8 iq4_xs. Blocks are only as aligned as their size allows
 // (q6_k, q3_k, q5_0, iq4_nl: 2 bytes; q2_k: 4; q5_1, iq4_xs: 8; q4_k, q5_k: 16): loads are that wide.
 #include "common.cuh"
+#if GEMV_HWOUT || GEMV_RSCALE
+#error "GEMV_HWOUT and GEMV_RSCALE take gemv_tiled.cu"
+#endif
 
 #ifndef BLK_FMT
 #error "compile with -DBLK_FMT=0..8"

@@ -450,9 +450,72 @@ __device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act
 #else
 #define PNORM_PARAMS
 #endif
+// A residual norm split between two gemvs of a decode step (gemv_tiled.cu; other bits than rmsnorm_residual
+// then the gemv, the same at every row count): rmsnorm(h) * w @ W^T = rinv * ((h * w) @ W^T), rinv =
+// rsqrt(sum(h^2) / K + eps), so the residual gemv writes h * w and sums of squares, and the consumer scales
+// its fp32 sums by rinv in its epilogue: no norm launch, and nothing added before the consumer's first mma.
+// Compiled with -DGEMV_HWOUT=1 (the residual gemv, no GEMV_GLU / NORM / CATCHUP): the block adds its
+// columns of y into the residual, h = act(rr + act(y)) (rmsnorm_residual's add, its bits), stores h into
+// rr, act(h * hw_w) into y in place of y, and per row m its 16 columns' sum of squares into
+// hw_parts[m * hw_parts_stride + n0 / 16] in sumsq16's order.
+// Compiled with -DGEMV_RSCALE=1 and -DRS_P=K/16 (the consumer): the block copies rows 0..M-1 of
+// rs_parts (RS_P floats each) into shared memory after its PDL wait (rscale_copy) and its epilogue
+// multiplies row m's sums by rsqrt(sum / K + rs_eps) before rounding (rscale_rows' order: the same
+// factor in every block and at every M).
+#ifndef GEMV_HWOUT
+#define GEMV_HWOUT 0
+#endif
+#ifndef GEMV_RSCALE
+#define GEMV_RSCALE 0
+#endif
+#if GEMV_HWOUT
+#if GEMV_GLU || GEMV_NORM || GEMV_CATCHUP || ACT_F32
+#error "GEMV_HWOUT takes bf16 activations and no GEMV_GLU, GEMV_NORM or GEMV_CATCHUP"
+#endif
+#define HWOUT_PARAMS , act* __restrict__ hw_rr, i64 hw_rr_stride, const act* __restrict__ hw_w, \
+    float* __restrict__ hw_parts, i64 hw_parts_stride
+#define HWOUT_ARGS , hw_rr, hw_rr_stride, hw_w, hw_parts, hw_parts_stride
+#else
+#define HWOUT_PARAMS
+#define HWOUT_ARGS
+#endif
+#if GEMV_RSCALE
+#if GEMV_NORM || GEMV_PNORM || GEMV_HWOUT || ACT_F32 || !defined(RS_P) || RS_P % 4
+#error "GEMV_RSCALE takes bf16 activations, RS_P (a multiple of 4), no GEMV_NORM, GEMV_PNORM or GEMV_HWOUT"
+#endif
+#define RSCALE_PARAMS , const float* __restrict__ rs_parts, i64 rs_stride, float rs_eps
+#define RSCALE_ARGS , rs_buf, K, rs_eps
+#define RSCALE_EPARAMS , const float* rs_buf, int rs_K, float rs_eps
+#define RSCALE_BUF() __shared__ __align__(16) float rs_buf[8 * RS_P]
+// rows 0..M-1 of the parts into buf, every thread's 16-byte copies in flight (cp_async_wait_all before
+// the epilogue's barrier)
+__device__ __forceinline__ void rscale_copy(float* buf, const float* parts, i64 stride, int M) {
+  for (int i = threadIdx.x; i < M * (RS_P / 4); i += blockDim.x) {
+    const int m = i / (RS_P / 4), c = i % (RS_P / 4);
+    cp_async16(buf + m * RS_P + 4 * c, parts + m * stride + 4 * c);
+  }
+}
+// rinv of rows 2 t and 2 t + 1 (lane t = lane & 3 of a whole warp) from buf: lane l sums parts l, l + 32, ...
+// in order, then the warp's xor tree; rows past M give 0
+__device__ __forceinline__ void rscale_rows(float* inv, const float* buf, int M, int K, float eps) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  inv[0] = inv[1] = 0.0f;
+  for (int m = 0; m < M; ++m) {
+    float s = 0.0f;
+    for (int i = lane; i < RS_P; i += 32) s += buf[m * RS_P + i];
+    const float v = rsqrtf(warp_sum(s) / (float)K + eps);
+    if (m == 2 * t) inv[0] = v;
+    if (m == 2 * t + 1) inv[1] = v;
+  }
+}
+#else
+#define RSCALE_PARAMS
+#define RSCALE_ARGS
+#define RSCALE_EPARAMS
+#endif
 template <int MAXW>
 __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, int N, int M, void* y, i64 y_stride,
-                                              int y_f32 NORM_PARAMS CATCHUP_EPARAMS) {
+                                              int y_f32 NORM_PARAMS CATCHUP_EPARAMS HWOUT_PARAMS RSCALE_EPARAMS) {
   __shared__ float part[MAXW][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -467,6 +530,12 @@ __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, 
     for (int v = 1; v < MAXW; ++v)
       if (v < nw) r[j] += part[v][lane][j];
   }
+#if GEMV_RSCALE
+  float inv[2];
+  rscale_rows(inv, rs_buf, M, rs_K, rs_eps);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r[j] *= inv[j & 1];
+#endif
 #if GEMV_GLU
   (void)y_f32;
 #pragma unroll
@@ -476,6 +545,28 @@ __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, 
       const float gate = act_round(r[j]), up = act_round(r[j + 2]);
       ((act*)y)[m * y_stride + n0 / 2 + g] = to_act(GEMV_GLU == 1 ? silu_mul_f(gate, up) : gelu_mul_f(gate, up));
     }
+  }
+#elif GEMV_HWOUT
+  (void)y_f32;
+  float h[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    h[j] = 0.0f;
+    if (n < N && m < M) {
+      act* const rp = hw_rr + m * hw_rr_stride + n;
+      h[j] = act_round(act_round(r[j]) + act_f32(*rp));
+      *rp = to_act(h[j]);
+      ((act*)y)[m * y_stride + n] = to_act(h[j] * act_f32(hw_w[n]));
+    }
+  }
+  // sumsq16: per row, lane g's fmaf(h[g + 8], h[g + 8], h[g] * h[g]), then the xor tree over g
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float q = fmaf(h[e + 2], h[e + 2], h[e] * h[e]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) q += __shfl_xor_sync(0xffffffffu, q, o);
+    if (g == 0 && 2 * t + e < M) hw_parts[(2 * t + e) * hw_parts_stride + n0 / 16] = q;
   }
 #else
 #pragma unroll

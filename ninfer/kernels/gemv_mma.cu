@@ -21,6 +21,9 @@
 // fp32 accumulation; a column m's result depends only on row m of x (zero rows add zeros), and the
 // warps' partial sums are added in warp order: batch invariant, like gemv.cu.
 #include "common.cuh"
+#if GEMV_HWOUT || GEMV_RSCALE
+#error "GEMV_HWOUT and GEMV_RSCALE take gemv_tiled.cu"
+#endif
 
 #define MMA_WARPS 8
 

@@ -101,6 +101,7 @@
 #if GEMV_PNORM && !T4_XSMEM
 #error "GEMV_PNORM takes T4_XSMEM 1"
 #endif
+// GEMV_HWOUT / GEMV_RSCALE 1 (common.cuh): a residual norm split between this residual gemv and its consumer.
 #if T4_F16 && !T4_INT8
 #error "T4_F16 takes T4_FMT 1"
 #endif
@@ -275,7 +276,7 @@ __device__ __forceinline__ uint4 ld_x(const act* p) {
 extern "C" __global__ void T4_BOUNDS
 gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
            const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
-           int y_f32 NORM_PARAMS PNORM_PARAMS CATCHUP_PARAMS) {
+           int y_f32 NORM_PARAMS PNORM_PARAMS CATCHUP_PARAMS HWOUT_PARAMS RSCALE_PARAMS) {
   PDL_LAUNCH();  // the first stages' weights load before PDL_WAIT, while the kernel before runs
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int tile = blockIdx.x, S = K / SLAB_K;
@@ -407,6 +408,10 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   u32 cu[2];  // warp 0's residual columns, one add caught up (stored in the epilogue)
   catchup_load(cu, yp, yp_stride, rr, rr_stride, tile * 16, N, M);
 #endif
+#if GEMV_RSCALE
+  RSCALE_BUF();
+  rscale_copy(rs_buf, rs_parts, rs_stride, M);  // waited for before the epilogue
+#endif
 #if GEMV_PNORM
   pnorm_row(x, pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_wpre);  // M == 1
 #elif T4_XSMEM
@@ -450,5 +455,9 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] *= (float)(1 << F16_SHIFT);  // exact: the activations' scaling undone
 #endif
-  tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride, y_f32 NORM_ARGS CATCHUP_ARGS);  // common.cuh
+#if GEMV_RSCALE
+  cp_async_wait_all();  // the epilogue's barrier then shows every thread's copies to warp 0
+#endif
+  tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride,
+                          y_f32 NORM_ARGS CATCHUP_ARGS HWOUT_ARGS RSCALE_ARGS);  // common.cuh
 }

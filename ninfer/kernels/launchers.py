@@ -796,7 +796,8 @@ def mma_variant(code: int, N: int, K: int) -> dict[str, int]:
 
 def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str, torch.Tensor],
          out: torch.Tensor, route: str = "warp", variant: dict[str, int] | None = None, glu: str = "",
-         norm: tuple | None = None, prenorm: tuple | None = None, catchup: tuple | None = None) -> None:
+         norm: tuple | None = None, prenorm: tuple | None = None, catchup: tuple | None = None,
+         hwout: tuple | None = None, rscale: tuple | None = None) -> None:
     """out[M, N] = x[M, K] @ W[N, K]^T for M <= 8; W as quant.py stored parts ('' and, if quantized,
     '.scales' / '.mins'), bf16, f32 or groupwise int8/int4. x bf16 or fp32 (the activation dtype);
     out in x's dtype or fp32 (e.g. logits). Row strides of x and out may exceed their widths
@@ -815,7 +816,13 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     gemv; residual is only read (common.cuh GEMV_PNORM).
     catchup (routes tiled and mma, bf16 rows, no glu): (y_prev [M, N], residual [M, N]): residual +=
     y_prev as well, rmsnorm_residual's add (common.cuh GEMV_CATCHUP), for the residual a prenorm gemv left
-    one add behind."""
+    one add behind.
+    hwout (route tiled, bf16 rows, no glu): (residual [M, N], weight [N], parts [M, N / 16] fp32): a
+    residual norm split with its consumer (common.cuh GEMV_HWOUT): residual += y, out = residual * weight
+    (in place of y), parts = the sums of squares of residual's 16-column pieces.
+    rscale (route tiled, bf16 rows, K % 64 == 0, K <= RSCALE_MAX_K): (parts [M, K / 16] fp32, eps): x is an
+    hwout gemv's out, and each row's sums are scaled by rsqrt(sum(parts) / K + eps) (GEMV_RSCALE):
+    rmsnorm(residual) * weight @ W^T, rounded once."""
     if route not in GEMV_ROUTES:
         raise KernelError(f"gemv route must be one of {', '.join(GEMV_ROUTES)}, got {route!r}")
     act_defines = _act(x.dtype, "x")
@@ -851,6 +858,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         raise KernelError("a fused norm takes no prenorm or catchup")
     if (prenorm is not None or catchup is not None) and route not in GLU_ROUTES:
         raise KernelError(f"prenorm and catchup take the {' / '.join(GLU_ROUTES)} routes, got {route!r}")
+    if (hwout is not None or rscale is not None) and route != "tiled":
+        raise KernelError(f"hwout and rscale take the tiled route, got {route!r}")
     if route == "tiled":
         g32 = int(code != 1 and g == 32)
         align = 8 if g32 else 4  # a lane reads its scales of a slab in one load
@@ -864,7 +873,7 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         force = defines.pop("T4_XSMEM", None)
         xs_bytes = xsmem_bytes(M, N, K, int8=code == 1, force=1 if prenorm is not None else force)
         fused, fused_args = residual_fusions(kc, x, out, M, N, K, glu, prenorm, catchup, xs_bytes,
-                                             defines["T4_WARPS"] * 32)
+                                             defines["T4_WARPS"] * 32, hwout, rscale)
         kc.kernel("gemv_tiled.cu", "gemv_tiled", {"T4_FMT": code, "T4_G32": g32, **defines,
                                                   **({"T4_XSMEM": 1} if xs_bytes else {}), **glu_defines,
                                                   **fused}).launch(
@@ -922,11 +931,15 @@ def gemv_epilogue(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: int
 
 
 def residual_fusions(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: int, N: int, K: int, glu: str,
-                     prenorm: tuple | None, catchup: tuple | None, xs_bytes: int,
-                     threads: int) -> tuple[dict[str, int], list]:
-    """Checks a tiled or mma gemv's residual fusions (gemv's prenorm and catchup; xs_bytes: the shared
-    memory its launch gives the normed row, 0 where it cannot) -> (compile defines, extra kernel arguments
-    in the kernels' order: GEMV_PNORM's, then GEMV_CATCHUP's)."""
+                     prenorm: tuple | None, catchup: tuple | None, xs_bytes: int, threads: int,
+                     hwout: tuple | None = None, rscale: tuple | None = None) -> tuple[dict[str, int], list]:
+    """Checks a tiled or mma gemv's residual fusions (gemv's prenorm, catchup, hwout and rscale; xs_bytes:
+    the shared memory its launch gives the normed row, 0 where it cannot) -> (compile defines, extra
+    kernel arguments in the kernels' order: GEMV_PNORM's, GEMV_CATCHUP's, GEMV_HWOUT's, GEMV_RSCALE's)."""
+    if hwout is not None and (prenorm is not None or catchup is not None or rscale is not None):
+        raise KernelError("an hwout gemv takes no prenorm, catchup or rscale")
+    if rscale is not None and prenorm is not None:
+        raise KernelError("an rscale gemv takes no prenorm")
     defines: dict[str, int] = {}
     args: list = []
     if prenorm is not None:
@@ -950,7 +963,29 @@ def residual_fusions(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: 
             raise KernelError("the residual must not alias y_prev, out or x")
         defines["GEMV_CATCHUP"] = 1
         args += [ptr(y_prev), I64(_rows(y_prev, "y_prev", N)), ptr(residual), I64(_rows(residual, "residual", N))]
+    if hwout is not None:
+        residual, weight, parts = hwout
+        if glu or x.dtype != BF16 or out.dtype != BF16 or N % 16:
+            raise KernelError(f"an hwout gemv takes bf16 rows in and out, no glu, N % 16 == 0 (N = {N})")
+        _check(residual, "residual", BF16, [M, N], kc.device, contiguous=False)
+        _check(weight, "norm weight", BF16, [N], kc.device)
+        _check(parts, "parts", F32_DT, [M, N // 16], kc.device, contiguous=False)
+        if residual.data_ptr() in (out.data_ptr(), x.data_ptr()):
+            raise KernelError("the residual must not alias out or x")
+        defines["GEMV_HWOUT"] = 1
+        args += [ptr(residual), I64(_rows(residual, "residual", N)), ptr(weight), ptr(parts),
+                 I64(_rows(parts, "parts", N // 16))]
+    if rscale is not None:
+        parts, eps = rscale
+        if x.dtype != BF16 or K % 64 or K > RSCALE_MAX_K:
+            raise KernelError(f"an rscale gemv takes bf16 rows, K % 64 == 0 and K <= {RSCALE_MAX_K} (K = {K})")
+        _check(parts, "parts", F32_DT, [M, K // 16], kc.device, contiguous=False, align16=True)
+        defines.update(GEMV_RSCALE=1, RS_P=K // 16)
+        args += [ptr(parts), I64(_rows(parts, "parts", K // 16)), F32(eps)]
     return defines, args
+
+
+RSCALE_MAX_K = 8192  # an rscale gemv's 8 rows of K / 16 parts in static shared memory (16 KB)
 
 
 def _out_stride(out: torch.Tensor, M: int) -> int:

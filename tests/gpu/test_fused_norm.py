@@ -93,6 +93,7 @@ def test_model_with_fused_norm_matches_unfused(weights: str, monkeypatch) -> Non
     monkeypatch.setitem(SHAPES, "tiny", dict(SHAPES["smollm2-135m"], **TINY))
     monkeypatch.setattr(CudaOps, "FUSE_NORM", True)
     monkeypatch.setattr(CudaOps, "PRE_NORM", False)  # else the norms go to their consumers' prologues
+    monkeypatch.setattr(CudaOps, "SPLIT_NORM", False)  # or are split between the tiled gemvs
     artifact = SyntheticArtifact("tiny", weights, seed=6)
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     fused = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)

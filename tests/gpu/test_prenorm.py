@@ -122,6 +122,7 @@ def test_model_with_prenorm_matches_without(weights: str, monkeypatch) -> None:
     artifact = SyntheticArtifact("tiny", weights, seed=7)
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
     monkeypatch.setattr(CudaOps, "PRE_NORM", False)
+    monkeypatch.setattr(CudaOps, "SPLIT_NORM", False)  # tests/gpu/test_split_norm.py
     plain = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     tokens = greedy(plain, prompt, 24)
     del plain

@@ -133,12 +133,16 @@ class Deferred:
     """A residual norm left to the prologue of its consumer's gemv (CudaOps.PRE_NORM): y, the residual
     gemv's output, is not yet added into `residual`, and only `then` may take y as its input (the gemv
     then forms rmsnorm(residual + y) * norm itself). The next residual gemv on `residual` adds y in its
-    epilogue; anything else runs the norm on its own first (CudaOps._settle)."""
+    epilogue; anything else runs the norm on its own first (CudaOps._settle).
+    With `parts` (CudaOps.SPLIT_NORM): y is h * norm, h = residual + the gemv's output already added into
+    `residual`, and parts the sums of squares of h's 16-column pieces; `then`'s gemv scales its sums by
+    the norm's rinv (launchers.gemv's hwout and rscale)."""
     y: torch.Tensor
     then: Weight
     residual: torch.Tensor
     norm: torch.Tensor
     eps: float
+    parts: torch.Tensor | None = None
 
 
 class CudaOps:
@@ -323,6 +327,13 @@ class CudaOps:
     # gate_up taking it 440.7 -> 406.9, llama-1b int4 1,554 -> 1,480.
     PRE_NORM = True
     PRE_NORM_SMALL = 2 << 20
+    # A residual norm between two tiled gemvs split between them (launchers.gemv's hwout and rscale): the
+    # residual gemv adds its output into the residual and writes h * norm and the sums of squares of h's
+    # 16-column pieces in its epilogue; the consumer (linear_add_rms_norm's `then`) takes h * norm as its
+    # activations and scales its sums by rsqrt(mean(h^2) + eps) in its epilogue. No norm launch and nothing
+    # before the consumer's first mma (PRE_NORM's prologue forms the row in every block); other bits than
+    # the norm on its own (rounded once, after the product), the same at every decode row count.
+    SPLIT_NORM = True
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float, then: Weight | None = None) -> torch.Tensor:
@@ -332,13 +343,23 @@ class CudaOps:
         (int4 llama-8b, 8 streams: 1,745 fused against 2,362 tok/s unfused, docs/PERF.md).
         then: the weight of the one linear / gated_linear that consumes the result before `residual` is
         used again (a promise of the caller); with PRE_NORM the norm may be left to that gemv's prologue,
-        and the result is then linear(x, w), which only `then` may take (see Deferred)."""
+        and the result is then linear(x, w), with SPLIT_NORM residual * norm, which only `then` may take
+        (see Deferred)."""
         n = x.shape[0]
         behind = self._deferred
-        if behind is not None and not (behind.residual is residual and self._catchup_ok(w, n)):
+        split = self._split_ok(w, then)
+        if behind is not None and not (behind.residual is residual and behind.parts is None and not split
+                                       and self._catchup_ok(w, n)):
             self._settle(add_only=behind.residual is residual)
             behind = None
         self._deferred = None
+        if split:
+            hw, parts = self._empty(n, w.rows), torch.empty(n, w.rows // 16, dtype=torch.float32, device=self.device)
+            for r in range(0, n, L.MAX_GEMV_ROWS):
+                s = slice(r, r + L.MAX_GEMV_ROWS)
+                L.gemv(self.kc, x[s], w.fmt, w.parts, hw[s], w.route, hwout=(residual[s], norm, parts[s]))
+            self._deferred = Deferred(hw, then, residual, norm, eps, parts)
+            return hw
         defer = self._defer_ok(then, n)
         if behind is not None or defer:
             if behind is not None:  # the residual caught up in this gemv's epilogue
@@ -365,6 +386,15 @@ class CudaOps:
         return (self.ctx.decode and n <= L.MAX_GEMV_ROWS and self.dtype == torch.bfloat16 and w.route in L.GLU_ROUTES
                 and not w.segments and not w.fmt.blocks and w.bias is None)
 
+    def _split_ok(self, w: Weight, then: Weight | None) -> bool:
+        """Whether the residual norm after w's decode gemv can be split between it and `then`'s
+        (SPLIT_NORM): both tiled, plain weights; bf16 rows whose width fits the consumer's epilogue."""
+        if not (self.SPLIT_NORM and then is not None and self.ctx.decode and self.dtype == torch.bfloat16):
+            return False
+        H = self.config.hidden_size
+        return (w.route == then.route == "tiled" and w.rows == H and H % 64 == 0 and H <= L.RSCALE_MAX_K
+                and w.bias is None and not (w.segments or then.segments or w.fmt.blocks or then.fmt.blocks))
+
     def _defer_ok(self, then: Weight | None, n: int) -> bool:
         """Whether the norm can go into the prologue of `then`'s decode gemv (one bf16 row; the mma
         route's bf16 pipeline, or the tiled route up to PRE_NORM_SMALL bytes of weight; the row fitting
@@ -386,13 +416,19 @@ class CudaOps:
         d = self._deferred
         if d is None or x is not d.y:
             return x, None
+        if w is d.then and d.parts is not None:
+            self._deferred = None  # nothing left behind: the residual is whole
+            return x, (d.parts, d.eps)
         if w is d.then:
             return x, (d.residual, d.norm, d.eps)
         return self._settle(), None
 
     def _settle(self, add_only: bool = False) -> torch.Tensor | None:
-        """The deferred norm run on its own: residual += y (add_only) or add_rms_norm -> the normed row."""
+        """The deferred norm run on its own: residual += y (add_only) or add_rms_norm -> the normed row
+        (a split norm: the residual is whole already, the normed row rms_norm(residual))."""
         d, self._deferred = self._deferred, None
+        if d.parts is not None:
+            return None if add_only else self.rms_norm(d.residual, d.norm, d.eps)
         if add_only:
             d.residual.add_(d.y)  # bf16 add in fp32, rounded once: rmsnorm_residual's add
             return None
@@ -407,7 +443,10 @@ class CudaOps:
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
         x, prenorm = self._prenorm(x, w)
         n, N = x.shape[0], w.rows
-        if prenorm is not None:
+        if prenorm is not None and len(prenorm) == 2:  # a split norm's consumer
+            y = self._empty(n, N)
+            self._rscaled(x, w, y, prenorm)
+        elif prenorm is not None:
             y = self._empty(n, N)
             L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), prenorm=prenorm)
         elif self.ctx.decode:
@@ -456,6 +495,14 @@ class CudaOps:
         else:
             L.gemv(self.kc, x, w.fmt, w.parts, out, w.route, self._mma(w, w.route))
 
+    def _rscaled(self, x: torch.Tensor, w: Weight, out: torch.Tensor, rscale: tuple, glu: str = "") -> None:
+        """out = the gemv of a split norm's h * norm rows x by w, scaled by each row's rinv (rscale: (parts,
+        eps)), in MAX_GEMV_ROWS pieces."""
+        parts, eps = rscale
+        for r in range(0, x.shape[0], L.MAX_GEMV_ROWS):
+            s = slice(r, r + L.MAX_GEMV_ROWS)
+            L.gemv(self.kc, x[s], w.fmt, w.parts, out[s], w.route, glu=glu, rscale=(parts[s], eps))
+
     def _mma(self, w: Weight, route: str) -> dict[str, int] | None:
         """The profile's MMA_PIPE for a bf16 weight on the mma route; None: launchers.mma_variant's rule."""
         pipe = self.profile.mma_pipe
@@ -497,6 +544,14 @@ class CudaOps:
         kernel = {"silu": L.swiglu, "gelu_tanh": L.geglu}[activation]
         x, prenorm = self._prenorm(x, w)
         n = x.shape[0]
+        if prenorm is not None and len(prenorm) == 2:  # a split norm's consumer
+            y = self._empty(n, w.rows // 2 if w.glu else w.rows)
+            self._rscaled(x, w, y, prenorm, glu=activation if w.glu else "")
+            if w.glu:
+                return y
+            out = self._empty(n, w.rows // 2)
+            kernel(self.kc, y, out, interleaved=False)
+            return out
         if prenorm is not None and w.glu:
             y = self._empty(n, w.rows // 2)
             L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), glu=activation, prenorm=prenorm)
