@@ -409,19 +409,19 @@ class CudaOps:
             return then.fmt.format == "bf16" and self.profile.mma_pipe != 0
         return then.route == "tiled" and sum(p.nbytes for p in then.parts.values()) <= self.PRE_NORM_SMALL
 
-    def _prenorm(self, x: torch.Tensor, w: Weight) -> tuple[torch.Tensor, tuple | None]:
-        """(x, the gemv's prenorm) for a linear / gated_linear of x by w: the deferred norm's arguments
-        where x is its output and w its `then`; where x is that output but w another weight, the norm
-        run now (x replaced by the normed row)."""
+    def _prenorm(self, x: torch.Tensor, w: Weight) -> tuple[torch.Tensor, tuple | None, tuple | None]:
+        """(x, the gemv's prenorm, its rscale) for a linear / gated_linear of x by w: the deferred norm's
+        arguments where x is its output and w its `then` (a split norm's as rscale); where x is that
+        output but w another weight, the norm run now (x replaced by the normed row)."""
         d = self._deferred
         if d is None or x is not d.y:
-            return x, None
+            return x, None, None
         if w is d.then and d.parts is not None:
             self._deferred = None  # nothing left behind: the residual is whole
-            return x, (d.parts, d.eps)
+            return x, None, (d.parts, d.eps)
         if w is d.then:
-            return x, (d.residual, d.norm, d.eps)
-        return self._settle(), None
+            return x, (d.residual, d.norm, d.eps), None
+        return self._settle(), None, None
 
     def _settle(self, add_only: bool = False) -> torch.Tensor | None:
         """The deferred norm run on its own: residual += y (add_only) or add_rms_norm -> the normed row
@@ -441,11 +441,11 @@ class CudaOps:
         return BLOCK_ROUTES[w.route] in B.GLU_ROUTES if w.fmt.blocks else w.route in L.GLU_ROUTES
 
     def linear(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
-        x, prenorm = self._prenorm(x, w)
+        x, prenorm, rscale = self._prenorm(x, w)
         n, N = x.shape[0], w.rows
-        if prenorm is not None and len(prenorm) == 2:  # a split norm's consumer
+        if rscale is not None:
             y = self._empty(n, N)
-            self._rscaled(x, w, y, prenorm)
+            self._rscaled(x, w, y, rscale)
         elif prenorm is not None:
             y = self._empty(n, N)
             L.gemv(self.kc, x, w.fmt, w.parts, y, w.route, self._mma(w, w.route), prenorm=prenorm)
@@ -542,11 +542,11 @@ class CudaOps:
         one gemv whose epilogue applies the activation (a glu weight), else the projection into the
         activation dtype, then the swiglu / geglu kernel (the same bits either way)."""
         kernel = {"silu": L.swiglu, "gelu_tanh": L.geglu}[activation]
-        x, prenorm = self._prenorm(x, w)
+        x, prenorm, rscale = self._prenorm(x, w)
         n = x.shape[0]
-        if prenorm is not None and len(prenorm) == 2:  # a split norm's consumer
+        if rscale is not None:
             y = self._empty(n, w.rows // 2 if w.glu else w.rows)
-            self._rscaled(x, w, y, prenorm, glu=activation if w.glu else "")
+            self._rscaled(x, w, y, rscale, glu=activation if w.glu else "")
             if w.glu:
                 return y
             out = self._empty(n, w.rows // 2)
