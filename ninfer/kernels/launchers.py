@@ -854,8 +854,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     glu_defines, out_stride, norm_args = gemv_epilogue(kc, x, out, M, N, glu, route, GLU_ROUTES, norm)
     args = [ptr(x), I64(_rows(x, "x", K)), ptr(w), ptr(parts.get(".scales")), ptr(mins), ptr(out), I64(out_stride),
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0), *norm_args]
-    if norm is not None and (prenorm is not None or catchup is not None):
-        raise KernelError("a fused norm takes no prenorm or catchup")
+    if norm is not None and any(f is not None for f in (prenorm, catchup, hwout, rscale)):
+        raise KernelError("a fused norm takes no prenorm, catchup, hwout or rscale")
     if (prenorm is not None or catchup is not None) and route not in GLU_ROUTES:
         raise KernelError(f"prenorm and catchup take the {' / '.join(GLU_ROUTES)} routes, got {route!r}")
     if (hwout is not None or rscale is not None) and route != "tiled":
