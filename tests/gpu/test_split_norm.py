@@ -144,7 +144,7 @@ def test_model_with_split_norms(weights: str, monkeypatch) -> None:
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(7)).tolist()
 
     def first_decode_logits(runner) -> torch.Tensor:
-        pages = list(range(2))
+        pages = list(range(-(-(len(prompt) + 1) // PAGE)))
         out = runner.run(ScheduledBatch([work(prompt, 0, pages)]))
         first = out.sampled[1]
         return runner.run_with_logits(ScheduledBatch([work([first], len(prompt), pages, [first])]))[1][0]
