@@ -459,9 +459,9 @@ __device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act
 // rr, act(h * hw_w) into y in place of y, and per row m its 16 columns' sum of squares into
 // hw_parts[m * hw_parts_stride + n0 / 16] in sumsq16's order.
 // Compiled with -DGEMV_RSCALE=1 and -DRS_P=K/16 (the consumer): the block copies rows 0..M-1 of
-// rs_parts (RS_P floats each) into shared memory after its PDL wait (rscale_copy), its warps reduce a
-// row each after the main loop (rscale_rows' order: the same factor in every block and at every M), and
-// its epilogue multiplies row m's sums by rsqrt(sum / K + rs_eps) before rounding.
+// rs_parts (RS_P floats each) into shared memory after its PDL wait (rscale_copy) and its epilogue
+// multiplies row m's sums by rsqrt(sum / K + rs_eps) before rounding (rscale_rows' order: the same
+// factor in every block and at every M).
 #ifndef GEMV_HWOUT
 #define GEMV_HWOUT 0
 #endif
@@ -484,11 +484,9 @@ __device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act
 #error "GEMV_RSCALE takes bf16 activations, RS_P (a multiple of 4), no GEMV_NORM, GEMV_PNORM or GEMV_HWOUT"
 #endif
 #define RSCALE_PARAMS , const float* __restrict__ rs_parts, i64 rs_stride, float rs_eps
-#define RSCALE_ARGS , rs_inv
-#define RSCALE_EPARAMS , const float* rs_inv
-#define RSCALE_BUF()                                \
-  __shared__ __align__(16) float rs_buf[8 * RS_P]; \
-  __shared__ float rs_inv[8]
+#define RSCALE_ARGS , rs_buf, K, rs_eps
+#define RSCALE_EPARAMS , const float* rs_buf, int rs_K, float rs_eps
+#define RSCALE_BUF() __shared__ __align__(16) float rs_buf[8 * RS_P]
 // rows 0..M-1 of the parts into buf, every thread's 16-byte copies in flight (cp_async_wait_all before
 // the epilogue's barrier)
 __device__ __forceinline__ void rscale_copy(float* buf, const float* parts, i64 stride, int M) {
@@ -497,17 +495,17 @@ __device__ __forceinline__ void rscale_copy(float* buf, const float* parts, i64 
     cp_async16(buf + m * RS_P + 4 * c, parts + m * stride + 4 * c);
   }
 }
-// after the copies: each row's rinv into inv[m], warp w taking rows w, w + nw, ... (lane l sums parts l,
-// l + 32, ... in order, then the warp's xor tree: the same at every M); the epilogue's barrier shows them
-__device__ __forceinline__ void rscale_rows(float* inv, const float* buf, int M, int K, float eps, int nw) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  cp_async_wait_all();
-  __syncthreads();  // every thread's copies
-  for (int m = warp; m < M; m += nw) {
+// rinv of rows 2 t and 2 t + 1 (lane t = lane & 3 of a whole warp) from buf: lane l sums parts l, l + 32, ...
+// in order, then the warp's xor tree; rows past M give 0
+__device__ __forceinline__ void rscale_rows(float* inv, const float* buf, int M, int K, float eps) {
+  const int lane = threadIdx.x & 31, t = lane & 3;
+  inv[0] = inv[1] = 0.0f;
+  for (int m = 0; m < M; ++m) {
     float s = 0.0f;
     for (int i = lane; i < RS_P; i += 32) s += buf[m * RS_P + i];
     const float v = rsqrtf(warp_sum(s) / (float)K + eps);
-    if (lane == 0) inv[m] = v;
+    if (m == 2 * t) inv[0] = v;
+    if (m == 2 * t + 1) inv[1] = v;
   }
 }
 #else
@@ -533,9 +531,10 @@ __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, 
       if (v < nw) r[j] += part[v][lane][j];
   }
 #if GEMV_RSCALE
+  float inv[2];
+  rscale_rows(inv, rs_buf, M, rs_K, rs_eps);
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
-    if (2 * t + (j & 1) < M) r[j] *= rs_inv[2 * t + (j & 1)];
+  for (int j = 0; j < 4; ++j) r[j] *= inv[j & 1];
 #endif
 #if GEMV_GLU
   (void)y_f32;
