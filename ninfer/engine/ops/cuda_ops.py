@@ -332,7 +332,10 @@ class CudaOps:
     # 16-column pieces in its epilogue; the consumer (linear_add_rms_norm's `then`) takes h * norm as its
     # activations and scales its sums by rsqrt(mean(h^2) + eps) in its epilogue. No norm launch and nothing
     # before the consumer's first mma (PRE_NORM's prologue forms the row in every block); other bits than
-    # the norm on its own (rounded once, after the product), the same at every decode row count.
+    # the norm on its own (rounded once, after the product), the same at every decode row count. H100 tg128
+    # (docs/PERF.md, session 30): llama-8b int4 441.5 -> 461.3, int8 315.0 -> 325.5, llama-1b int4 1,554 ->
+    # 1,631, SmolLM2 int4 2,317 -> 2,494 (over PRE_NORM's prologue); 8 streams lose 4 % (int4 2,980 ->
+    # 2,869): the consumer's warp 0 reduces the rows' sums one after another.
     SPLIT_NORM = True
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
