@@ -42,6 +42,8 @@ CASES = [
                        "RS_P": 256}),
     ("gemv_tiled.cu", {"T4_FMT": 1, "T4_G32": 0, "T4_STAGES": 4, "T4_XPRE": 1, "T4_F16": 1, "GEMV_RSCALE": 1,
                        "RS_P": 36}),
+    ("gemv_tiled.cu", {"T4_FMT": 3, "T4_STAGES": 2, "T4_XPRE": 0, "T4_XSMEM": 1, "GEMV_GLU": 1, "GEMV_RSCALE": 1,
+                       "RS_P": 256, "RS_PAR": 1}),
     ("gemv_mma.cu", {"MMA_FMT": 0}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 2}),
     ("gemv_mma.cu", {"MMA_FMT": 0, "MMA_PIPE": 4}),

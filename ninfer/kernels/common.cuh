@@ -461,7 +461,9 @@ __device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act
 // Compiled with -DGEMV_RSCALE=1 and -DRS_P=K/16 (the consumer): the block copies rows 0..M-1 of
 // rs_parts (RS_P floats each) into shared memory after its PDL wait (rscale_copy) and its epilogue
 // multiplies row m's sums by rsqrt(sum / K + rs_eps) before rounding (rscale_rows' order: the same
-// factor in every block and at every M).
+// factor in every block and at every M). RS_PAR 1 (speed only, the same bits): the block's warps reduce
+// a row each after the main loop (rows w, w + warps, ...) where RS_PAR 0 has warp 0 reduce every row in
+// the epilogue (M rows one after another in each block's tail: 8 streams lose 4 % on an H100).
 #ifndef GEMV_HWOUT
 #define GEMV_HWOUT 0
 #endif
@@ -483,10 +485,15 @@ __device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act
 #if GEMV_NORM || GEMV_PNORM || GEMV_HWOUT || ACT_F32 || !defined(RS_P) || RS_P % 4
 #error "GEMV_RSCALE takes bf16 activations, RS_P (a multiple of 4), no GEMV_NORM, GEMV_PNORM or GEMV_HWOUT"
 #endif
+#ifndef RS_PAR
+#define RS_PAR 0
+#endif
 #define RSCALE_PARAMS , const float* __restrict__ rs_parts, i64 rs_stride, float rs_eps
-#define RSCALE_ARGS , rs_buf, K, rs_eps
-#define RSCALE_EPARAMS , const float* rs_buf, int rs_K, float rs_eps
-#define RSCALE_BUF() __shared__ __align__(16) float rs_buf[8 * RS_P]
+#define RSCALE_ARGS , rs_buf, rs_inv, K, rs_eps
+#define RSCALE_EPARAMS , const float* rs_buf, const float* rs_inv, int rs_K, float rs_eps
+#define RSCALE_BUF()                                \
+  __shared__ __align__(16) float rs_buf[8 * RS_P]; \
+  __shared__ float rs_inv[8]
 // rows 0..M-1 of the parts into buf, every thread's 16-byte copies in flight (cp_async_wait_all before
 // the epilogue's barrier)
 __device__ __forceinline__ void rscale_copy(float* buf, const float* parts, i64 stride, int M) {
@@ -495,18 +502,48 @@ __device__ __forceinline__ void rscale_copy(float* buf, const float* parts, i64 
     cp_async16(buf + m * RS_P + 4 * c, parts + m * stride + 4 * c);
   }
 }
-// rinv of rows 2 t and 2 t + 1 (lane t = lane & 3 of a whole warp) from buf: lane l sums parts l, l + 32, ...
-// in order, then the warp's xor tree; rows past M give 0
-__device__ __forceinline__ void rscale_rows(float* inv, const float* buf, int M, int K, float eps) {
-  const int lane = threadIdx.x & 31, t = lane & 3;
-  inv[0] = inv[1] = 0.0f;
+// one row's rinv by a whole warp from its RS_P sums in shared memory: lane l adds sums l, l + 32, ... in
+// order, then the warp's xor tree (every lane gets it)
+__device__ __forceinline__ float rscale_row(const float* row, int K, float eps) {
+  float s = 0.0f;
+  for (int i = threadIdx.x & 31; i < RS_P; i += 32) s += row[i];
+  return rsqrtf(warp_sum(s) / (float)K + eps);
+}
+// the block's rows' rinv before its epilogue: RS_PAR 1, warp w's rows into inv[m] (after every thread's
+// copies; the epilogue's barrier shows them to warp 0); RS_PAR 0, only the copies waited for
+__device__ __forceinline__ void rscale_rows(float* inv, const float* buf, int M, int K, float eps, int nw) {
+  cp_async_wait_all();  // RS_PAR 0: the epilogue's barrier then shows every thread's copies to warp 0
+#if RS_PAR
+  __syncthreads();  // every thread's copies
+  const int warp = threadIdx.x >> 5;
+  for (int m = warp; m < M; m += nw) {
+    const float v = rscale_row(buf + m * RS_P, K, eps);
+    if ((threadIdx.x & 31) == 0) inv[m] = v;
+  }
+#else
+  (void)inv, (void)buf, (void)M, (void)K, (void)eps, (void)nw;
+#endif
+}
+// rinv of rows 2 t and 2 t + 1 (lane t = lane & 3 of warp 0 in the epilogue): RS_PAR's from inv, else
+// reduced here one row after another; rows past M give 0
+__device__ __forceinline__ void rscale_factors(float* f, const float* buf, const float* inv, int M, int K, float eps) {
+  const int t = threadIdx.x & 3;
+  f[0] = f[1] = 0.0f;
+#if RS_PAR
+  (void)buf, (void)K, (void)eps;
+  if (2 * t < M) f[0] = inv[2 * t];
+  if (2 * t + 1 < M) f[1] = inv[2 * t + 1];
+#else
+  (void)inv;
+  const int lane = threadIdx.x & 31;
   for (int m = 0; m < M; ++m) {
     float s = 0.0f;
     for (int i = lane; i < RS_P; i += 32) s += buf[m * RS_P + i];
     const float v = rsqrtf(warp_sum(s) / (float)K + eps);
-    if (m == 2 * t) inv[0] = v;
-    if (m == 2 * t + 1) inv[1] = v;
+    if (m == 2 * t) f[0] = v;
+    if (m == 2 * t + 1) f[1] = v;
   }
+#endif
 }
 #else
 #define RSCALE_PARAMS
@@ -532,7 +569,7 @@ __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, 
   }
 #if GEMV_RSCALE
   float inv[2];
-  rscale_rows(inv, rs_buf, M, rs_K, rs_eps);
+  rscale_factors(inv, rs_buf, rs_inv, M, rs_K, rs_eps);
 #pragma unroll
   for (int j = 0; j < 4; ++j) r[j] *= inv[j & 1];
 #endif

@@ -456,7 +456,7 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   for (int i = 0; i < 4; ++i) acc[i] *= (float)(1 << F16_SHIFT);  // exact: the activations' scaling undone
 #endif
 #if GEMV_RSCALE
-  cp_async_wait_all();  // the epilogue's barrier then shows every thread's copies to warp 0
+  rscale_rows(rs_inv, rs_buf, M, K, rs_eps, T4_WARPS);
 #endif
   tile_epilogue<T4_WARPS>(acc, T4_WARPS, tile * 16, N, M, y, y_stride,
                           y_f32 NORM_ARGS CATCHUP_ARGS HWOUT_ARGS RSCALE_ARGS);  // common.cuh

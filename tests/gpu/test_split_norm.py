@@ -2,8 +2,8 @@
 on fresh random data: the residual gemv's epilogue adds its output into the residual with rmsnorm_residual's
 bits, writes h * w bit for bit as torch rounds it and the 16-column sums of squares; the consumer's
 sums, scaled by each row's rinv, within bf16 rounding of rmsnorm_residual then the plain gemv, and a row's
-bits the same at every row count (batch invariance); the launcher's refusals; and a tiny llama with
-SPLIT_NORM against the same runner without it."""
+bits the same at every row count (batch invariance) and with RSCALE_PAR; the launcher's refusals; and a
+tiny llama with SPLIT_NORM against the same runner without it."""
 from __future__ import annotations
 
 import pytest
@@ -95,6 +95,26 @@ def test_rscale_gemv_is_the_normed_gemv(kc: KernelCompiler, fmt: TensorFormat, N
             assert rel(y, ref[:M]) < 1e-2, f"eps {eps} M={M}: {rel(y, ref[:M])}"
             for m in range(M):
                 assert torch.equal(y[m:m + 1], alone[m]), f"eps {eps} M={M} row {m}: other bits than alone"
+
+
+@pytest.mark.parametrize("glu", ["", "silu"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=FIDS)
+def test_rscale_par_gives_the_same_bits(kc: KernelCompiler, fmt: TensorFormat, glu: str, monkeypatch) -> None:
+    """launchers.RSCALE_PAR (a warp a row reduces the sums) against warp 0 reducing them all: the same
+    bits at 1..8 rows (speed only)."""
+    N, K = 1536, 4096
+    g = torch.Generator(DEV).manual_seed(9)
+    hw = (torch.randn(8, K, generator=g, device=DEV) * 0.5).to(BF)
+    sums = torch.rand(8, K // 16, generator=g, device=DEV) * 16
+    parts = L.gemv_pack("tiled", fmt, stored(fmt, N, K, seed=13))
+    width = N // 2 if glu else N
+    for M in range(1, 9):
+        out = {}
+        for par in (False, True):
+            monkeypatch.setattr(L, "RSCALE_PAR", par)
+            out[par] = poisoned((M, width))
+            L.gemv(kc, hw[:M], fmt, parts, out[par], "tiled", glu=glu, rscale=(sums[:M], 1e-6))
+        assert not torch.isnan(out[True]).any() and torch.equal(out[True], out[False]), f"M={M}"
 
 
 def test_hwout_and_rscale_refuse(kc: KernelCompiler) -> None:
