@@ -203,23 +203,26 @@ def test_residual_gemv_without_catchup_settles(fake: FakeLaunchers) -> None:
     assert fake.seen["catchup"] == LAYERS  # the down projections only
 
 
-def test_a_consumer_other_than_then_gets_the_normed_row(fake: FakeLaunchers) -> None:
-    ops = Ops(pre_norm=True)
+@pytest.mark.parametrize("split", [False, True], ids=["pre_norm", "split_norm"])
+def test_a_consumer_other_than_then_gets_the_normed_row(fake: FakeLaunchers, split: bool) -> None:
+    """A deferred norm (PRE_NORM's, or SPLIT_NORM's with the residual already whole) taken by a weight
+    other than `then`: the norm runs on its own, the same rows and residual as without the deferral."""
+    ops = Ops(pre_norm=True, split_norm=split)
     ops.begin(SimpleNamespace(decode=True))
     w_o, then, other = weight(H, H, 1), weight(2 * H, H, 2), weight(2 * H, H, 3)
-    norm = torch.ones(H, dtype=BF)
+    norm = (1 + 0.2 * torch.randn(H, generator=torch.Generator().manual_seed(7))).to(BF)
     x = (torch.randn(1, H, generator=torch.Generator().manual_seed(4))).to(BF)
     h = (torch.randn(1, H, generator=torch.Generator().manual_seed(6))).to(BF)
     h_ref = h.clone()
     y = ops.linear_add_rms_norm(x, w_o, h, norm, 1e-6, then=then)
-    assert ops._deferred is not None and torch.equal(h, h_ref)  # the residual is one add behind
+    assert ops._deferred is not None and (ops._deferred.parts is not None) == split
+    assert split or torch.equal(h, h_ref)  # PRE_NORM: the residual is one add behind
     out = ops.linear(y, other)
     ref = Ops(pre_norm=False)
     ref.begin(SimpleNamespace(decode=True))
     normed = ref.linear_add_rms_norm(x, w_o, h_ref, norm, 1e-6)
     assert torch.equal(out, ref.linear(normed, other)) and torch.equal(h, h_ref)
-    assert ops._deferred is None and fake.seen["prenorm"] == 0
-
+    assert ops._deferred is None and fake.seen["prenorm"] == fake.seen["rscale"] == 0
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Within a few bf16 roundings of each other, relative to the rows' size."""
@@ -262,21 +265,3 @@ def test_split_norm_needs_tiled_gemvs_on_both_sides(fake: FakeLaunchers) -> None
     x2, h2 = forward(m, ops)
     assert fake.seen["hwout"] == fake.seen["rscale"] == LAYERS - 1  # down -> the next qkv
     assert close(x2, x0) and close(h2, h0) and ops._deferred is None
-
-
-def test_a_split_norms_other_consumer_gets_the_normed_row(fake: FakeLaunchers) -> None:
-    ops = Ops(pre_norm=True, split_norm=True)
-    ops.begin(SimpleNamespace(decode=True))
-    w_o, then, other = weight(H, H, 1), weight(2 * H, H, 2), weight(2 * H, H, 3)
-    norm = (1 + 0.2 * torch.randn(H, generator=torch.Generator().manual_seed(7))).to(BF)
-    x = (torch.randn(1, H, generator=torch.Generator().manual_seed(4))).to(BF)
-    h = (torch.randn(1, H, generator=torch.Generator().manual_seed(6))).to(BF)
-    h_ref = h.clone()
-    y = ops.linear_add_rms_norm(x, w_o, h, norm, 1e-6, then=then)
-    assert ops._deferred is not None and ops._deferred.parts is not None
-    out = ops.linear(y, other)
-    ref = Ops(pre_norm=False)
-    ref.begin(SimpleNamespace(decode=True))
-    normed = ref.linear_add_rms_norm(x, w_o, h_ref, norm, 1e-6)
-    assert torch.equal(out, ref.linear(normed, other)) and torch.equal(h, h_ref)
-    assert ops._deferred is None and fake.seen["rscale"] == 0

@@ -103,6 +103,20 @@ def test_prenorm_and_catchup_refuse(kc: KernelCompiler) -> None:
                catchup=(poisoned((1, 1536)), poisoned((1, 1536))))
 
 
+def count_gemv(monkeypatch, *keys: str) -> dict[str, int]:
+    """launchers.gemv replaced by itself counting the calls given each of `keys` (its keyword arguments)."""
+    seen = dict.fromkeys(keys, 0)
+    gemv = L.gemv
+
+    def counting(*args, **kwargs):
+        for key in seen:
+            seen[key] += kwargs.get(key) is not None
+        return gemv(*args, **kwargs)
+
+    monkeypatch.setattr(L, "gemv", counting)
+    return seen
+
+
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
             head_dim=64, max_position_embeddings=1024, num_hidden_layers=3)
 
@@ -126,15 +140,7 @@ def test_model_with_prenorm_matches_without(weights: str, monkeypatch) -> None:
     plain = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     tokens = greedy(plain, prompt, 24)
     del plain
-    seen = {"prenorm": 0, "catchup": 0}
-    gemv = L.gemv
-
-    def counting(*args, **kwargs):
-        for key in seen:
-            seen[key] += kwargs.get(key) is not None
-        return gemv(*args, **kwargs)
-
-    monkeypatch.setattr(L, "gemv", counting)
+    seen = count_gemv(monkeypatch, "prenorm", "catchup")
     monkeypatch.setattr(CudaOps, "PRE_NORM", True)
     fused = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     assert greedy(fused, prompt, 24) == tokens

@@ -13,6 +13,7 @@ from ninfer.engine.quant import TensorFormat
 from ninfer.kernels import launchers as L
 from ninfer.kernels.compiler import KernelCompiler, KernelError
 from test_fused_glu import BF, DEV, poisoned, rel, stored
+from test_prenorm import TINY, count_gemv
 
 FORMATS = [TensorFormat("int4", 32, False), TensorFormat("int4", 64, True), TensorFormat("int8", 32)]
 FIDS = ["int4-asym32", "int4-sym64", "int8-32"]
@@ -142,10 +143,6 @@ def test_hwout_and_rscale_refuse(kc: KernelCompiler) -> None:
                rscale=(torch.zeros(1, K // 16, device=DEV), 1e-6))
 
 
-TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=64, max_position_embeddings=1024, num_hidden_layers=3)
-
-
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_model_with_split_norms(weights: str, monkeypatch) -> None:
     """A tiny llama on the cuda runner with CudaOps.SPLIT_NORM (every norm between o_proj and gate_up and
@@ -173,15 +170,7 @@ def test_model_with_split_norms(weights: str, monkeypatch) -> None:
     plain = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     tokens, logits = greedy(plain, prompt, 24), first_decode_logits(plain)
     del plain
-    seen = {"hwout": 0, "rscale": 0}
-    gemv = L.gemv
-
-    def counting(*args, **kwargs):
-        for key in seen:
-            seen[key] += kwargs.get(key) is not None
-        return gemv(*args, **kwargs)
-
-    monkeypatch.setattr(L, "gemv", counting)
+    seen = count_gemv(monkeypatch, "hwout", "rscale")
     monkeypatch.setattr(CudaOps, "SPLIT_NORM", True)
     split = CudaModelRunner(artifact, num_pages=16, page_size=PAGE, device="cuda", dtype=BF)
     assert greedy(split, prompt, 24) == tokens
