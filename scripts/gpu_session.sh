@@ -48,10 +48,10 @@
 #       int4 (~5 min)
 #   scripts/gpu_session.sh split OUTDIR                # carry .whl; no llama.cpp needed
 #       a residual norm split between two tiled gemvs (CudaOps.SPLIT_NORM, label d, on): its GPU tests
-#       (tests/gpu/test_split_norm.py, with test_prenorm.py and test_fused_norm.py), then tg128 without it
-#       (d0), with the rule and with its consumer's rows reduced a warp each (y, launchers.RSCALE_PAR),
-#       alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1 and 8 streams, int8 at 8 streams,
-#       smollm2-135m int4 (~5 min)
+#       (tests/gpu/test_split_norm.py, with test_prenorm.py and test_fused_norm.py), then tg128 with the
+#       rule, with its consumer's rows reduced a warp each (y, launchers.RSCALE_PAR) and on bf16's mma
+#       route too (u, CudaOps.SPLIT_MMA), alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1
+#       and 8 streams (also d0), int8 at 8 streams, bf16 at 1 and 8 streams, smollm2-135m int4 (~6 min)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -132,9 +132,11 @@ mma|attn|tiled|xsmem|prenorm|split)
       tests/gpu/test_fused_norm.py > "$OUT/pytest.log" 2>&1
     tail -n 5 "$OUT/pytest.log"
     for r in ${NINFER_ROUNDS:-1 2}; do
-      for v in d0 rule y; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
+      for v in rule y; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
       for v in d0 rule y; do variant "$v" "int4_c8_${v}_$r" -p 0 --weights int4 -c 8 -d 128; done
-      for v in d0 rule y; do variant "$v" "int8_c8_${v}_$r" -p 0 --weights int8 -c 8 -d 128; done
+      for v in rule y; do variant "$v" "int8_c8_${v}_$r" -p 0 --weights int8 -c 8 -d 128; done
+      for v in rule u u+y; do variant "$v" "bf16_${v/+/-}_$r" -p 0; done
+      for v in rule u+y; do variant "$v" "bf16_c8_${v/+/-}_$r" -p 0 -c 8 -d 128; done
       for v in rule y; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
     done
     exit 0

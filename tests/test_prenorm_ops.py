@@ -265,3 +265,26 @@ def test_split_norm_needs_tiled_gemvs_on_both_sides(fake: FakeLaunchers) -> None
     x2, h2 = forward(m, ops)
     assert fake.seen["hwout"] == fake.seen["rscale"] == LAYERS - 1  # down -> the next qkv
     assert close(x2, x0) and close(h2, h0) and ops._deferred is None
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_split_mma_takes_the_mma_route_too(fake: FakeLaunchers, rows: int) -> None:
+    """SPLIT_MMA: the norms between bf16 weights on the mma route split as between tiled ones (every
+    projection mma, then o_proj alone mma beside tiled consumers), in place of PRE_NORM's prologue."""
+    m = model(o_route="mma")
+    for layer in m.layers:
+        for w in (layer.attn.qkv, layer.mlp.gate_up, layer.mlp.down):
+            w.route = "mma"
+    x0, h0 = forward(m, Ops(pre_norm=False), rows=rows)
+    ops = Ops(pre_norm=True, split_norm=True)
+    ops.SPLIT_MMA = True
+    for mixed in (False, True):
+        if mixed:
+            for layer in m.layers:
+                for w in (layer.attn.qkv, layer.mlp.gate_up, layer.mlp.down):
+                    w.route = "tiled"
+        fake.seen = dict.fromkeys(fake.seen, 0)
+        x1, h1 = forward(m, ops, rows=rows)
+        assert fake.seen == {"prenorm": 0, "catchup": 0, "norm": 2, "hwout": 2 * LAYERS - 1,
+                             "rscale": 2 * LAYERS - 1}, (mixed, fake.seen)
+        assert close(x1, x0) and close(h1, h0) and ops._deferred is None

@@ -21,9 +21,6 @@
 // fp32 accumulation; a column m's result depends only on row m of x (zero rows add zeros), and the
 // warps' partial sums are added in warp order: batch invariant, like gemv.cu.
 #include "common.cuh"
-#if GEMV_HWOUT || GEMV_RSCALE
-#error "GEMV_HWOUT and GEMV_RSCALE take gemv_tiled.cu"
-#endif
 
 #define MMA_WARPS 8
 
@@ -63,6 +60,7 @@
 #if GEMV_PNORM && !(MMA_FMT == 0 && MMA_PIPE)
 #error "GEMV_PNORM takes MMA_FMT 0 with MMA_PIPE"
 #endif
+// GEMV_HWOUT / GEMV_RSCALE 1 (common.cuh): a residual norm split between this residual gemv and its consumer.
 
 // The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
 __device__ __forceinline__ u32 bf16_pair(u32 w, int shift, u32 neg_off2) {
@@ -114,7 +112,7 @@ __device__ __forceinline__ void int4_chunk(float* acc, u32 wa, u32 wb, const act
 extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)
 gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, const u16* __restrict__ scales,
          const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
-         int y_f32 NORM_PARAMS PNORM_PARAMS CATCHUP_PARAMS) {
+         int y_f32 NORM_PARAMS PNORM_PARAMS CATCHUP_PARAMS HWOUT_PARAMS RSCALE_PARAMS) {
   PDL_LAUNCH();
 #if GEMV_PNORM
   extern __shared__ uint4 xs_raw[];  // the normed row (K + 8 activations)
@@ -124,10 +122,16 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #if GEMV_CATCHUP
   u32 cu[2];  // warp 0's residual columns, one add caught up (stored in the epilogue)
 #endif
-  // after the PDL wait: the residual's catch-up loads, the normed row
+#if GEMV_RSCALE
+  RSCALE_BUF();
+#endif
+  // after the PDL wait: the residual's catch-up loads, the normed row, a split norm's sums
   auto after_wait = [&]() {
 #if GEMV_CATCHUP
     catchup_load(cu, yp, yp_stride, rr, rr_stride, blockIdx.x * 16, N, M);
+#endif
+#if GEMV_RSCALE
+    rscale_copy(rs_buf, rs_parts, rs_stride, M);  // waited for before the epilogue
 #endif
 #if GEMV_PNORM
     pnorm_row(x, pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_wpre);
@@ -319,5 +323,9 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #endif
 #endif
 
-  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride, y_f32 NORM_ARGS CATCHUP_ARGS);  // common.cuh
+#if GEMV_RSCALE
+  rscale_rows(rs_inv, rs_buf, M, K, rs_eps, MMA_WARPS);
+#endif
+  tile_epilogue<MMA_WARPS>(acc, MMA_WARPS, n0, N, M, y, y_stride,
+                           y_f32 NORM_ARGS CATCHUP_ARGS HWOUT_ARGS RSCALE_ARGS);  // common.cuh
 }

@@ -817,10 +817,10 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     catchup (routes tiled and mma, bf16 rows, no glu): (y_prev [M, N], residual [M, N]): residual +=
     y_prev as well, rmsnorm_residual's add (common.cuh GEMV_CATCHUP), for the residual a prenorm gemv left
     one add behind.
-    hwout (route tiled, bf16 rows, no glu): (residual [M, N], weight [N], parts [M, N / 16] fp32): a
+    hwout (routes tiled and mma, bf16 rows, no glu): (residual [M, N], weight [N], parts [M, N / 16] fp32): a
     residual norm split with its consumer (common.cuh GEMV_HWOUT): residual += y, out = residual * weight
     (in place of y), parts = the sums of squares of residual's 16-column pieces.
-    rscale (route tiled, bf16 rows, K % 64 == 0, K <= RSCALE_MAX_K): (parts [M, K / 16] fp32, eps): x is an
+    rscale (routes tiled and mma, bf16 rows, K % 64 == 0, K <= RSCALE_MAX_K): (parts [M, K / 16] fp32, eps): x is an
     hwout gemv's out, and each row's sums are scaled by rsqrt(sum(parts) / K + eps) (GEMV_RSCALE):
     rmsnorm(residual) * weight @ W^T, rounded once."""
     if route not in GEMV_ROUTES:
@@ -856,10 +856,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
             I32(M), I32(N), I32(K), I32(g), I32(1 if out.dtype == F32_DT else 0), *norm_args]
     if norm is not None and any(f is not None for f in (prenorm, catchup, hwout, rscale)):
         raise KernelError("a fused norm takes no prenorm, catchup, hwout or rscale")
-    if (prenorm is not None or catchup is not None) and route not in GLU_ROUTES:
-        raise KernelError(f"prenorm and catchup take the {' / '.join(GLU_ROUTES)} routes, got {route!r}")
-    if (hwout is not None or rscale is not None) and route != "tiled":
-        raise KernelError(f"hwout and rscale take the tiled route, got {route!r}")
+    if any(f is not None for f in (prenorm, catchup, hwout, rscale)) and route not in GLU_ROUTES:
+        raise KernelError(f"prenorm, catchup, hwout and rscale take the {' / '.join(GLU_ROUTES)} routes, got {route!r}")
     if route == "tiled":
         g32 = int(code != 1 and g == 32)
         align = 8 if g32 else 4  # a lane reads its scales of a slab in one load
@@ -886,7 +884,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
             if not (code == 0 and defines.get("MMA_PIPE")):
                 raise KernelError("a prenorm gemv on the mma route takes bf16 weights and an MMA_PIPE variant")
             xs_bytes = xsmem_bytes(M, N, K, int8=False, force=1)
-        fused, fused_args = residual_fusions(kc, x, out, M, N, K, glu, prenorm, catchup, xs_bytes, MMA_WARPS * 32)
+        fused, fused_args = residual_fusions(kc, x, out, M, N, K, glu, prenorm, catchup, xs_bytes, MMA_WARPS * 32,
+                                             hwout, rscale)
         kc.kernel("gemv_mma.cu", "gemv_mma", {**defines, **glu_defines, **fused}).launch(
             (math.ceil(N / 16), 1, 1), (MMA_WARPS * 32, 1, 1), args + fused_args, shared_mem=xs_bytes)
     else:

@@ -337,6 +337,9 @@ class CudaOps:
     # 1,631, SmolLM2 int4 2,317 -> 2,494 (over PRE_NORM's prologue); 8 streams lose 4 % (int4 2,980 ->
     # 2,869): the consumer's warp 0 reduces the rows' sums one after another.
     SPLIT_NORM = True
+    # SPLIT_NORM on the mma route too (bf16's pipeline; the same kernels' epilogue): in place of PRE_NORM's
+    # prologue there, and past one row. Off until measured (decode_variants.py label u).
+    SPLIT_MMA = False
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
                             eps: float, then: Weight | None = None) -> torch.Tensor:
@@ -360,7 +363,8 @@ class CudaOps:
             hw, parts = self._empty(n, w.rows), torch.empty(n, w.rows // 16, dtype=torch.float32, device=self.device)
             for r in range(0, n, L.MAX_GEMV_ROWS):
                 s = slice(r, r + L.MAX_GEMV_ROWS)
-                L.gemv(self.kc, x[s], w.fmt, w.parts, hw[s], w.route, hwout=(residual[s], norm, parts[s]))
+                L.gemv(self.kc, x[s], w.fmt, w.parts, hw[s], w.route, self._mma(w, w.route),
+                       hwout=(residual[s], norm, parts[s]))
             self._deferred = Deferred(hw, then, residual, norm, eps, parts)
             return hw
         defer = self._defer_ok(then, n)
@@ -391,11 +395,14 @@ class CudaOps:
 
     def _split_ok(self, w: Weight, then: Weight | None) -> bool:
         """Whether the residual norm after w's decode gemv can be split between it and `then`'s
-        (SPLIT_NORM): both tiled, plain weights; bf16 rows whose width fits the consumer's epilogue."""
+        (SPLIT_NORM): both tiled (or mma, SPLIT_MMA), plain weights; bf16 rows whose width fits the
+        consumer's epilogue."""
         if not (self.SPLIT_NORM and then is not None and self.ctx.decode and self.dtype == torch.bfloat16):
             return False
         H = self.config.hidden_size
-        return (w.route == then.route == "tiled" and w.rows == H and H % 64 == 0 and H <= L.RSCALE_MAX_K
+        routes = ("tiled", "mma") if self.SPLIT_MMA else ("tiled",)
+        return (w.route in routes and then.route in routes and w.rows == H and H % 64 == 0
+                and H <= L.RSCALE_MAX_K
                 and w.bias is None and not (w.segments or then.segments or w.fmt.blocks or then.fmt.blocks))
 
     def _defer_ok(self, then: Weight | None, n: int) -> bool:
@@ -504,7 +511,8 @@ class CudaOps:
         parts, eps = rscale
         for r in range(0, x.shape[0], L.MAX_GEMV_ROWS):
             s = slice(r, r + L.MAX_GEMV_ROWS)
-            L.gemv(self.kc, x[s], w.fmt, w.parts, out[s], w.route, glu=glu, rscale=(parts[s], eps))
+            L.gemv(self.kc, x[s], w.fmt, w.parts, out[s], w.route, self._mma(w, w.route), glu=glu,
+                   rscale=(parts[s], eps))
 
     def _mma(self, w: Weight, route: str) -> dict[str, int] | None:
         """The profile's MMA_PIPE for a bf16 weight on the mma route; None: launchers.mma_variant's rule."""
