@@ -16,8 +16,8 @@ rule takes them), r
 wait; end to end only), n (CudaOps.PRE_NORM: a decode row's residual norm in its consumer's gemv
 prologue; end to end only), mN (CudaOps.PRE_NORM_SMALL N MiB: the largest weight of a tiled consumer
 that takes the norm), d (CudaOps.SPLIT_NORM: a residual norm between two tiled gemvs split between
-their epilogues; end to end only), y (launchers.RSCALE_PAR: a split norm's consumer reduces its rows'
-sums a warp a row; end to end only), u (CudaOps.SPLIT_MMA: the split norm on the mma route too; end to
+their epilogues; end to end only), y (launchers.RSCALE_PAR_ROWS: a split norm's consumer reduces its
+rows' sums a warp a row at every row count, y0 at none; the rule from 2 rows; end to end only), u (CudaOps.SPLIT_MMA: the split norm on the mma route too; end to
 end only), joined by '+'. e, v, h, a, z, r, n and d are on in the rule; a trailing 0 turns
 a switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
@@ -130,7 +130,8 @@ def main() -> None:
         CudaOps.PRE_NORM = bool(chosen.pop("PRE_NORM", CudaOps.PRE_NORM))
         CudaOps.PRE_NORM_SMALL = chosen.pop("PRE_NORM_SMALL", CudaOps.PRE_NORM_SMALL >> 20) << 20
         CudaOps.SPLIT_NORM = bool(chosen.pop("SPLIT_NORM", CudaOps.SPLIT_NORM))
-        L.RSCALE_PAR = bool(chosen.pop("RSCALE_PAR", L.RSCALE_PAR))
+        if "RSCALE_PAR" in chosen:
+            L.RSCALE_PAR_ROWS = 1 if chosen.pop("RSCALE_PAR") else L.MAX_GEMV_ROWS + 1
         CudaOps.SPLIT_MMA = bool(chosen.pop("SPLIT_MMA", CudaOps.SPLIT_MMA))
         L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
         L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)

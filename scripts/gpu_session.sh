@@ -49,7 +49,7 @@
 #   scripts/gpu_session.sh split OUTDIR                # carry .whl; no llama.cpp needed
 #       a residual norm split between two tiled gemvs (CudaOps.SPLIT_NORM, label d, on): its GPU tests
 #       (tests/gpu/test_split_norm.py, with test_prenorm.py and test_fused_norm.py), then tg128 with the
-#       rule, with its consumer's rows reduced a warp each (y, launchers.RSCALE_PAR) and on bf16's mma
+#       rule, with its consumer's rows reduced a warp each (y at every row count, launchers.RSCALE_PAR_ROWS) and on bf16's mma
 #       route too (u, CudaOps.SPLIT_MMA), alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1
 #       and 8 streams (also d0), int8 at 8 streams, bf16 at 1 and 8 streams, smollm2-135m int4 (~6 min);
 #       NINFER_SPLIT_TESTS=0 skips the tests

@@ -463,7 +463,8 @@ __device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act
 // multiplies row m's sums by rsqrt(sum / K + rs_eps) before rounding (rscale_rows' order: the same
 // factor in every block and at every M). RS_PAR 1 (speed only, the same bits): the block's warps reduce
 // a row each after the main loop (rows w, w + warps, ...) where RS_PAR 0 has warp 0 reduce every row in
-// the epilogue (M rows one after another in each block's tail: 8 streams lose 4 % on an H100).
+// the epilogue (M rows one after another in each block's tail; one row saves RS_PAR's barrier:
+// launchers.RSCALE_PAR_ROWS).
 #ifndef GEMV_HWOUT
 #define GEMV_HWOUT 0
 #endif

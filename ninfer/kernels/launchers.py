@@ -979,16 +979,18 @@ def residual_fusions(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: 
         if x.dtype != BF16 or K % 64 or K > RSCALE_MAX_K:
             raise KernelError(f"an rscale gemv takes bf16 rows, K % 64 == 0 and K <= {RSCALE_MAX_K} (K = {K})")
         _check(parts, "parts", F32_DT, [M, K // 16], kc.device, contiguous=False, align16=True)
-        defines.update(GEMV_RSCALE=1, RS_P=K // 16, **({"RS_PAR": 1} if RSCALE_PAR else {}))
+        defines.update(GEMV_RSCALE=1, RS_P=K // 16, **({"RS_PAR": 1} if M >= RSCALE_PAR_ROWS else {}))
         args += [ptr(parts), I64(_rows(parts, "parts", K // 16)), F32(eps)]
     return defines, args
 
 
 RSCALE_MAX_K = 8192  # an rscale gemv's 8 rows of K / 16 parts in static shared memory (16 KB)
-# common.cuh RS_PAR (speed only, the same bits): an rscale gemv's warps reduce a row's parts each before the
-# epilogue, where warp 0 reduces every row in it (8 streams lose 4 % to that tail on an H100, session 30).
-# Off until measured (decode_variants.py label y).
-RSCALE_PAR = False
+# common.cuh RS_PAR (speed only, the same bits) from this many rows: an rscale gemv's warps reduce a row's parts
+# each before the epilogue, where without it warp 0 reduces every row in the epilogue. H100 llama-8b tg128
+# (docs/PERF.md, session 31): int4 at 2 / 4 / 8 streams +0.8 / +2.9 / +7.1 %, int8 at 8 +7.3 %; one stream
+# loses 2.1 % (the barrier before the epilogue), so one row keeps warp 0's. decode_variants.py label y: every
+# row count, y0: none.
+RSCALE_PAR_ROWS = 2
 
 
 def _out_stride(out: torch.Tensor, M: int) -> int:

@@ -2,7 +2,7 @@
 CudaOps.SPLIT_NORM) on fresh random data: the residual gemv's epilogue adds its output into the residual with rmsnorm_residual's
 bits, writes h * w bit for bit as torch rounds it and the 16-column sums of squares; the consumer's
 sums, scaled by each row's rinv, within bf16 rounding of rmsnorm_residual then the plain gemv, and a row's
-bits the same at every row count (batch invariance) and with RSCALE_PAR; the launcher's refusals; and a
+bits the same at every row count (batch invariance) and with and without RS_PAR; the launcher's refusals; and a
 tiny llama with SPLIT_NORM against the same runner without it."""
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def test_rscale_gemv_is_the_normed_gemv(kc: KernelCompiler, route: str, fmt: Ten
 @pytest.mark.parametrize("route,fmt", CASES, ids=CIDS)
 def test_rscale_par_gives_the_same_bits(kc: KernelCompiler, route: str, fmt: TensorFormat, glu: str,
                                         monkeypatch) -> None:
-    """launchers.RSCALE_PAR (a warp a row reduces the sums) against warp 0 reducing them all: the same
-    bits at 1..8 rows (speed only)."""
+    """RS_PAR (launchers.RSCALE_PAR_ROWS: a warp a row reduces the sums) against warp 0 reducing them all:
+    the same bits at 1..8 rows (speed only)."""
     N, K = 1536, 4096
     g = torch.Generator(DEV).manual_seed(9)
     hw = (torch.randn(8, K, generator=g, device=DEV) * 0.5).to(BF)
@@ -117,7 +117,7 @@ def test_rscale_par_gives_the_same_bits(kc: KernelCompiler, route: str, fmt: Ten
     for M in range(1, 9):
         out = {}
         for par in (False, True):
-            monkeypatch.setattr(L, "RSCALE_PAR", par)
+            monkeypatch.setattr(L, "RSCALE_PAR_ROWS", 1 if par else L.MAX_GEMV_ROWS + 1)
             out[par] = poisoned((M, width))
             L.gemv(kc, hw[:M], fmt, parts, out[par], route, glu=glu, rscale=(sums[:M], 1e-6))
         assert not torch.isnan(out[True]).any() and torch.equal(out[True], out[False]), f"M={M}"

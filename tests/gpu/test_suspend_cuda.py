@@ -35,8 +35,10 @@ def test_cuda_suspend_gives_device_memory_back_and_keeps_prefixes(smollm2_artifa
         r = engine.suspend().result(120)
         during = _used()
         assert r.state == "suspended" and r.host_snapshot_bytes > 0
-        # the weights and the KV pool (at least) left the device
-        assert before - during >= 0.8 * r.last_suspend.weight_bytes, (before, during, r.to_dict())
+        # the weights and the KV pool (at least) left the device: what the engine counted releasable at load
+        # (last_suspend.weight_bytes is the fixed-address arena's mapped chunks, mapped during this first
+        # suspend, so not in `before`; the full suite passed on other tests' cached blocks released with it)
+        assert before - during >= 0.8 * r.releasable_bytes > 0, (before, during, r.to_dict())
         r = engine.resume().result(300)
         assert r.state == "resident" and _used() >= during
         second, final = generate(engine, "b", prompt + first, 16)

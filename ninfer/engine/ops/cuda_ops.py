@@ -334,11 +334,12 @@ class CudaOps:
     # before the consumer's first mma (PRE_NORM's prologue forms the row in every block); other bits than
     # the norm on its own (rounded once, after the product), the same at every decode row count. H100 tg128
     # (docs/PERF.md, session 30): llama-8b int4 441.5 -> 461.3, int8 315.0 -> 325.5, llama-1b int4 1,554 ->
-    # 1,631, SmolLM2 int4 2,317 -> 2,494 (over PRE_NORM's prologue); 8 streams lose 4 % (int4 2,980 ->
-    # 2,869): the consumer's warp 0 reduces the rows' sums one after another.
+    # 1,631, SmolLM2 int4 2,317 -> 2,494 (over PRE_NORM's prologue); 8 streams, with the consumer's rows
+    # reduced a warp each (launchers.RSCALE_PAR_ROWS; session 31): int4 2,985 -> 3,076, int8 -> 2,343.
     SPLIT_NORM = True
-    # SPLIT_NORM on the mma route too (bf16's pipeline; the same kernels' epilogue): in place of PRE_NORM's
-    # prologue there, and past one row. Off until measured (decode_variants.py label u).
+    # SPLIT_NORM on the mma route too (bf16's pipeline; the same kernels' epilogue), in place of PRE_NORM's
+    # prologue and, past one row, of the norm's launch. Off: H100 llama-8b bf16 tg128 185.3 -> 175.7 (-5 %)
+    # at one stream, 1,271 -> 1,291 (+1.6 %) at 8 (docs/PERF.md, session 31; decode_variants.py label u).
     SPLIT_MMA = False
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
