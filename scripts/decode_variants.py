@@ -29,6 +29,8 @@ launchers.mma_variant's rule by shape.
   PYTHONPATH=. python scripts/decode_variants.py bench VARIANT BENCH_ARGS...
       `ninfer bench BENCH_ARGS` with that variant (its gemv_mma defines over launchers.mma_variant's
       for every bf16 launch; launchers.ATTN_MAX_SPLIT, ATTN_PREFETCH, WEIGHT_PREFETCH, SAMPLE_VEC)
+  PYTHONPATH=. python scripts/decode_variants.py profile VARIANT BENCH_ARGS...
+      scripts/profile_gpu_step.py BENCH_ARGS with that variant (where a decode step's time goes)
 """
 from __future__ import annotations
 
@@ -112,35 +114,45 @@ def sweep(labels: list[str]) -> None:
         print(f"  M={M}: " + "  ".join(f"{label} {t * 1e3:.3f}" for t, label in row))
 
 
+def apply(label: str) -> None:
+    """Sets a variant's switches on the launchers and CudaOps, and its gemv_mma defines over
+    launchers.mma_variant's for every bf16 launch."""
+    from ninfer.engine.ops.cuda_ops import CudaOps
+
+    chosen = defines(label)
+    L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)
+    L.SAMPLE_VEC = bool(chosen.pop("SAMPLE_VEC", L.SAMPLE_VEC))
+    L.TILED_DQ = bool(chosen.pop("T4_DQ", L.TILED_DQ))
+    L.TILED_F16 = bool(chosen.pop("T4_F16", L.TILED_F16))
+    L.ATTN_EARLY = bool(chosen.pop("ATTN_EARLY", L.ATTN_EARLY))
+    L.TILED_XSMEM = bool(chosen.pop("T4_XSMEM", L.TILED_XSMEM))
+    L.SAMPLE_SPLIT = bool(chosen.pop("SAMPLE_SPLIT", L.SAMPLE_SPLIT))
+    CudaOps.PRE_NORM = bool(chosen.pop("PRE_NORM", CudaOps.PRE_NORM))
+    CudaOps.PRE_NORM_SMALL = chosen.pop("PRE_NORM_SMALL", CudaOps.PRE_NORM_SMALL >> 20) << 20
+    CudaOps.SPLIT_NORM = bool(chosen.pop("SPLIT_NORM", CudaOps.SPLIT_NORM))
+    if "RSCALE_PAR" in chosen:
+        L.RSCALE_PAR_ROWS = 1 if chosen.pop("RSCALE_PAR") else L.MAX_GEMV_ROWS + 1
+    CudaOps.SPLIT_MMA = bool(chosen.pop("SPLIT_MMA", CudaOps.SPLIT_MMA))
+    L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
+    L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
+    L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv
+    if chosen:
+        rule = L.mma_variant
+        L.mma_variant = lambda code, N, K: {**rule(code, N, K), **chosen} if code == 0 else rule(code, N, K)
+
+
 def main() -> None:
     mode = sys.argv[1] if len(sys.argv) > 1 else "sweep"
     if mode == "sweep":
         sweep((sys.argv[2] if len(sys.argv) > 2 else "p0,p2,p3,p4,p6,p8").split(","))
     elif mode == "bench":
-        from ninfer.engine.ops.cuda_ops import CudaOps
-
-        chosen = defines(sys.argv[2])
-        L.ATTN_MAX_SPLIT = chosen.pop("ATTN_MAX_SPLIT", L.ATTN_MAX_SPLIT)
-        L.SAMPLE_VEC = bool(chosen.pop("SAMPLE_VEC", L.SAMPLE_VEC))
-        L.TILED_DQ = bool(chosen.pop("T4_DQ", L.TILED_DQ))
-        L.TILED_F16 = bool(chosen.pop("T4_F16", L.TILED_F16))
-        L.ATTN_EARLY = bool(chosen.pop("ATTN_EARLY", L.ATTN_EARLY))
-        L.TILED_XSMEM = bool(chosen.pop("T4_XSMEM", L.TILED_XSMEM))
-        L.SAMPLE_SPLIT = bool(chosen.pop("SAMPLE_SPLIT", L.SAMPLE_SPLIT))
-        CudaOps.PRE_NORM = bool(chosen.pop("PRE_NORM", CudaOps.PRE_NORM))
-        CudaOps.PRE_NORM_SMALL = chosen.pop("PRE_NORM_SMALL", CudaOps.PRE_NORM_SMALL >> 20) << 20
-        CudaOps.SPLIT_NORM = bool(chosen.pop("SPLIT_NORM", CudaOps.SPLIT_NORM))
-        if "RSCALE_PAR" in chosen:
-            L.RSCALE_PAR_ROWS = 1 if chosen.pop("RSCALE_PAR") else L.MAX_GEMV_ROWS + 1
-        CudaOps.SPLIT_MMA = bool(chosen.pop("SPLIT_MMA", CudaOps.SPLIT_MMA))
-        L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
-        L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
-        L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv
-        if chosen:
-            rule = L.mma_variant
-            L.mma_variant = lambda code, N, K: {**rule(code, N, K), **chosen} if code == 0 else rule(code, N, K)
+        apply(sys.argv[2])
         sys.argv = ["ninfer", "bench", *sys.argv[3:]]
         runpy.run_module("ninfer.cli.main", run_name="__main__")
+    elif mode == "profile":
+        apply(sys.argv[2])
+        sys.argv = ["profile_gpu_step", *sys.argv[3:]]
+        runpy.run_path(str(Path(__file__).with_name("profile_gpu_step.py")), run_name="__main__")
     else:
         raise SystemExit(__doc__)
 

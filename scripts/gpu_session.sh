@@ -53,6 +53,10 @@
 #       route too (u, CudaOps.SPLIT_MMA), alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1
 #       and 8 streams (also d0), int8 at 8 streams, bf16 at 1 and 8 streams, smollm2-135m int4 (~6 min);
 #       NINFER_SPLIT_TESTS=0 skips the tests
+#   scripts/gpu_session.sh profile OUTDIR [LABELS] [WEIGHTS]  # carry .whl; no llama.cpp needed
+#       scripts/profile_gpu_step.py (NINFER_PDL=0: each kernel's own time; a layer's launches in order) on
+#       llama-8b per decode_variants.py label (default rule,u) and weight format (default bf16; "bf16 int4"
+#       for both) (~1 min a label and format)
 #   scripts/gpu_session.sh fusions OUTDIR              # carry .whl; no llama.cpp needed
 #       llama-8b tg128 in bf16 and int4 with the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM)
 #       and in its own launch, alternated twice (~3 min)
@@ -62,8 +66,8 @@
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|fusions OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|fusions OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -180,6 +184,19 @@ mma|attn|tiled|xsmem|prenorm|split)
   done
   exit 0
   ;;
+profile)
+  # where a llama-8b decode step's time goes, each kernel's own time (no PDL), per variant label
+  LABELS="${1:-rule,u}"
+  for w in ${2:-bf16}; do
+    for v in ${LABELS//,/ }; do
+      echo "== $w $v"
+      NINFER_PDL=0 NINFER_STEP_LIST=14 python3 scripts/decode_variants.py profile "$v" --synthetic llama-8b --weights "$w" \
+        -p 0 -n 64 -r 1 --device-profile off --ceilings off > "$OUT/profile_${w}_${v/+/-}.txt" 2>&1
+      grep -A 36 "steps: period" "$OUT/profile_${w}_${v/+/-}.txt" || tail -n 5 "$OUT/profile_${w}_${v/+/-}.txt"
+    done
+  done
+  exit 0
+  ;;
 fusions)
   # the residual norm in the gemv's epilogue (CudaOps.FUSE_NORM, off since an H100 run) against its own
   # launch, llama-8b tg128 in bf16 and int4, alternated twice (scripts/fusion_variants.py)
@@ -205,7 +222,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|fusions OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)
