@@ -17,8 +17,9 @@ wait; end to end only), n (CudaOps.PRE_NORM: a decode row's residual norm in its
 prologue; end to end only), mN (CudaOps.PRE_NORM_SMALL N MiB: the largest weight of a tiled consumer
 that takes the norm), d (CudaOps.SPLIT_NORM: a residual norm between two tiled gemvs split between
 their epilogues; end to end only), y (launchers.RSCALE_PAR_ROWS: a split norm's consumer reduces its
-rows' sums a warp a row at every row count, y0 at none; the rule from 2 rows; end to end only), u (CudaOps.SPLIT_MMA: the split norm on the mma route too; end to
-end only), joined by '+'. e, v, h, a, z, r, n and d are on in the rule; a trailing 0 turns
+rows' sums a warp a row at every row count, y0 at none; the rule from 2 rows; end to end only), u
+(CudaOps.SPLIT_MMA: the split norm on the mma route too; end to end only), joined by '+'. e, v, h, a,
+z, r, n and d are on in the rule; a trailing 0 turns
 a switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
 

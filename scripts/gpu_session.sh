@@ -49,8 +49,8 @@
 #   scripts/gpu_session.sh split OUTDIR                # carry .whl; no llama.cpp needed
 #       a residual norm split between two tiled gemvs (CudaOps.SPLIT_NORM, label d, on): its GPU tests
 #       (tests/gpu/test_split_norm.py, with test_prenorm.py and test_fused_norm.py), then tg128 with the
-#       rule, with its consumer's rows reduced a warp each (y at every row count, launchers.RSCALE_PAR_ROWS) and on bf16's mma
-#       route too (u, CudaOps.SPLIT_MMA), alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1
+#       rule, with its consumer's rows reduced a warp each at every row count (y, launchers.RSCALE_PAR_ROWS)
+#       and on bf16's mma route too (u, CudaOps.SPLIT_MMA), alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1
 #       and 8 streams (also d0), int8 at 8 streams, bf16 at 1 and 8 streams, smollm2-135m int4 (~6 min);
 #       NINFER_SPLIT_TESTS=0 skips the tests
 #   scripts/gpu_session.sh profile OUTDIR [LABELS] [WEIGHTS]  # carry .whl; no llama.cpp needed
@@ -190,8 +190,8 @@ profile)
   for w in ${2:-bf16}; do
     for v in ${LABELS//,/ }; do
       echo "== $w $v"
-      NINFER_PDL=0 NINFER_STEP_LIST=14 python3 scripts/decode_variants.py profile "$v" --synthetic llama-8b --weights "$w" \
-        -p 0 -n 64 -r 1 --device-profile off --ceilings off > "$OUT/profile_${w}_${v/+/-}.txt" 2>&1
+      NINFER_PDL=0 NINFER_STEP_LIST=14 python3 scripts/decode_variants.py profile "$v" --synthetic llama-8b \
+        --weights "$w" -p 0 -n 64 -r 1 --device-profile off --ceilings off > "$OUT/profile_${w}_${v/+/-}.txt" 2>&1
       grep -A 36 "steps: period" "$OUT/profile_${w}_${v/+/-}.txt" || tail -n 5 "$OUT/profile_${w}_${v/+/-}.txt"
     done
   done

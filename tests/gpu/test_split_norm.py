@@ -1,9 +1,9 @@
 """A residual norm split between two decode gemvs, tiled or mma (common.cuh GEMV_HWOUT / GEMV_RSCALE,
-CudaOps.SPLIT_NORM) on fresh random data: the residual gemv's epilogue adds its output into the residual with rmsnorm_residual's
-bits, writes h * w bit for bit as torch rounds it and the 16-column sums of squares; the consumer's
-sums, scaled by each row's rinv, within bf16 rounding of rmsnorm_residual then the plain gemv, and a row's
-bits the same at every row count (batch invariance) and with and without RS_PAR; the launcher's refusals; and a
-tiny llama with SPLIT_NORM against the same runner without it."""
+CudaOps.SPLIT_NORM) on fresh random data: the residual gemv's epilogue adds its output into the residual
+with rmsnorm_residual's bits, writes h * w bit for bit as torch rounds it and the 16-column sums of
+squares; the consumer's sums, scaled by each row's rinv, within bf16 rounding of rmsnorm_residual then the
+plain gemv, and a row's bits the same at every row count (batch invariance) and with and without RS_PAR;
+the launcher's refusals; and a tiny llama with SPLIT_NORM against the same runner without it."""
 from __future__ import annotations
 
 import pytest
