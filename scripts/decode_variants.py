@@ -18,7 +18,9 @@ prologue; end to end only), mN (CudaOps.PRE_NORM_SMALL N MiB: the largest weight
 that takes the norm), d (CudaOps.SPLIT_NORM: a residual norm between two tiled gemvs split between
 their epilogues; end to end only), y (launchers.RSCALE_PAR_ROWS: a split norm's consumer reduces its
 rows' sums a warp a row at every row count, y0 at none; the rule from 2 rows; end to end only), u
-(CudaOps.SPLIT_MMA: the split norm on the mma route too; end to end only), joined by '+'. e, v, h, a,
+(CudaOps.SPLIT_MMA: the split norm on the mma route too; end to end only), l (launchers.HWOUT_EARLY: a
+split norm's residual gemv loads its residual and norm weights after the PDL wait; end to end only),
+joined by '+'. e, v, h, a,
 z, r, n and d are on in the rule; a trailing 0 turns
 a switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
@@ -55,14 +57,15 @@ def defines(label: str) -> dict[str, int]:
     out = {}
     for part in label.split("+"):
         flag = part.removesuffix("0")  # h0: that switch off (h, a, e, v, z and r are on in the rule)
-        if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n", "d", "y", "u") or part == "rule":  # rule: the built-in choices
+        if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n", "d", "y", "u", "l") or part == "rule":  # rule: the built-in choices
             out.update({k: int(flag == part) for k in {
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
                 "a": ["ATTN_EARLY"], "z": ["T4_XSMEM"], "r": ["SAMPLE_SPLIT"], "n": ["PRE_NORM"], "d": ["SPLIT_NORM"],
-                "y": ["RSCALE_PAR"], "u": ["SPLIT_MMA"], "rule": []}[flag]})
+                "y": ["RSCALE_PAR"], "u": ["SPLIT_MMA"], "l": ["HW_EARLY"],
+                "rule": []}[flag]})
             continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b", "m") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, mN, a, d, e, k, n, q, h, r, u, v, y, z "
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, mN, a, d, e, k, l, n, q, h, r, u, v, y, z "
                              "(a0: off) joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB", "m": "PRE_NORM_SMALL"}[part[0]]] = int(part[1:])
@@ -134,6 +137,7 @@ def apply(label: str) -> None:
     if "RSCALE_PAR" in chosen:
         L.RSCALE_PAR_ROWS = 1 if chosen.pop("RSCALE_PAR") else L.MAX_GEMV_ROWS + 1
     CudaOps.SPLIT_MMA = bool(chosen.pop("SPLIT_MMA", CudaOps.SPLIT_MMA))
+    L.HWOUT_EARLY = bool(chosen.pop("HW_EARLY", L.HWOUT_EARLY))
     L.TILED_DEFINES = {k: chosen.pop(k) for k in ("T4_STAGES", "T4_XPRE", "T4_MINB") if k in chosen}
     L.ATTN_PREFETCH = chosen.pop("ATTN_PREFETCH", L.ATTN_PREFETCH)
     L.WEIGHT_PREFETCH = chosen.pop("MMA_L2PF", L.WEIGHT_PREFETCH)  # every mma and tiled gemv

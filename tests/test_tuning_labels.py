@@ -34,6 +34,7 @@ decode_variants, pick_variant = script("decode_variants"), script("pick_variant"
     ("d+n0", {"SPLIT_NORM": 1, "PRE_NORM": 0}),
     ("y", {"RSCALE_PAR": 1}),
     ("u+y0", {"SPLIT_MMA": 1, "RSCALE_PAR": 0}),
+    ("l+d", {"HW_EARLY": 1, "SPLIT_NORM": 1}),
     ("r0+s64+f2+w1", {"SAMPLE_SPLIT": 0, "ATTN_MAX_SPLIT": 64, "ATTN_PREFETCH": 2, "MMA_L2PF": 1}),
 ])
 def test_variant_labels(label: str, defines: dict[str, int]) -> None:

@@ -475,12 +475,34 @@ __device__ __forceinline__ void pnorm_row(const act* x, const act* rr, const act
 #if GEMV_GLU || GEMV_NORM || GEMV_CATCHUP || ACT_F32
 #error "GEMV_HWOUT takes bf16 activations and no GEMV_GLU, GEMV_NORM or GEMV_CATCHUP"
 #endif
+// HW_EARLY 1 (speed only, the same bits): warp 0 loads its residual columns and their norm weights right
+// after the PDL wait (hwout_load, three registers held across the loop) instead of in the epilogue, where
+// the loads' round trip lies in every block's tail.
+#ifndef HW_EARLY
+#define HW_EARLY 0
+#endif
 #define HWOUT_PARAMS , act* __restrict__ hw_rr, i64 hw_rr_stride, const act* __restrict__ hw_w, \
     float* __restrict__ hw_parts, i64 hw_parts_stride
-#define HWOUT_ARGS , hw_rr, hw_rr_stride, hw_w, hw_parts, hw_parts_stride
+#define HWOUT_ARGS , hw_rr, hw_rr_stride, hw_w, hw_parts, hw_parts_stride, hwe
+#define HWOUT_EPARAMS HWOUT_PARAMS, const u32* hwe
+// warp 0's residual values j (tile_epilogue's mapping; j and j + 1 packed in e[j / 2]) and norm weights
+// (columns g and g + 8 in e[2]), after the PDL wait: every block that read the residual has finished
+__device__ __forceinline__ void hwout_load(u32* e, const act* rr, i64 rr_stride, const act* w, int n0, int N, int M) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  e[0] = e[1] = e[2] = 0u;
+  if (threadIdx.x >= 32) return;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int n = n0 + g + (j >= 2 ? 8 : 0), m = 2 * t + (j & 1);
+    if (n < N && m < M) e[j >> 1] |= (u32)ld_act1(rr + m * rr_stride + n) << (16 * (j & 1));
+  }
+  if (n0 + g < N) e[2] |= (u32)ld_act1(w + n0 + g);
+  if (n0 + g + 8 < N) e[2] |= (u32)ld_act1(w + n0 + g + 8) << 16;
+}
 #else
 #define HWOUT_PARAMS
 #define HWOUT_ARGS
+#define HWOUT_EPARAMS
 #endif
 #if GEMV_RSCALE
 #if GEMV_NORM || GEMV_PNORM || GEMV_HWOUT || ACT_F32 || !defined(RS_P) || RS_P % 4
@@ -554,7 +576,7 @@ __device__ __forceinline__ void rscale_factors(float* f, const float* buf, const
 #endif
 template <int MAXW>
 __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, int N, int M, void* y, i64 y_stride,
-                                              int y_f32 NORM_PARAMS CATCHUP_EPARAMS HWOUT_PARAMS RSCALE_EPARAMS) {
+                                              int y_f32 NORM_PARAMS CATCHUP_EPARAMS HWOUT_EPARAMS RSCALE_EPARAMS) {
   __shared__ float part[MAXW][32][4];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
@@ -594,9 +616,16 @@ __device__ __forceinline__ void tile_epilogue(const float* acc, int nw, int n0, 
     h[j] = 0.0f;
     if (n < N && m < M) {
       act* const rp = hw_rr + m * hw_rr_stride + n;
+#if HW_EARLY
+      h[j] = act_round(act_round(r[j]) + act_f32((act)(hwe[j >> 1] >> (16 * (j & 1)))));
+      *rp = to_act(h[j]);
+      ((act*)y)[m * y_stride + n] = to_act(h[j] * act_f32((act)(hwe[2] >> (j >= 2 ? 16 : 0))));
+#else
+      (void)hwe;
       h[j] = act_round(act_round(r[j]) + act_f32(*rp));
       *rp = to_act(h[j]);
       ((act*)y)[m * y_stride + n] = to_act(h[j] * act_f32(hw_w[n]));
+#endif
     }
   }
   // sumsq16: per row, lane g's fmaf(h[g + 8], h[g + 8], h[g] * h[g]), then the xor tree over g

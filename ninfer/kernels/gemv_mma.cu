@@ -125,10 +125,16 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #if GEMV_RSCALE
   RSCALE_BUF();
 #endif
-  // after the PDL wait: the residual's catch-up loads, the normed row, a split norm's sums
+#if GEMV_HWOUT
+  u32 hwe[3] = {0u, 0u, 0u};  // HW_EARLY: warp 0's residual columns and norm weights
+#endif
+  // after the PDL wait: the residual's catch-up loads, the normed row, a split norm's sums, HW_EARLY's loads
   auto after_wait = [&]() {
 #if GEMV_CATCHUP
     catchup_load(cu, yp, yp_stride, rr, rr_stride, blockIdx.x * 16, N, M);
+#endif
+#if GEMV_HWOUT
+    if (HW_EARLY) hwout_load(hwe, hw_rr, hw_rr_stride, hw_w, blockIdx.x * 16, N, M);
 #endif
 #if GEMV_RSCALE
     rscale_copy(rs_buf, rs_parts, rs_stride, M);  // waited for before the epilogue

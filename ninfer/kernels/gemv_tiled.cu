@@ -412,6 +412,10 @@ gemv_tiled(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, co
   RSCALE_BUF();
   rscale_copy(rs_buf, rs_parts, rs_stride, M);  // waited for before the epilogue
 #endif
+#if GEMV_HWOUT
+  u32 hwe[3] = {0u, 0u, 0u};  // HW_EARLY: warp 0's residual columns and norm weights
+  if (HW_EARLY) hwout_load(hwe, hw_rr, hw_rr_stride, hw_w, tile * 16, N, M);
+#endif
 #if GEMV_PNORM
   pnorm_row(x, pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_wpre);  // M == 1
 #elif T4_XSMEM

@@ -971,7 +971,7 @@ def residual_fusions(kc: KernelCompiler, x: torch.Tensor, out: torch.Tensor, M: 
         _check(parts, "parts", F32_DT, [M, N // 16], kc.device, contiguous=False)
         if residual.data_ptr() in (out.data_ptr(), x.data_ptr()):
             raise KernelError("the residual must not alias out or x")
-        defines["GEMV_HWOUT"] = 1
+        defines.update(GEMV_HWOUT=1, **({"HW_EARLY": 1} if HWOUT_EARLY else {}))
         args += [ptr(residual), I64(_rows(residual, "residual", N)), ptr(weight), ptr(parts),
                  I64(_rows(parts, "parts", N // 16))]
     if rscale is not None:
@@ -991,6 +991,10 @@ RSCALE_MAX_K = 8192  # an rscale gemv's 8 rows of K / 16 parts in static shared 
 # loses 2.1 % (the barrier before the epilogue), so one row keeps warp 0's. decode_variants.py label y: every
 # row count, y0: none.
 RSCALE_PAR_ROWS = 2
+# common.cuh HW_EARLY (speed only, the same bits): an hwout gemv's warp 0 loads its residual columns and norm
+# weights right after the PDL wait rather than in the epilogue (a round trip in every block's tail). Off until
+# measured (decode_variants.py label l).
+HWOUT_EARLY = False
 
 
 def _out_stride(out: torch.Tensor, M: int) -> int:

@@ -123,6 +123,25 @@ def test_rscale_par_gives_the_same_bits(kc: KernelCompiler, route: str, fmt: Ten
         assert not torch.isnan(out[True]).any() and torch.equal(out[True], out[False]), f"M={M}"
 
 
+@pytest.mark.parametrize("N,K", [(4096, 4096), (576, 1536)])
+@pytest.mark.parametrize("route,fmt", CASES, ids=CIDS)
+def test_hw_early_gives_the_same_bits(kc: KernelCompiler, route: str, fmt: TensorFormat, N: int, K: int,
+                                      monkeypatch) -> None:
+    """launchers.HWOUT_EARLY (the residual and norm weights loaded after the PDL wait) against the epilogue's
+    loads: the same residual, h * w and sums at 1..8 rows (speed only)."""
+    if fmt.quantized and K % fmt.group_size:
+        pytest.skip("group size does not divide K")
+    parts = L.gemv_pack(route, fmt, stored(fmt, N, K, seed=17))
+    x, h, w = data(8, N, K, seed=19)
+    for M in range(1, 9):
+        out = {}
+        for early in (False, True):
+            monkeypatch.setattr(L, "HWOUT_EARLY", early)
+            out[early] = hwout(kc, x[:M], fmt, parts, h[:M], w, route)
+        for a, b in zip(out[False], out[True]):
+            assert not torch.isnan(b).any() and torch.equal(a, b), f"M={M}"
+
+
 def test_hwout_and_rscale_refuse(kc: KernelCompiler) -> None:
     fmt = TensorFormat("int4", 32, False)
     stored_w = stored(fmt, 576, 576, seed=1)
