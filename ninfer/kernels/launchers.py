@@ -988,7 +988,8 @@ RSCALE_MAX_K = 8192  # an rscale gemv's 8 rows of K / 16 parts in static shared 
 # common.cuh RS_PAR (speed only, the same bits) from this many rows: an rscale gemv's warps reduce a row's parts
 # each before the epilogue, where without it warp 0 reduces every row in the epilogue. H100 llama-8b tg128
 # (docs/PERF.md, session 31): int4 at 2 / 4 / 8 streams +0.8 / +2.9 / +7.1 %, int8 at 8 +7.3 %; one stream
-# loses 2.1 % (the barrier before the epilogue), so one row keeps warp 0's. decode_variants.py label y: every
+# loses 2.1 % (ptxas compiles the main loop 3 instructions longer, 171 -> 174, in a kernel bound by issue), so
+# one row keeps warp 0's. decode_variants.py label y: every
 # row count, y0: none.
 RSCALE_PAR_ROWS = 2
 # common.cuh HW_EARLY (speed only, the same bits): an hwout gemv's warp 0 loads its residual columns and norm
