@@ -21,7 +21,7 @@ rows' sums a warp a row at every row count, y0 at none; the rule from 2 rows; en
 (CudaOps.SPLIT_MMA: the split norm on the mma route too; end to end only), l (launchers.HWOUT_EARLY: a
 split norm's residual gemv loads its residual and norm weights after the PDL wait; end to end only),
 joined by '+'. e, v, h, a,
-z, r, n and d are on in the rule; a trailing 0 turns
+z, r, n, d and l are on in the rule; a trailing 0 turns
 a switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
 launchers.mma_variant's rule by shape.
 

@@ -49,9 +49,9 @@
 #   scripts/gpu_session.sh split OUTDIR                # carry .whl; no llama.cpp needed
 #       a residual norm split between two tiled gemvs (CudaOps.SPLIT_NORM, label d, on): its GPU tests
 #       (tests/gpu/test_split_norm.py, with test_prenorm.py and test_fused_norm.py), then tg128 with the
-#       rule and with the residual gemv's loads after the PDL wait (l, launchers.HWOUT_EARLY), alternated
-#       (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1 and 8 streams, int8, smollm2-135m int4; and
-#       llama-8b bf16 with the split on the mma route (u, CudaOps.SPLIT_MMA) and u+l (~6 min);
+#       rule (its residual gemv's loads after the PDL wait, launchers.HWOUT_EARLY) and without them (l0),
+#       alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1 and 8 streams, int8, smollm2-135m
+#       int4; and llama-8b bf16 with the split on the mma route (u, CudaOps.SPLIT_MMA) (~6 min);
 #       NINFER_SPLIT_TESTS=0 skips the tests
 #   scripts/gpu_session.sh profile OUTDIR [LABELS] [WEIGHTS]  # carry .whl; no llama.cpp needed
 #       scripts/profile_gpu_step.py (NINFER_PDL=0: each kernel's own time; a layer's launches in order) on
@@ -139,11 +139,11 @@ mma|attn|tiled|xsmem|prenorm|split)
       tail -n 5 "$OUT/pytest.log"
     fi
     for r in ${NINFER_ROUNDS:-1 2}; do
-      for v in rule l; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
-      for v in rule l; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
-      for v in rule l; do variant "$v" "int4_c8_${v}_$r" -p 0 --weights int4 -c 8 -d 128; done
-      for v in rule u u+l; do variant "$v" "bf16_${v/+/-}_$r" -p 0; done
-      for v in rule l; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
+      for v in rule l0; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
+      for v in rule l0; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
+      for v in rule l0; do variant "$v" "int4_c8_${v}_$r" -p 0 --weights int4 -c 8 -d 128; done
+      for v in rule u; do variant "$v" "bf16_${v}_$r" -p 0; done
+      for v in rule l0; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
     done
     exit 0
   fi

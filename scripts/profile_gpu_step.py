@@ -32,7 +32,9 @@ def main() -> None:
     kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                       if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
                       and not e.name.startswith("Memcpy") and not e.name.startswith("Memset")), key=lambda k: k[0])
-    cuts = [i for i, k in enumerate(kernels) if k[2].startswith("sample_tokens")]
+    # a step ends at its sampler's last kernel (the split sampler launches two in a row)
+    sampler = [k[2].startswith("sample_tokens") for k in kernels] + [False]
+    cuts = [i for i in range(len(kernels)) if sampler[i] and not sampler[i + 1]]
     steps = [kernels[a + 1:b + 1] for a, b in zip(cuts, cuts[1:])]
     # decode steps replay one graph: keep the steps with the commonest kernel sequence (not those that
     # also hold a prompt's forward between bench runs), then their middle half

@@ -993,9 +993,10 @@ RSCALE_MAX_K = 8192  # an rscale gemv's 8 rows of K / 16 parts in static shared 
 # row count, y0: none.
 RSCALE_PAR_ROWS = 2
 # common.cuh HW_EARLY (speed only, the same bits): an hwout gemv's warp 0 loads its residual columns and norm
-# weights right after the PDL wait rather than in the epilogue (a round trip in every block's tail). Off until
-# measured (decode_variants.py label l).
-HWOUT_EARLY = False
+# weights right after the PDL wait rather than in the epilogue (a round trip in every block's tail). H100
+# llama-8b tg128 (docs/PERF.md, session 32): int4 +0.8 / +1.0 % (o_proj 6.81 -> 6.58 us, down 16.19 -> 16.07),
+# int8 and 8 streams even, no loss anywhere. decode_variants.py label l0 turns it off.
+HWOUT_EARLY = True
 
 
 def _out_stride(out: torch.Tensor, M: int) -> int:

@@ -339,7 +339,9 @@ class CudaOps:
     SPLIT_NORM = True
     # SPLIT_NORM on the mma route too (bf16's pipeline; the same kernels' epilogue), in place of PRE_NORM's
     # prologue and, past one row, of the norm's launch. Off: H100 llama-8b bf16 tg128 185.3 -> 175.7 (-5 %)
-    # at one stream, 1,271 -> 1,291 (+1.6 %) at 8 (docs/PERF.md, session 31; decode_variants.py label u).
+    # at one stream, 1,271 -> 1,291 (+1.6 %) at 8 (docs/PERF.md, session 31; decode_variants.py label u);
+    # session 32: 180.3 -> 176.0 (-2.4 %), the qkv 1.2 us faster, gate_up 1.7 us slower (its activations no
+    # longer PRE_NORM's shared-memory row).
     SPLIT_MMA = False
 
     def linear_add_rms_norm(self, x: torch.Tensor, w: Weight, residual: torch.Tensor, norm: torch.Tensor,
