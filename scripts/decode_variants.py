@@ -19,7 +19,8 @@ that takes the norm), d (CudaOps.SPLIT_NORM: a residual norm between two tiled g
 their epilogues; end to end only), y (launchers.RSCALE_PAR_ROWS: a split norm's consumer reduces its
 rows' sums a warp a row at every row count, y0 at none; the rule from 2 rows; end to end only), u
 (CudaOps.SPLIT_MMA: the split norm on the mma route too; end to end only), l (launchers.HWOUT_EARLY: a
-split norm's residual gemv loads its residual and norm weights after the PDL wait; end to end only),
+split norm's residual gemv loads its residual and norm weights after the PDL wait; end to end only), c
+(gemv_mma.cu MMA_XSMEM: bf16's activations staged in shared memory where they fit),
 joined by '+'. e, v, h, a,
 z, r, n, d and l are on in the rule; a trailing 0 turns
 a switch off (a0, h0). "rule" sets nothing; "p0" is the built-in loop; a label without pN keeps
@@ -57,15 +58,15 @@ def defines(label: str) -> dict[str, int]:
     out = {}
     for part in label.split("+"):
         flag = part.removesuffix("0")  # h0: that switch off (h, a, e, v, z and r are on in the rule)
-        if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n", "d", "y", "u", "l") or part == "rule":  # rule: the built-in choices
+        if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n", "d", "y", "u", "l", "c") or part == "rule":  # rule: the built-in choices
             out.update({k: int(flag == part) for k in {
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
                 "a": ["ATTN_EARLY"], "z": ["T4_XSMEM"], "r": ["SAMPLE_SPLIT"], "n": ["PRE_NORM"], "d": ["SPLIT_NORM"],
-                "y": ["RSCALE_PAR"], "u": ["SPLIT_MMA"], "l": ["HW_EARLY"],
+                "y": ["RSCALE_PAR"], "u": ["SPLIT_MMA"], "l": ["HW_EARLY"], "c": ["MMA_XSMEM"],
                 "rule": []}[flag]})
             continue
         if part[:1] not in ("p", "s", "f", "w", "t", "x", "b", "m") or not part[1:].isdigit():
-            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, mN, a, d, e, k, l, n, q, h, r, u, v, y, z "
+            raise SystemExit(f"unknown variant {label!r}: pN, sN, fN, wN, tN, xN, bN, mN, a, c, d, e, k, l, n, q, h, r, u, v, y, z "
                              "(a0: off) joined by '+'")
         out[{"p": "MMA_PIPE", "s": "ATTN_MAX_SPLIT", "f": "ATTN_PREFETCH", "w": "MMA_L2PF", "t": "T4_STAGES",
              "x": "T4_XPRE", "b": "T4_MINB", "m": "PRE_NORM_SMALL"}[part[0]]] = int(part[1:])
@@ -77,7 +78,7 @@ def sweep(labels: list[str]) -> None:
     from ninfer.kernels.timing import sample_seconds
 
     variants = {label: defines(label) for label in labels}
-    if any(set(v) - {"MMA_PIPE", "MMA_EARLY", "MMA_L2PF", "MMA_L2PF_K"} for v in variants.values()):
+    if any(set(v) - {"MMA_PIPE", "MMA_EARLY", "MMA_L2PF", "MMA_L2PF_K", "MMA_XSMEM"} for v in variants.values()):
         raise SystemExit("sN, fN, a, n, q, h and v: bench them end to end (the sweep times gemv_mma's bf16)")
     dev = torch.device("cuda")
     kc = KernelCompiler(Path(tempfile.mkdtemp()) / "kernels", device=0)

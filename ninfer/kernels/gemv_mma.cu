@@ -60,6 +60,17 @@
 #if GEMV_PNORM && !(MMA_FMT == 0 && MMA_PIPE)
 #error "GEMV_PNORM takes MMA_FMT 0 with MMA_PIPE"
 #endif
+// MMA_XSMEM 1 (bf16 with MMA_PIPE; speed only, the same bits): after the PDL wait the block copies its M
+// activation rows (K + 8 apart) into dynamic shared memory (cp.async, then one barrier) and the pipeline
+// reads them there, as GEMV_PNORM's normed row (gemv_tiled.cu's T4_XSMEM); the launcher gives it
+// M (K + 8) * 2 bytes.
+#ifndef MMA_XSMEM
+#define MMA_XSMEM 0
+#endif
+#if MMA_XSMEM && !(MMA_FMT == 0 && MMA_PIPE)
+#error "MMA_XSMEM takes MMA_FMT 0 with MMA_PIPE"
+#endif
+#define MMA_XS (GEMV_PNORM || MMA_XSMEM)  // the pipeline's activations from shared memory
 // GEMV_HWOUT / GEMV_RSCALE 1 (common.cuh): a residual norm split between this residual gemv and its consumer.
 
 // The nibbles at bits `shift` and 16 + `shift` of w as two bf16 (128 + v, exact) plus neg_off2 (two bf16).
@@ -114,9 +125,11 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
          const u16* __restrict__ mins, void* __restrict__ y, i64 y_stride, int M, int N, int K, int group_size,
          int y_f32 NORM_PARAMS PNORM_PARAMS CATCHUP_PARAMS HWOUT_PARAMS RSCALE_PARAMS) {
   PDL_LAUNCH();
-#if GEMV_PNORM
-  extern __shared__ uint4 xs_raw[];  // the normed row (K + 8 activations)
+#if MMA_XS
+  extern __shared__ uint4 xs_raw[];  // the normed row, or M rows of K + 8 activations (MMA_XSMEM)
   act* const xs = (act*)xs_raw;
+#endif
+#if GEMV_PNORM
   PNORM_WEIGHTS();
 #endif
 #if GEMV_CATCHUP
@@ -141,6 +154,12 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
 #endif
 #if GEMV_PNORM
     pnorm_row(x, pn_rr, pn_w, xs, K, pn_eps, pn_nt, pn_wpre);
+#elif MMA_XSMEM
+    for (int m = 0; m < M; ++m)  // every copy in flight at once, then one barrier
+      for (int c = threadIdx.x; c < K / 8; c += MMA_WARPS * 32)
+        cp_async16(xs + m * (K + 8) + 8 * c, x + m * x_stride + 8 * c);
+    cp_async_wait_all();
+    __syncthreads();
 #endif
   };
 #if MMA_L2PF
@@ -185,8 +204,12 @@ gemv_mma(const act* __restrict__ x, i64 x_stride, const u8* __restrict__ w, cons
   const int n = iters > warp ? (iters - warp + MMA_WARPS - 1) / MMA_WARPS : 0;  // this warp's iterations
   const u16* pa = w0 + warp * 32;
   const u16* pb = w1 + warp * 32;
+#if MMA_XS
 #if GEMV_PNORM
-  const act* px = xs + warp * 32 + 8 * t;
+  const act* px = xs + warp * 32 + 8 * t;  // one row
+#else
+  const act* px = xs + (has_x ? g : 0) * (K + 8) + warp * 32 + 8 * t;
+#endif
   auto ldx = [&](const act* p) { return *(const uint4*)p; };
 #else
   const act* px = xr + warp * 32 + 8 * t;

@@ -804,7 +804,8 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
     (16-byte multiples). `route` picks the kernel (GEMV_ROUTES); W as gemv_pack(route, ...) gives it.
     variant: tiled kernel compile defines (T4_STAGES, T4_XPRE, T4_WARPS, T4_MINB, T4_L2PF, T4_XSMEM) over
     tiled_variant's (tuning scripts; stages and prefetch change speed only, warps the order of the sum);
-    mma: MMA_PIPE, MMA_EARLY, MMA_L2PF over mma_variant's (speed only).
+    mma: MMA_PIPE, MMA_EARLY, MMA_L2PF, MMA_XSMEM (bf16's activations staged in shared memory where they
+    fit TILED_XSMEM_BYTES) over mma_variant's (speed only).
     glu ("silu" / "gelu_tanh", routes mma and tiled): W is a gated MLP's gate and up rows in glu_rows'
     order (N = 2 I) and out [M, I] (x's dtype) receives act(gate) * up, the bits of a gemv into x's
     dtype followed by swiglu / geglu.
@@ -880,10 +881,14 @@ def gemv(kc: KernelCompiler, x: torch.Tensor, fmt: TensorFormat, parts: dict[str
         defines = {"MMA_FMT": code, "MMA_WIDE": int(_mma_wide(fmt, K)), **mma_variant(code, N, K),
                    **({"MMA_L2PF": WEIGHT_PREFETCH} if WEIGHT_PREFETCH is not None else {}), **(variant or {})}
         xs_bytes = 0
+        staged = defines.pop("MMA_XSMEM", None)
         if prenorm is not None:  # the normed row in shared memory, for bf16's pipeline only
             if not (code == 0 and defines.get("MMA_PIPE")):
                 raise KernelError("a prenorm gemv on the mma route takes bf16 weights and an MMA_PIPE variant")
             xs_bytes = xsmem_bytes(M, N, K, int8=False, force=1)
+        elif staged and code == 0 and defines.get("MMA_PIPE"):  # where M (K + 8) * 2 bytes fit
+            xs_bytes = xsmem_bytes(M, N, K, int8=False, force=1)
+            defines.update({"MMA_XSMEM": 1} if xs_bytes else {})
         fused, fused_args = residual_fusions(kc, x, out, M, N, K, glu, prenorm, catchup, xs_bytes, MMA_WARPS * 32,
                                              hwout, rscale)
         kc.kernel("gemv_mma.cu", "gemv_mma", {**defines, **glu_defines, **fused}).launch(

@@ -304,6 +304,29 @@ def test_gemv_mma_pipes_give_the_built_in_loops_bits(kc: KernelCompiler, pipe: i
             assert torch.equal(out, base) and torch.equal(early, base) and torch.equal(rule, base), (M, out_dtype)
 
 
+@pytest.mark.parametrize("N,K", [(1000, 2048), (16, 14336), (48, 1376), (4096, 4096)])
+def test_gemv_mma_staged_activations_give_the_same_bits(kc: KernelCompiler, N: int, K: int) -> None:
+    """MMA_XSMEM (bf16's activations copied into shared memory after the PDL wait, the pipeline reading
+    them there) changes speed only: the rule's bits, with fp32 and bf16 output, rows whose stride exceeds
+    K, a gated MLP's epilogue, and row counts whose M (K + 8) * 2 bytes do not fit (read from global)."""
+    g = gen(N + K + 2)
+    fmt = TensorFormat("bf16")
+    parts = L.gemv_pack("mma", fmt, {"": randn((N, K), g, torch.float32, 0.05).to(BF)})
+    for M in (1, 2, 3, 8):
+        x = randn((M, K + 64), g)[:, :K]
+        for out_dtype in (F32, BF):
+            base, out = poisoned((M, N), out_dtype), poisoned((M, N), out_dtype)
+            L.gemv(kc, x, fmt, parts, base, route="mma")
+            L.gemv(kc, x, fmt, parts, out, route="mma", variant={"MMA_XSMEM": 1})
+            assert torch.equal(out, base), (M, out_dtype)
+        if N % 16:
+            continue  # a gated MLP's rows come in 8s of gate and up
+        base, out = poisoned((M, N // 2), BF), poisoned((M, N // 2), BF)
+        L.gemv(kc, x, fmt, parts, base, route="mma", glu="silu")
+        L.gemv(kc, x, fmt, parts, out, route="mma", glu="silu", variant={"MMA_XSMEM": 1})
+        assert torch.equal(out, base), (M, "glu")
+
+
 @pytest.mark.parametrize("fmt", GEMV_FORMATS[:4], ids=GEMV_IDS[:4])
 @pytest.mark.parametrize("N,K", [(1000, 2048), (16, 14336), (48, 1536)])
 def test_gemv_mma_weight_prefetch_gives_the_same_bits(kc: KernelCompiler, fmt: TensorFormat, N: int, K: int) -> None:
