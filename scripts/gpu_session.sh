@@ -51,7 +51,9 @@
 #       (tests/gpu/test_split_norm.py, with test_prenorm.py and test_fused_norm.py), then tg128 with the
 #       rule (its residual gemv's loads after the PDL wait, launchers.HWOUT_EARLY) and without them (l0),
 #       alternated (NINFER_ROUNDS, default "1 2"): llama-8b int4 at 1 and 8 streams, int8, smollm2-135m
-#       int4; and llama-8b bf16 with the split on the mma route (u, CudaOps.SPLIT_MMA) (~6 min);
+#       int4; and llama-8b bf16 with its activations staged in shared memory (c, gemv_mma.cu MMA_XSMEM),
+#       the split on the mma route (u, CudaOps.SPLIT_MMA) and both (~7 min; its tests add test_kernels.py's
+#       MMA_XSMEM and MMA_PIPE bits);
 #       NINFER_SPLIT_TESTS=0 skips the tests
 #   scripts/gpu_session.sh profile OUTDIR [LABELS] [WEIGHTS]  # carry .whl; no llama.cpp needed
 #       scripts/profile_gpu_step.py (NINFER_PDL=0: each kernel's own time; a layer's launches in order) on
@@ -135,14 +137,15 @@ mma|attn|tiled|xsmem|prenorm|split)
   if [ "$MODE" = split ]; then
     if [ "${NINFER_SPLIT_TESTS:-1}" = 1 ]; then  # 0: the timings only (the tests ran in `start`)
       python3 -m pytest -q -p no:cacheprovider tests/gpu/test_split_norm.py tests/gpu/test_prenorm.py \
-        tests/gpu/test_fused_norm.py > "$OUT/pytest.log" 2>&1
+        tests/gpu/test_fused_norm.py tests/gpu/test_kernels.py -k "not test_kernels or staged or pipes" \
+        > "$OUT/pytest.log" 2>&1
       tail -n 5 "$OUT/pytest.log"
     fi
     for r in ${NINFER_ROUNDS:-1 2}; do
       for v in rule l0; do variant "$v" "int4_${v}_$r" -p 0 --weights int4; done
       for v in rule l0; do variant "$v" "int8_${v}_$r" -p 0 --weights int8; done
       for v in rule l0; do variant "$v" "int4_c8_${v}_$r" -p 0 --weights int4 -c 8 -d 128; done
-      for v in rule u; do variant "$v" "bf16_${v}_$r" -p 0; done
+      for v in rule c u u+c; do variant "$v" "bf16_${v/+/-}_$r" -p 0; done
       for v in rule l0; do variant "$v" "smol_${v}_$r" -p 0 --weights int4 --synthetic smollm2-135m; done
     done
     exit 0
