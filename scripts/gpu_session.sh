@@ -4,6 +4,9 @@
 # scripts/device_kit.sh (.whl wheels, .peer/llama.cpp-src.tar.xz, and .gg/ parts of the default GGUF
 # for the tests that need it: carry them in earlier calls, /tmp/gg keeps them):
 #
+#   scripts/gpu_session.sh first OUTDIR                # carry .whl .peer; a session's first call:
+#       on an H200 `start` (the three peer types of `targets`, the split tests) then one round of `split`
+#       timings, so that `targets` can follow at once; on an H100 `split`
 #   scripts/gpu_session.sh start OUTDIR [pytest args]   # carry .whl .peer
 #       starts llama.cpp's llama-bench build (~6 min on 16 cores) and synthetic 8B GGUFs in the
 #       background, then runs the GPU tests (default: pytest -m gpu tests/gpu) meanwhile
@@ -68,8 +71,8 @@
 # one or two types (files and build stay in /tmp while the machine is held).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ...}"
-OUT="${2:?usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ...}"
+MODE="${1:?usage: scripts/gpu_session.sh first|start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ...}"
+OUT="${2:?usage: scripts/gpu_session.sh first|start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ...}"
 shift 2
 mkdir -p "$OUT"
 PEER=/tmp/peer
@@ -90,6 +93,20 @@ fi
 export PYTHONPATH="/tmp/site:$PWD" NINFER_CACHE="${NINFER_CACHE:-/tmp/ninfer-cache}" PYTHONUNBUFFERED=1
 
 case "$MODE" in
+first)
+  # a session's first call, whichever card came: an H200 starts issue 9's sitting (`start` with the three
+  # peer types: llama.cpp's build and the GGUFs in the background, the split tests meanwhile) and times one
+  # round of `split` (issue `targets` in the next call at once); an H100 runs `split`
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    NINFER_PEER_TYPES="${NINFER_PEER_TYPES:-f16 q8_0 q4_1}" NINFER_TEST_TIMEOUT=240 bash "$0" start "$OUT/start" \
+      tests/gpu/test_split_norm.py tests/gpu/test_prenorm.py tests/gpu/test_fused_norm.py tests/gpu/test_kernels.py \
+      -k "not test_kernels or staged or pipes"
+    NINFER_SPLIT_TESTS=0 NINFER_ROUNDS=1 bash "$0" split "$OUT/split"
+  else
+    bash "$0" split "$OUT/split"
+  fi
+  exit 0
+  ;;
 start)
   if [ ! -d "$PEER/src" ] && [ -f .peer/llama.cpp-src.tar.xz ]; then
     mkdir -p "$PEER/src" && tar -C "$PEER/src" -xJf .peer/llama.cpp-src.tar.xz
@@ -224,7 +241,7 @@ compare|targets)
   [ -x "$BENCH" ] || { echo "llama-bench was not built: $(tail -n 3 $PEER/build.log $PEER/cmake.log 2>/dev/null)"; exit 1; }
   ;;
 *)
-  echo "usage: scripts/gpu_session.sh start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ..."; exit 2 ;;
+  echo "usage: scripts/gpu_session.sh first|start|compare|targets|mma|attn|tiled|xsmem|prenorm|split|profile|fusions OUTDIR ..."; exit 2 ;;
 esac
 case "$MODE" in
 compare)
