@@ -57,7 +57,7 @@ def defines(label: str) -> dict[str, int]:
     """A variant label (p4, u8+l2, ...) -> gemv_mma's compile defines."""
     out = {}
     for part in label.split("+"):
-        flag = part.removesuffix("0")  # h0: that switch off (h, a, e, v, z and r are on in the rule)
+        flag = part.removesuffix("0")  # h0: that switch off (e, v, h, a, z, r, n, d and l are on in the rule)
         if flag in ("v", "e", "k", "q", "h", "a", "z", "r", "n", "d", "y", "u", "l", "c") or part == "rule":  # rule: the built-in choices
             out.update({k: int(flag == part) for k in {
                 "v": ["SAMPLE_VEC"], "e": ["MMA_EARLY"], "k": ["MMA_L2PF_K"], "q": ["T4_DQ"], "h": ["T4_F16"],
